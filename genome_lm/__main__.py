@@ -1,0 +1,3 @@
+from genome_lm.cli import run
+
+run()

@@ -1,0 +1,189 @@
+"""The `genome-lm` command line. Each command parses its options and calls one function."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from genome_lm import __version__
+from genome_lm.errors import GenomeLMError
+
+app = typer.Typer(
+    help="Fine-tune a long-context genome language model: prepare data, train, evaluate.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``"524288"``, ``"512k"`` or ``"1M"`` -> bases (k = 1,024; M = 1,048,576)."""
+    text = text.strip().lower().removesuffix("b")
+    scale = SIZE_SUFFIXES.get(text[-1:], 1)
+    number = text[:-1] if scale > 1 else text
+    try:
+        value = int(number) * scale
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a size like 524288, 512k or 1M") from None
+    if value < 1:
+        raise typer.BadParameter("must be at least 1")
+    return value
+
+
+def _chroms(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _fail(exc: GenomeLMError) -> None:
+    Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"genome-lm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = None,
+) -> None:
+    """genome-lm: fine-tune a long-context genome language model."""
+
+
+@app.command()
+def prepare(
+    fasta: Annotated[Path, typer.Option(help="Genome FASTA: plain, gzip or BGZF; an index beside it is used.")],
+    out: Annotated[Path, typer.Option(help="Output dataset folder (created; replaced atomically).")] = Path(
+        "data/prepared"
+    ),
+    train_chroms: Annotated[
+        str, typer.Option(help="Comma-separated chromosomes for training; chr1, 1 and NC_000001.11 all match.")
+    ] = "chr1,chr2",
+    eval_chroms: Annotated[str, typer.Option(help="Comma-separated chromosomes for evaluation ('' for none).")] = "chr22",
+    window: Annotated[str, typer.Option(help="Window length in bases: 524288, 512k, 1M (k=1024, M=1048576).")] = "512k",
+    stride: Annotated[
+        Optional[str], typer.Option(help="Distance between window starts; default: the window (no overlap).")
+    ] = None,
+    tail: Annotated[
+        str, typer.Option(help="The bases after the last full window: 'keep' as one shorter window, or 'drop'.")
+    ] = "keep",
+    min_tail: Annotated[str, typer.Option(help="A kept tail needs at least this many bases, else it is dropped.")] = "4k",
+    max_n: Annotated[
+        float, typer.Option(help="Skip (and record) windows whose fraction of N bases is above this.")
+    ] = 0.5,
+    workers: Annotated[
+        Optional[int], typer.Option(help="Worker processes on this machine; default: one per core.", min=1)
+    ] = None,
+    ray_address: Annotated[
+        Optional[str],
+        typer.Option(help="Run the work as Ray tasks on this cluster ('auto', 'host:port'); needs a shared --out."),
+    ] = None,
+    force: Annotated[bool, typer.Option(help="Rebuild even if a finished dataset for the same request exists.")] = False,
+    quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
+) -> None:
+    """Stream a genome FASTA into tokenized windows (Megatron .bin/.idx + manifest).
+
+    Defaults reproduce the study: chr1 and chr2 for training, chr22 for evaluation, 512k-base windows. One token per base (A C G T N); soft-masked bases keep a per-token flag.
+    """
+    from genome_lm.data.prepare import PrepareRequest
+    from genome_lm.data.prepare import prepare as run_prepare
+    from genome_lm.data.windows import WindowSpec
+
+    try:
+        size = parse_size(window)
+        spec = WindowSpec(size, parse_size(stride) if stride else size, tail, parse_size(min_tail), max_n)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    request = PrepareRequest(fasta, out, _chroms(train_chroms), _chroms(eval_chroms), spec)
+    try:
+        result = run_prepare(request, workers=workers, ray_address=ray_address, force=force, quiet=quiet)
+    except GenomeLMError as exc:
+        _fail(exc)
+    print_dataset_summary(result.manifest, reused=result.reused)
+
+
+def print_dataset_summary(manifest, reused: bool = False) -> None:
+    table = Table(title=f"{manifest.folder}" + (" (already up to date)" if reused else ""))
+    for column in ("split", "chromosomes", "windows", "skipped", "tokens", "soft-masked", "N"):
+        table.add_column(column, justify="left" if column in ("split", "chromosomes") else "right")
+    for name in manifest.data["splits"]:
+        split = manifest.split(name)
+        total = max(split.n_tokens, 1)
+        soft = sum(w.softmask_frac * w.length for w in split.windows) / total
+        n_frac = sum(w.n_frac * w.length for w in split.windows) / total
+        chroms = ", ".join(c["record"] for c in split.data["chromosomes"])
+        table.add_row(
+            name,
+            chroms,
+            f"{len(split.windows):,}",
+            f"{len(split.data['skipped']):,}",
+            f"{split.n_tokens:,}",
+            f"{soft:.1%}",
+            f"{n_frac:.2%}",
+        )
+    console.print(table)
+
+
+@app.command("demo-genome")
+def demo_genome(
+    out: Annotated[Path, typer.Option(help="FASTA to write; the planted copies go to <out>.planted.json.")] = Path(
+        "data/demo/genome.fa"
+    ),
+    seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same genome.")] = 0,
+    scale: Annotated[float, typer.Option(help="Length multiplier (1.0: chr1 4 Mbp, chr2 3 Mbp, chr22 2 Mbp).")] = 1.0,
+) -> None:
+    """Write the built-in synthetic demo genome (chr1, chr2, chr22) with planted long-range copies."""
+    from genome_lm.data.demo_genome import planted_json_path, write_demo_genome
+
+    try:
+        path = write_demo_genome(out, seed=seed, scale=scale)
+    except GenomeLMError as exc:
+        _fail(exc)
+    console.print(f"wrote {path} and {planted_json_path(path)}")
+
+
+@app.command()
+def demo(
+    out: Annotated[Path, typer.Option(help="Folder for the demo's genome and dataset.")] = Path("data/demo"),
+    window: Annotated[str, typer.Option(help="Window length for the demo dataset.")] = "32k",
+    quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
+) -> None:
+    """Run the study end to end on the built-in demo genome, on this CPU.
+
+    Stages available so far: demo genome -> prepare. The finetune and eval stages join as they land.
+    """
+    from genome_lm.data.demo_genome import write_demo_genome
+    from genome_lm.data.prepare import PrepareRequest
+    from genome_lm.data.prepare import prepare as run_prepare
+    from genome_lm.data.windows import WindowSpec
+
+    fasta = out / "genome.fa"
+    size = parse_size(window)
+    request = PrepareRequest(fasta, out / "dataset", windows=WindowSpec(size, size))
+    try:
+        if not fasta.exists():
+            write_demo_genome(fasta)
+        result = run_prepare(request, quiet=quiet)
+    except GenomeLMError as exc:
+        _fail(exc)
+    print_dataset_summary(result.manifest, reused=result.reused)
+    console.print("finetune and eval stages are not built yet; the dataset above is ready for them.")
+
+
+def run() -> None:  # console-script entry point
+    try:
+        app()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,1 @@
+"""Genome data: FASTA reading, tokenization, windows, prepared datasets and the demo genome."""

@@ -1,0 +1,76 @@
+"""Shared fixtures: FASTA writers, random genomes, the real sequences in ../shared."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pysam
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_GENOMES = REPO.parent / "shared" / "data" / "genomes"
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    """Index caches go to a temporary folder, never to the user's ~/.cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+
+
+def shared_genome(name: str) -> Path:
+    path = SHARED_GENOMES / name
+    if not path.exists():
+        pytest.skip(f"{path} not present (see ../shared/data/genomes/SOURCES.md)")
+    return path
+
+
+def random_sequence(rng: np.random.Generator, length: int) -> bytes:
+    """Random bases with soft-masked stretches, N runs and the odd IUPAC code."""
+    seq = rng.choice(np.frombuffer(b"ACGT", dtype=np.uint8), size=length)
+    for _ in range(max(1, length // 400)):
+        a = int(rng.integers(0, length))
+        seq[a : a + int(rng.integers(1, 200))] |= 32  # lowercase
+    for _ in range(max(1, length // 2000)):
+        a = int(rng.integers(0, length))
+        seq[a : a + int(rng.integers(1, 300))] = ord("N")
+    iupac = np.frombuffer(b"RYSWKMBDHVnr", dtype=np.uint8)
+    where = rng.integers(0, length, size=max(1, length // 5000))
+    seq[where] = rng.choice(iupac, size=where.size)
+    return seq.tobytes()
+
+
+def write_fasta(
+    path: Path, records: dict[str, bytes], width: int = 60, compression: str = "plain", crlf: bool = False
+) -> Path:
+    """Write ``records`` as FASTA; compression is 'plain', 'gzip' or 'bgzf'."""
+    eol = b"\r\n" if crlf else b"\n"
+    parts = []
+    for name, seq in records.items():
+        parts.append(b">" + name.encode() + b" description text" + eol)
+        parts += [seq[i : i + width] + eol for i in range(0, len(seq), width)]
+    text = b"".join(parts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if compression == "plain":
+        path.write_bytes(text)
+    elif compression == "gzip":
+        path.write_bytes(gzip.compress(text))
+    elif compression == "bgzf":
+        plain = path.with_name(path.name + ".plain")
+        plain.write_bytes(text)
+        pysam.tabix_compress(str(plain), str(path), force=True)
+        plain.unlink()
+    else:
+        raise ValueError(compression)
+    return path
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """A fresh generator per test, seeded from the test's name so failures reproduce."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

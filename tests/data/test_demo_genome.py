@@ -1,0 +1,202 @@
+"""The synthetic demo genome: checked against its description by independent computations."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pyfaidx
+import pytest
+
+from genome_lm.data import demo_genome
+from genome_lm.data.demo_genome import (
+    CHROM_LENGTHS,
+    PlantedCopy,
+    generate_demo_genome,
+    n_events,
+    plan_copies,
+    planted_json_path,
+    write_demo_genome,
+)
+from genome_lm.errors import GenomeLMError
+
+SCALE = 0.1
+_COMPLEMENT = bytes.maketrans(b"ACGTacgt", b"TGCAtgca")
+
+
+@pytest.fixture(scope="module")
+def genome():
+    return generate_demo_genome(seed=3, scale=SCALE)
+
+
+def _reverse_complement(seq: bytes) -> bytes:
+    return seq[::-1].translate(_COMPLEMENT)
+
+
+def _mismatches(a: bytes, b: bytes) -> int:
+    return int((np.frombuffer(a, np.uint8) != np.frombuffer(b, np.uint8)).sum())
+
+
+def _n_runs(seq: bytes) -> list[tuple[int, int]]:
+    return [m.span() for m in re.finditer(rb"N+", seq)]
+
+
+def test_same_seed_gives_identical_bytes_and_other_seeds_differ():
+    a, b = generate_demo_genome(seed=11, scale=0.05), generate_demo_genome(seed=11, scale=0.05)
+    c = generate_demo_genome(seed=12, scale=0.05)
+    assert a.records == b.records and a.planted == b.planted
+    assert a.planted != c.planted
+    for seq_a, seq_c in zip(a.records.values(), c.records.values()):
+        # Unrelated sequences agree at ~25% of positions; a shared stream would agree far more.
+        assert len(seq_a) - _mismatches(seq_a, seq_c) < 0.4 * len(seq_a)
+
+
+def test_record_names_and_lengths(genome):
+    assert list(genome.records) == ["chr1", "chr2", "chr22"]
+    assert {name: len(seq) for name, seq in genome.records.items()} == {
+        "chr1": 400_000,
+        "chr2": 300_000,
+        "chr22": 200_000,
+    }
+    assert genome.seed == 3 and genome.scale == SCALE
+
+
+def test_only_valid_letters(genome):
+    for seq in genome.records.values():
+        assert set(seq) <= set(b"ACGTNacgt")  # N is never soft-masked
+
+
+def test_soft_masked_fraction_is_realistic(genome):
+    for seq in genome.records.values():
+        lower = sum(seq.count(c) for c in b"acgt")
+        assert 0.33 < lower / (len(seq) - seq.count(b"N")) < 0.47
+
+
+def test_cpg_is_depleted(genome):
+    for seq in genome.records.values():
+        upper = seq.upper()
+        bases = len(upper) - upper.count(b"N")
+        observed_over_expected = upper.count(b"CG") * bases / (upper.count(b"C") * upper.count(b"G"))
+        assert 0.1 < observed_over_expected < 0.4
+
+
+def test_microsatellites_are_present_and_soft_masked(genome):
+    # A perfect tandem repeat of a 1-6 bp unit over >= 20 bp almost never occurs by chance.
+    def tandem_runs(seq: bytes, letters: str) -> int:
+        pattern = re.compile(rb"([%s]{1,6}?)\1{3,}" % letters.encode())
+        return sum(m.end() - m.start() >= 20 for m in pattern.finditer(seq))
+
+    for seq in genome.records.values():
+        anywhere = tandem_runs(seq.upper(), "ACGT")
+        assert anywhere >= 30
+        assert tandem_runs(seq, "acgt") >= 0.9 * anywhere
+
+
+def test_gc_content_varies_along_the_genome(genome):
+    fractions = []
+    for seq in genome.records.values():
+        upper = seq.upper()
+        for start in range(0, len(upper) - 20_000 + 1, 20_000):
+            window = upper[start : start + 20_000]
+            acgt = len(window) - window.count(b"N")
+            if acgt > 15_000:
+                fractions.append((window.count(b"G") + window.count(b"C")) / acgt)
+    assert max(fractions) - min(fractions) > 0.05
+
+
+def test_chr22_starts_with_a_long_n_run_and_every_chromosome_has_internal_gaps(genome):
+    for name, seq in genome.records.items():
+        runs = _n_runs(seq)
+        if name == "chr22":
+            assert runs[0] == (0, round(0.10 * len(seq)))
+            runs = runs[1:]
+        else:
+            assert not seq.startswith(b"N")
+        assert len(runs) >= 2
+        assert all(1 <= end - start <= 50_000 for start, end in runs)
+
+
+def test_every_planted_copy_matches_its_source_up_to_its_divergence(genome):
+    kinds = set()
+    for copy in genome.planted:
+        seq = genome.records[copy.chrom]
+        src, dst = seq[copy.src_start : copy.src_end], seq[copy.dst_start : copy.dst_end]
+        expected = src if copy.kind == "duplication" else _reverse_complement(src)
+        assert len(dst) == len(src) and 300 <= len(src) <= 3000
+        assert 0 <= copy.divergence <= 0.01
+        assert copy.distance == copy.dst_start - copy.src_start >= 1000
+        # Substitutions keep the soft-mask, so case matches too (for inversions, reversed).
+        assert _mismatches(expected, dst) == _mismatches(expected.upper(), dst.upper())
+        assert _mismatches(expected.upper(), dst.upper()) == round(copy.divergence * len(dst))
+        kinds.add(copy.kind)
+    assert kinds == {"duplication", "inversion"}
+    assert any(copy.divergence > 0 for copy in genome.planted)
+
+
+def test_planted_intervals_do_not_overlap_each_other_or_n_gaps(genome):
+    for name, seq in genome.records.items():
+        copies = [c for c in genome.planted if c.chrom == name]
+        assert len(copies) == n_events(len(seq))
+        intervals = _n_runs(seq)
+        intervals += [(c.src_start, c.src_end) for c in copies] + [(c.dst_start, c.dst_end) for c in copies]
+        intervals.sort()
+        for (_, end), (start, _) in zip(intervals, intervals[1:]):
+            assert end <= start
+
+
+def test_distances_span_1_kbp_to_hundreds_of_kbp_at_scale_1():
+    rng = np.random.default_rng(5)
+    for name, length in CHROM_LENGTHS.items():
+        occupied = np.zeros(length, dtype=bool)
+        occupied[: round(0.1 * length) if name == "chr22" else 0] = True
+        planned = plan_copies(rng, name, occupied, n_events(length))
+        assert len(planned) == n_events(length) >= 100
+        distances = np.array([c.distance for c in planned])
+        assert distances.min() >= 1000 and distances.max() <= 500_000
+        # Log-uniform: every decade of distance holds a good share of the events.
+        for lo, hi in [(1_000, 10_000), (10_000, 100_000), (100_000, 500_001)]:
+            assert ((distances >= lo) & (distances < hi)).sum() >= 0.15 * len(planned)
+
+
+def test_written_fasta_reads_back_with_pyfaidx(tmp_path):
+    path = write_demo_genome(tmp_path / "demo.fa", seed=4, scale=0.05)
+    genome = generate_demo_genome(seed=4, scale=0.05)
+    lines = path.read_bytes().split(b"\n")
+    assert lines[0] == b">chr1" and max(len(line) for line in lines) == 60
+    fasta = pyfaidx.Fasta(str(path), as_raw=True, sequence_always_upper=False)
+    assert list(fasta.keys()) == list(genome.records)
+    for name, seq in genome.records.items():
+        assert fasta[name][:].encode() == seq
+
+
+def test_planted_sidecar_round_trips(tmp_path):
+    path = write_demo_genome(tmp_path / "demo.fa", seed=4, scale=0.05)
+    genome = generate_demo_genome(seed=4, scale=0.05)
+    sidecar = json.loads(planted_json_path(path).read_text())
+    assert planted_json_path(path) == tmp_path / "demo.planted.json"
+    assert sidecar["schema"] == "genome-lm.demo-planted/1"
+    assert (sidecar["seed"], sidecar["scale"]) == (4, 0.05)
+    assert sidecar["records"] == {name: len(seq) for name, seq in genome.records.items()}
+    assert [PlantedCopy(**p) for p in sidecar["planted"]] == genome.planted
+    assert "inversion" in sidecar["description"]
+
+
+def test_a_failed_write_leaves_the_previous_file_and_no_temp_files(tmp_path, monkeypatch):
+    path = tmp_path / "demo.fa"
+    path.write_bytes(b">old\nACGT\n")
+
+    def killed(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(demo_genome.os, "replace", killed)
+    with pytest.raises(GenomeLMError, match="demo.fa"):
+        write_demo_genome(path, seed=0, scale=0.05)
+    assert path.read_bytes() == b">old\nACGT\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo.fa"]
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf"), 0.001])
+def test_bad_scale_is_a_user_error(scale):
+    with pytest.raises(GenomeLMError, match="scale"):
+        generate_demo_genome(seed=0, scale=scale)
