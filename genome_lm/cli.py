@@ -83,7 +83,7 @@ def prepare(
         float, typer.Option(help="Skip (and record) windows whose fraction of N bases is above this.")
     ] = 0.5,
     workers: Annotated[
-        Optional[int], typer.Option(help="Worker processes on this machine; default: one per core.", min=1)
+        Optional[int], typer.Option(help="Worker processes on this machine; default: one per core but one (1: no worker processes).", min=1)
     ] = None,
     ray_address: Annotated[
         Optional[str],

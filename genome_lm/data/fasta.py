@@ -6,9 +6,9 @@ user's data folder. A plain-gzip file cannot be indexed, so it is decompressed o
 run's work folder (one streaming pass, constant memory) and indexed there.
 
 htslib is lenient where a training set must not be: it silently drops a duplicated record name
-or a record with no sequence. So before indexing, :func:`scan` makes one streaming pass over the
-(decompressed) bytes that checks the header structure, computes the file's SHA-256, and detects
-truncated gzip streams. Sequence letters are checked later, window by window, by the tokenizer.
+or a record with no sequence. So before indexing, :func:`open_fasta` makes one streaming pass
+over the (decompressed) bytes that checks the header structure and detects truncated gzip
+streams. :func:`sha256_file` gives the file's identity for the manifest. Sequence letters are checked later, window by window, by the tokenizer.
 """
 
 from __future__ import annotations
@@ -50,20 +50,29 @@ def sniff(path: Path) -> str:
     return "gzip"
 
 
-def _raw_chunks(path: Path, hasher) -> Iterator[bytes]:
+def _raw_chunks(path: Path, on_bytes=None) -> Iterator[bytes]:
     with open(path, "rb") as fh:
         while chunk := fh.read(CHUNK):
-            hasher.update(chunk)
+            if on_bytes:
+                on_bytes(len(chunk))
             yield chunk
 
 
-def _decompressed(path: Path, compression: str, hasher) -> Iterator[bytes]:
+def sha256_file(path: Path) -> str:
+    """The file's SHA-256. hashlib releases the GIL, so this can run in a thread beside other work."""
+    hasher = hashlib.sha256()
+    for chunk in _raw_chunks(path):
+        hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+def _decompressed(path: Path, compression: str, on_bytes=None) -> Iterator[bytes]:
     """The file's content, decompressed, in chunks; multi-member gzip (BGZF) included."""
     if compression == "plain":
-        yield from _raw_chunks(path, hasher)
+        yield from _raw_chunks(path, on_bytes)
         return
     inflater, fed = zlib.decompressobj(wbits=31), False
-    for chunk in _raw_chunks(path, hasher):
+    for chunk in _raw_chunks(path, on_bytes):
         while chunk:
             fed = True
             try:
@@ -84,97 +93,102 @@ class _HeaderScanner:
     """Finds header lines in a stream of chunks and checks the structure around them.
 
     Only header lines are looked at (sequence lines may be hundreds of Mbp long), so the scan
-    runs at the speed of ``bytes.find``.
+    runs at memchr speed. Positions are kept as byte offsets; ``line_of(offset)`` turns one
+    into a line number, which costs a second pass and so happens only for an error message.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, line_of):
         self.path = path
-        self.names: list[tuple[str, int]] = []  # (name, 1-based line of its header)
+        self.line_of = line_of
+        self.headers: list[tuple[str, int]] = []  # (name, byte offset of its '>')
         self._seen: dict[str, int] = {}
-        self._lines = 0  # newlines before the current chunk
+        self._offset = 0  # bytes before the current chunk
         self._at_line_start = True
         self._started = False  # saw the first non-blank byte
         self._pending = b""  # a header line cut by the chunk boundary
-        self._pending_line = 0
+        self._pending_at = 0
         self._has_sequence = True  # the current record has a non-blank sequence byte
-        self.total = 0
 
     def feed(self, chunk: bytes) -> None:
-        self.total += len(chunk)
         pos = 0
         if self._pending:
             end = chunk.find(b"\n")
             self._pending += chunk if end < 0 else chunk[:end]
             if len(self._pending) > 1 << 20:
-                raise GenomeLMError(f"{self.path}: header on line {self._pending_line} is longer than 1 MiB")
+                self._fail("header on line {} is longer than 1 MiB", self._pending_at)
             if end >= 0:
-                self._header(self._pending, self._pending_line)
+                self._header(self._pending, self._pending_at)
                 self._pending = b""
             pos = len(chunk) if end < 0 else end
-            if end < 0:
-                return
         if not self._started:
             first = len(chunk) - len(chunk.lstrip())
             if first < len(chunk):
                 self._started = True
                 if chunk[first : first + 1] != b">":
-                    self._not_fasta(chunk[first:], self._lines + chunk.count(b"\n", 0, first) + 1)
-        if self._at_line_start and chunk[pos : pos + 1] == b">":
-            start = pos
-        else:
-            start = chunk.find(b"\n>", pos)
-            start = start + 1 if start >= 0 else -1
-        counted, line = 0, self._lines
+                    self._not_fasta(chunk[first:], self._offset + first)
+        start = self._next_header(chunk, pos)
         while start >= 0:
             self._has_sequence |= _NON_BLANK.search(chunk, pos, start) is not None
-            line += chunk.count(b"\n", counted, start)
-            counted = start
             end = chunk.find(b"\n", start)
             if end < 0:
-                self._pending, self._pending_line = chunk[start:], line + 1
+                self._pending, self._pending_at = chunk[start:], self._offset + start
                 pos = len(chunk)
                 break
-            self._header(chunk[start:end], line + 1)
+            self._header(chunk[start:end], self._offset + start)
             pos = end
-            start = chunk.find(b"\n>", end)
-            start = start + 1 if start >= 0 else -1
+            start = self._next_header(chunk, end)
         if self._started:
             self._has_sequence |= _NON_BLANK.search(chunk, pos) is not None
-        self._lines += chunk.count(b"\n")
+        self._offset += len(chunk)
         if chunk:
             self._at_line_start = chunk.endswith(b"\n")
 
-    def _header(self, line: bytes, lineno: int) -> None:
+    def _next_header(self, chunk: bytes, pos: int) -> int:
+        """Index of the next '>' at a line start, or -1. Searching for the rare '>' alone runs
+        at memchr speed; a two-byte pattern would stop at every newline."""
+        while (pos := chunk.find(b">", pos)) >= 0:
+            if (chunk[pos - 1] == 10) if pos else self._at_line_start:  # 10 == ord("\n")
+                return pos
+            pos += 1  # a '>' inside a sequence line: the tokenizer reports it
+        return -1
+
+    def _header(self, line: bytes, offset: int) -> None:
         if not self._has_sequence:
-            name, at = self.names[-1]
-            raise GenomeLMError(f"{self.path}: record {name!r} (line {at}) has no sequence")
+            self._no_sequence()
         self._has_sequence = False
         fields = line[1:].split(maxsplit=1)
         if not fields or line[1:2].isspace():  # htslib, like most tools, names a record by its first word
-            raise GenomeLMError(f"{self.path}: header on line {lineno} has no name")
+            self._fail("header on line {} has no name", offset)
         try:
             name = fields[0].decode("ascii")
         except UnicodeDecodeError:
-            raise GenomeLMError(f"{self.path}: header on line {lineno} has a non-ASCII name") from None
+            self._fail("header on line {} has a non-ASCII name", offset)
         if name in self._seen:
-            raise GenomeLMError(f"{self.path}: duplicate record name {name!r} (lines {self._seen[name]} and {lineno})")
-        self._seen[name] = lineno
-        self.names.append((name, lineno))
+            first = self.line_of(self._seen[name])
+            self._fail(f"duplicate record name {name!r} (lines {first} and {{}})", offset)
+        self._seen[name] = offset
+        self.headers.append((name, offset))
 
-    def _not_fasta(self, text: bytes, lineno: int) -> None:
+    def _fail(self, message: str, offset: int):
+        raise GenomeLMError(f"{self.path}: " + message.format(self.line_of(offset)))
+
+    def _no_sequence(self):
+        name, offset = self.headers[-1]
+        self._fail(f"record {name!r} (line {{}}) has no sequence", offset)
+
+    def _not_fasta(self, text: bytes, offset: int) -> None:
         first_line = text.split(b"\n", 1)[0].strip()
         if first_line.isalpha() and first_line.isascii() and b"\n>" in text:
-            raise GenomeLMError(f"{self.path}: sequence before the first header (line {lineno})")
-        raise GenomeLMError(f"{self.path}: not a FASTA file (line {lineno} does not start with '>')")
+            self._fail("sequence before the first header (line {})", offset)
+        self._fail("not a FASTA file (line {} does not start with '>')", offset)
 
     def finish(self) -> None:
         if self._pending:
-            self._header(self._pending.rstrip(b"\r"), self._pending_line)
+            self._header(self._pending.rstrip(b"\r"), self._pending_at)
         if not self._started:
             raise GenomeLMError(f"{self.path}: empty file")
         if not self._has_sequence:
-            name, at = self.names[-1]
-            raise GenomeLMError(f"{self.path}: record {name!r} (line {at}) has no sequence")
+            self._no_sequence()
 
 
 @dataclass(frozen=True)
@@ -250,11 +264,19 @@ def open_fasta(path: Path, work_dir: Path, cache_dir: Path, on_bytes=None) -> Fa
             if fh.read() != BGZF_EOF:
                 raise GenomeLMError(f"{path}: truncated BGZF file (no end-of-file marker)")
 
-    hasher = hashlib.sha256()
-    scanner = _HeaderScanner(path)
+    def line_of(offset: int) -> int:  # 1-based line of a byte offset; for error messages only
+        newlines, seen = 0, 0
+        for chunk in _decompressed(path, compression):
+            newlines += chunk.count(b"\n", 0, max(0, offset - seen))
+            seen += len(chunk)
+            if seen >= offset:
+                break
+        return newlines + 1
+
+    scanner = _HeaderScanner(path, line_of)
     copy_path = work_dir / (path.name.removesuffix(".gz") + ".decompressed.fa")
     with _atomic_file(copy_path) if compression == "gzip" else contextlib.nullcontext() as copy:
-        for chunk in _decompressed(path, compression, _Counting(hasher, on_bytes)):
+        for chunk in _decompressed(path, compression, on_bytes):
             scanner.feed(chunk)
             if copy is not None:
                 copy.write(chunk)
@@ -277,26 +299,14 @@ def open_fasta(path: Path, work_dir: Path, cache_dir: Path, on_bytes=None) -> Fa
 
     records = _read_fai(path, fai)
     indexed = {r.name for r in records}
-    for name, line in scanner.names:
+    for name, offset in scanner.headers:
         if name not in indexed:
-            raise GenomeLMError(f"{path}: record {name!r} (line {line}) has no sequence")
-    if [r.name for r in records] != [name for name, _ in scanner.names]:
+            raise GenomeLMError(f"{path}: record {name!r} (line {line_of(offset)}) has no sequence")
+    if [r.name for r in records] != [name for name, _ in scanner.headers]:
         raise GenomeLMError(f"{path}: the index {fai} does not match the file; delete it and run again")
     handle = FastaHandle(str(path), str(seq_path), str(fai), str(gzi) if gzi else None)
-    identity = {**quick_identity(path), "sha256": hasher.hexdigest(), "compression": compression}
+    identity = {**quick_identity(path), "compression": compression}
     return FastaSource(path, compression, tuple(records), handle, identity)
-
-
-class _Counting:
-    """A hasher that also reports how many bytes went through it."""
-
-    def __init__(self, hasher, on_bytes):
-        self.hasher, self.on_bytes = hasher, on_bytes
-
-    def update(self, data: bytes) -> None:
-        self.hasher.update(data)
-        if self.on_bytes:
-            self.on_bytes(len(data))
 
 
 def _existing_index(path: Path, compression: str) -> tuple[Path | None, Path | None]:

@@ -2,9 +2,10 @@
 
 Layout of a prepared dataset folder (one per ``genome-lm prepare --out``)::
 
-    manifest.json            this file's content (schema below)
-    <split>.bin / .idx       Megatron indexed dataset of token ids (uint8), one document per window
-    <split>_flags.bin / .idx same layout, one flag byte per token (bit 0 soft-mask, bit 1 IUPAC)
+    manifest.json               this file's content (schema below)
+    <split>.bin / .idx          Megatron indexed dataset of token ids (uint8), one document per window
+    <split>_softmask.bin / .idx one item per window: its soft-mask bits, packed 8 per byte,
+                                little-endian (``genome_lm.data.shards.unpack_softmask``)
 
 Token ``i`` of document ``d`` in split ``s`` is base ``windows[d].start + i`` (0-based) of
 record ``windows[d].chrom`` in the source FASTA: :meth:`Manifest.locate` does that look-up.
@@ -94,8 +95,9 @@ class Manifest:
         """The Megatron ``path_prefix`` of a split's tokens (``IndexedDataset(prefix)``)."""
         return str(self.folder / self.split(name).prefix)
 
-    def flags_prefix(self, name: str) -> str:
-        return self.path_prefix(name) + "_flags"
+    def softmask_prefix(self, name: str) -> str:
+        """The ``path_prefix`` of a split's packed soft-mask bits."""
+        return self.path_prefix(name) + "_softmask"
 
     def locate(self, split: str, doc: int, offset: int) -> tuple[str, int]:
         """``(record name, 0-based position)`` of token ``offset`` of document ``doc``."""

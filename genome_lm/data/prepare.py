@@ -4,15 +4,18 @@ The work runs in four steps:
 
 1. validate and index the FASTA (:mod:`genome_lm.data.fasta`);
 2. resolve the requested chromosomes and plan windows (:mod:`genome_lm.data.windows`);
-3. tokenize runs of windows in parallel -- local processes, or Ray tasks with ``ray_address``
-   -- into part files (:mod:`genome_lm.data.shards`);
-4. join the parts, in a fixed order, into one ``.bin/.idx`` per split with megatron-core's
-   ``IndexedDatasetBuilder`` and write the manifest (:mod:`genome_lm.data.manifest`).
+3. tokenize runs of windows ("tasks") in parallel -- local processes, or Ray tasks with
+   ``ray_address`` (:mod:`genome_lm.data.shards`);
+4. append each task's tokens, in task order, to one Megatron ``.bin`` per split, then write
+   the ``.idx`` files (:mod:`genome_lm.data.indexed`) and the manifest
+   (:mod:`genome_lm.data.manifest`).
 
-Because step 4 always joins parts in task order, the output is byte-identical however many
-workers ran step 3. Everything is built in a hidden staging folder beside ``out`` and renamed
-into place at the end, so ``out`` is either a complete dataset or absent. Finished parts
-survive an interruption and are reused by the next run with the same request.
+Because step 4 writes in task order, the output is byte-identical however many workers ran
+step 3, and every byte is written once (on a machine where writing costs more than
+tokenizing, that is what sets the speed). Everything is built in a hidden staging folder
+beside ``out`` and renamed into place at the end, so ``out`` is either a complete dataset or
+absent. After an interruption, a run with the same request continues after the last task
+written.
 """
 
 from __future__ import annotations
@@ -23,18 +26,16 @@ import hashlib
 import json
 import os
 import shutil
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Iterator
 
-import numpy as np
-
-from genome_lm.data.fasta import FastaSource, open_fasta, quick_identity
+from genome_lm.data.fasta import FastaSource, open_fasta, quick_identity, sha256_file
+from genome_lm.data.indexed import write_index
 from genome_lm.data.manifest import MANIFEST, SCHEMA, Manifest, write_manifest
 from genome_lm.data.names import resolve
-from genome_lm.data.shards import Task, part_paths, run_task
+from genome_lm.data.shards import Task, TaskResult, run_task
 from genome_lm.data.tokenizer import TokenizerInfo
 from genome_lm.data.windows import WindowSpec, plan_windows
 from genome_lm.errors import GenomeLMError
@@ -105,7 +106,7 @@ def prepare(
         try:
             _build(request, key, staging, out, workers, ray_address, quiet, cache_dir or default_cache_dir())
         except GenomeLMError:
-            # Bad input: nothing worth resuming. (An interrupt keeps the finished parts.)
+            # Bad input: nothing worth resuming. (An interrupt keeps the tasks written so far.)
             shutil.rmtree(staging, ignore_errors=True)
             raise
         shutil.rmtree(staging, ignore_errors=True)
@@ -113,21 +114,34 @@ def prepare(
 
 
 def _build(request, key, staging, out, workers, ray_address, quiet, cache_dir) -> None:
-    parts = staging / "parts"
-    parts.mkdir(parents=True, exist_ok=True)
-    with progress_bar(quiet) as progress:
+    final = staging / "final"
+    final.mkdir(exist_ok=True)
+    # The file's hash is only needed for the manifest: compute it beside the real work. Writing
+    # also has a thread of its own, so that it overlaps tokenizing (file writes, hashing and
+    # numpy's look-ups all release the GIL).
+    with ThreadPoolExecutor(1) as hashing, ThreadPoolExecutor(1) as writing, progress_bar(quiet) as progress:
+        sha256 = hashing.submit(sha256_file, Path(request.fasta))
         source = _open_source(Path(request.fasta), staging, cache_dir, progress)
         splits = _resolve_splits(request, source)
         tasks, dropped = _plan_tasks(splits, request.windows)
-        results = _run_tasks(tasks, source, request.windows.max_n_frac, parts, workers, ray_address, progress)
-        final = staging / "final"
-        shutil.rmtree(final, ignore_errors=True)
-        final.mkdir()
-        split_data = _write_splits(final, tasks, results, parts, splits, dropped, source.handle.display, progress)
+        writer = _SplitWriter(final, staging / "done")
+        todo = tasks[writer.next_task :]
+        bar = progress.add_task("tokenizing", total=sum(t.bases for t in tasks), unit="bp")
+        progress.advance(bar, sum(t.bases for t in tasks[: writer.next_task]))
+        args = (source.handle, request.windows.max_n_frac)
+        written = None
+        for task, result in zip(todo, _results_in_order(todo, args, workers, ray_address)):
+            if written is not None:
+                written.result()  # one task in flight: memory stays bounded, order is kept
+            written = writing.submit(writer.write, task, result)
+            written.add_done_callback(lambda _, bases=task.bases: progress.advance(bar, bases))
+        if written is not None:
+            written.result()
+        split_data = writer.finish(splits, dropped, source.handle.display)
     manifest = {
         "schema": SCHEMA,
         "request_key": key,
-        "source": {**source.identity, "records": [asdict(r) for r in source.records]},
+        "source": {**source.identity, "sha256": sha256.result(), "records": [asdict(r) for r in source.records]},
         "tokenizer": TokenizerInfo().to_json(),
         "windows": asdict(request.windows),
         "splits": split_data,
@@ -231,112 +245,154 @@ def _plan_tasks(splits: dict[str, list[_Chrom]], spec: WindowSpec) -> tuple[list
     return tasks, dropped
 
 
-def _run_tasks(tasks, source, max_n_frac, parts: Path, workers, ray_address, progress) -> dict[int, dict]:
-    bar = progress.add_task("tokenizing", total=sum(t.bases for t in tasks), unit="bp")
+def _default_workers(n_tasks: int) -> int:
+    """One worker per core but one: this process writes the output and hashes the input."""
+    return max(1, min(n_tasks, len(os.sched_getaffinity(0)) - 1))
+
+
+def _results_in_order(tasks: list[Task], args: tuple, workers: int | None, ray_address: str | None):
+    """Run ``run_task(task, *args)`` for each task and yield the results in task order.
+
+    At most a few tasks run ahead of the one being written, so memory stays bounded however
+    large the genome: the results waiting to be written are at most ``lookahead`` tasks.
+    """
     workers = workers or _default_workers(len(tasks))
     if ray_address is not None:
-        stream = _ray_map(tasks, source, max_n_frac, parts, ray_address)
+        yield from _ray_in_order(tasks, args, ray_address)
     elif workers <= 1:
-        stream = ((task, run_task(task, source.handle, max_n_frac, str(parts))) for task in tasks)
+        for task in tasks:
+            yield run_task(task, *args)
     else:
-        stream = _pool_map(tasks, source, max_n_frac, parts, workers)
-    results = {}
-    for task, result in stream:
-        results[task.index] = result
-        progress.advance(bar, task.bases)
-    return results
+        yield from _pool_in_order(tasks, args, workers)
 
 
-def _default_workers(n_tasks: int) -> int:
-    return max(1, min(n_tasks, len(os.sched_getaffinity(0))))
-
-
-def _pool_map(tasks, source, max_n_frac, parts, workers) -> Iterator[tuple[Task, dict]]:
-    # spawn, not fork: the parent may hold threads (rich, torch) that fork would copy mid-state.
+def _pool_in_order(tasks, args, workers):
+    lookahead = 2 * workers
+    # spawn, not fork: the parent may hold threads (rich, hashing) that fork would copy mid-state.
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
-        pending = {pool.submit(run_task, t, source.handle, max_n_frac, str(parts)): t for t in tasks}
+        futures: dict[int, object] = {}
         try:
-            while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for future in done:
-                    yield pending.pop(future), future.result()
+            for i in range(len(tasks)):
+                for j in range(len(futures) + i, min(len(tasks), i + lookahead)):
+                    futures[j] = pool.submit(run_task, tasks[j], *args)
+                yield futures.pop(i).result()
         finally:
-            for future in pending:
-                future.cancel()
+            pool.shutdown(cancel_futures=True)
 
 
-def _ray_map(tasks, source, max_n_frac, parts, address) -> Iterator[tuple[Task, dict]]:
-    """Fan tasks out as Ray tasks. ``parts`` must be on a filesystem every node shares."""
+def _ray_in_order(tasks, args, address):
+    """Ray tasks on a cluster; results travel back through Ray's object store."""
     import ray
 
     started_here = not ray.is_initialized()
     if started_here:
         ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
     remote = ray.remote(num_cpus=1)(run_task)
+    lookahead = max(2, min(16, 2 * int(ray.cluster_resources().get("CPU", 1))))
+    refs: dict[int, object] = {}
     try:
-        refs = {remote.remote(t, source.handle, max_n_frac, str(parts)): t for t in tasks}
-        while refs:
-            done, _ = ray.wait(list(refs), num_returns=1)
-            task = refs.pop(done[0])
+        for i in range(len(tasks)):
+            for j in range(len(refs) + i, min(len(tasks), i + lookahead)):
+                refs[j] = remote.remote(tasks[j], *args)
             try:
-                yield task, ray.get(done[0])
+                yield ray.get(refs.pop(i))
             except ray.exceptions.RayTaskError as exc:
                 if isinstance(exc.cause, GenomeLMError):
                     raise exc.cause from None
                 raise
     finally:
+        for ref in refs.values():
+            ray.cancel(ref)
         if started_here:
             ray.shutdown()
 
 
-def _write_splits(final, tasks, results, parts, splits, dropped, display, progress) -> dict:
-    from genome_lm.engine import quiet_megatron_import
+class _SplitWriter:
+    """Appends task results, in task order, to each split's .bin files.
 
-    with quiet_megatron_import():  # its builder warns about ranks when no process group exists
-        return _join_parts(final, tasks, results, parts, splits, dropped, display, progress)
+    After each task it records what it wrote in ``done/<task>.json``; a later run with the same
+    request truncates the files to what was recorded and continues with the next task.
+    """
 
+    def __init__(self, folder: Path, done: Path):
+        self.folder, self.done = folder, done
+        done.mkdir(exist_ok=True)
+        self.records: list[dict] = []
+        while (path := done / f"{len(self.records):06d}.json").exists():
+            self.records.append(json.loads(path.read_text()))
+        self.next_task = len(self.records)
+        self.sizes: dict[str, list[int]] = {}
+        for record in self.records:
+            sizes = self.sizes.setdefault(record["split"], [0, 0])
+            sizes[0] += record["token_bytes"]
+            sizes[1] += record["mask_bytes"]
+        self._split = None
+        self._files = None
 
-def _join_parts(final, tasks, results, parts, splits, dropped, display, progress) -> dict:
-    import torch
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    def _paths(self, split: str) -> tuple[Path, Path]:
+        return self.folder / f"{split}.bin", self.folder / f"{split}_softmask.bin"
 
-    bar = progress.add_task("writing", total=sum(t.bases for t in tasks), unit="bp")
-    data = {}
-    for split, chroms in splits.items():
-        tokens_out = IndexedDatasetBuilder(str(final / f"{split}.bin"), dtype=np.uint8)
-        flags_out = IndexedDatasetBuilder(str(final / f"{split}_flags.bin"), dtype=np.uint8)
-        windows, skipped, n_tokens = [], [], 0
-        for task in (t for t in tasks if t.split == split):
-            result = results[task.index]
-            tokens_path, flags_path, _ = part_paths(parts, task.index)
-            with open(tokens_path, "rb") as tok_in, open(flags_path, "rb") as flag_in:
-                for window in result["kept"]:
-                    length = window["end"] - window["start"]
-                    for builder, part in ((tokens_out, tok_in), (flags_out, flag_in)):
-                        array = np.fromfile(part, dtype=np.uint8, count=length)
-                        if array.size != length:
-                            raise GenomeLMError(f"{tokens_path}: part file is short; delete {parts.parent} and rerun")
-                        builder.add_item(torch.from_numpy(array))
-                        builder.end_document()
-                    n_tokens += length
-            windows += result["kept"]
-            skipped += result["skipped"]
-            progress.advance(bar, task.bases)
-        if not windows:
-            raise GenomeLMError(
-                f"{display}: no window of the {split} split was kept (all skipped as mostly N, or shorter than --min-tail)"
-            )
-        tokens_out.finalize(str(final / f"{split}.idx"))
-        flags_out.finalize(str(final / f"{split}_flags.idx"))
-        data[split] = {
-            "prefix": split,
-            "chromosomes": [asdict(c) for c in chroms],
-            "n_tokens": n_tokens,
-            "windows": windows,
-            "skipped": skipped,
-            "dropped_tails": dropped[split],
-        }
-    return data
+    def _open(self, split: str) -> tuple:
+        if self._split != split:
+            self._close()
+            sizes = self.sizes.setdefault(split, [0, 0])
+            files = []
+            for path, size in zip(self._paths(split), sizes):
+                handle = open(path, "r+b" if path.exists() else "wb")
+                handle.truncate(size)  # drop anything written after the last recorded task
+                handle.seek(size)
+                files.append(handle)
+            self._split, self._files = split, tuple(files)
+        return self._files
+
+    def _close(self) -> None:
+        for handle in self._files or ():
+            handle.close()
+        self._split = self._files = None
+
+    def write(self, task: Task, result: TaskResult) -> None:
+        files = self._open(task.split)
+        sizes = []
+        for handle, arrays in zip(files, (result.tokens, result.softmask)):
+            for array in arrays:
+                handle.write(array.data)
+            handle.flush()
+            sizes.append(sum(array.nbytes for array in arrays))
+        record = {"split": task.split, "kept": result.kept, "skipped": result.skipped,
+                  "token_bytes": sizes[0], "mask_bytes": sizes[1]}
+        sizes = self.sizes[task.split]
+        sizes[0] += record["token_bytes"]
+        sizes[1] += record["mask_bytes"]
+        path = self.done / f"{task.index:06d}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+        self.records.append(record)
+
+    def finish(self, splits: dict, dropped: dict, display: str) -> dict:
+        """Write each split's .idx files; return the manifest's ``splits`` section."""
+        self._close()
+        data = {}
+        for split, chroms in splits.items():
+            records = [r for r in self.records if r["split"] == split]
+            windows = [w for r in records for w in r["kept"]]
+            if not windows:
+                raise GenomeLMError(
+                    f"{display}: no window of the {split} split was kept "
+                    "(all skipped as mostly N, or shorter than --min-tail)"
+                )
+            lengths = [w["end"] - w["start"] for w in windows]
+            write_index(self.folder / f"{split}.idx", lengths)
+            write_index(self.folder / f"{split}_softmask.idx", [(n + 7) // 8 for n in lengths])
+            data[split] = {
+                "prefix": split,
+                "chromosomes": [asdict(c) for c in chroms],
+                "n_tokens": sum(lengths),
+                "windows": windows,
+                "skipped": [w for r in records for w in r["skipped"]],
+                "dropped_tails": dropped[split],
+            }
+        return data
 
 
 def _swap_into_place(final: Path, out: Path) -> None:

@@ -1,22 +1,18 @@
-"""One unit of `prepare` work: tokenize a run of windows of one chromosome into part files.
+"""One unit of `prepare` work: tokenize a run of windows of one chromosome.
 
 A task is small and picklable, reads the genome through htslib and imports neither torch nor
-megatron-core, so it runs the same in a local worker process or a Ray task. Its part files are
-written under temporary names and renamed into place, the ``.json`` last: a task whose
-``.json`` exists is complete, which is what lets an interrupted run resume.
+megatron-core, so it runs the same in this process, a local worker process or a Ray task. It
+returns the tokens and bit-packed soft-mask of the windows it keeps; the caller writes them.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from genome_lm.data.fasta import FastaHandle, fetch_bytes
-from genome_lm.data.tokenizer import FLAG_AMBIGUOUS, FLAG_SOFTMASK, N, InvalidBaseError, describe_byte, tokenize
+from genome_lm.data.tokenizer import N, InvalidBaseError, count_ambiguous, describe_byte, softmask, tokenize
 from genome_lm.errors import GenomeLMError
 
 
@@ -32,57 +28,56 @@ class Task:
         return sum(end - start for start, end in self.windows)
 
 
-def part_paths(parts_dir: Path, index: int) -> tuple[Path, Path, Path]:
-    stem = parts_dir / f"{index:06d}"
-    return stem.with_suffix(".tokens"), stem.with_suffix(".flags"), stem.with_suffix(".json")
+@dataclass
+class TaskResult:
+    index: int
+    kept: list[dict]  # per kept window: chrom, start, end and its N / soft-mask / ambiguity fractions
+    skipped: list[dict]  # the same, plus the reason
+    tokens: list[np.ndarray]  # per kept window, its token ids
+    softmask: list[np.ndarray]  # per kept window, its soft-mask bits packed little-endian (ceil(length / 8) bytes)
+
+
+def pack_softmask(soft: np.ndarray) -> np.ndarray:
+    """``soft [L]`` bool packed 8 per byte, little-endian: ``[ceil(L / 8)]`` uint8."""
+    return np.packbits(soft, bitorder="little")
+
+
+def unpack_softmask(packed: np.ndarray, length: int) -> np.ndarray:
+    """Inverse of :func:`pack_softmask`: ``[length]`` bool."""
+    return np.unpackbits(packed, count=length, bitorder="little").astype(bool)
 
 
 def _fraction(count: int, length: int) -> float:
     return round(count / length, 6)
 
 
-def run_task(task: Task, handle: FastaHandle, max_n_frac: float, parts_dir: str) -> dict:
-    """Tokenize ``task``'s windows; returns (and stores) what was kept and what was skipped."""
-    tokens_path, flags_path, json_path = part_paths(Path(parts_dir), task.index)
-    if json_path.exists():  # finished by an earlier, interrupted run
-        return json.loads(json_path.read_text())
+def run_task(task: Task, handle: FastaHandle, max_n_frac: float) -> TaskResult:
+    """Tokenize ``task``'s windows, skipping those with more than ``max_n_frac`` N."""
     fasta = handle.open()
-    kept, skipped = [], []
-    suffix = f".tmp{os.getpid()}"
-    tmp_tokens, tmp_flags = Path(str(tokens_path) + suffix), Path(str(flags_path) + suffix)
-    try:
-        with open(tmp_tokens, "wb") as tok_out, open(tmp_flags, "wb") as flag_out:
-            for start, end in task.windows:
-                raw = fetch_bytes(fasta, handle, task.chrom, start, end)
-                try:
-                    tokens, flags = tokenize(raw)
-                except InvalidBaseError as exc:
-                    raise GenomeLMError(
-                        f"{handle.display}: record {task.chrom!r} position {start + exc.offset + 1}: "
-                        f"invalid character {describe_byte(exc.byte)}"
-                    ) from None
-                length = end - start
-                info = {
-                    "chrom": task.chrom,
-                    "start": start,
-                    "end": end,
-                    "n_frac": _fraction(np.count_nonzero(tokens == N), length),
-                    "softmask_frac": _fraction(np.count_nonzero(flags & FLAG_SOFTMASK), length),
-                    "ambiguous_frac": _fraction(np.count_nonzero(flags & FLAG_AMBIGUOUS), length),
-                }
-                if info["n_frac"] > max_n_frac:
-                    skipped.append({**info, "reason": f"N fraction {info['n_frac']} > {max_n_frac}"})
-                    continue
-                tok_out.write(tokens.tobytes())
-                flag_out.write(flags.tobytes())
-                kept.append(info)
-        os.replace(tmp_tokens, tokens_path)
-        os.replace(tmp_flags, flags_path)
-    finally:
-        tmp_tokens.unlink(missing_ok=True)
-        tmp_flags.unlink(missing_ok=True)
-    result = {"index": task.index, "split": task.split, "chrom": task.chrom, "kept": kept, "skipped": skipped}
-    tmp_json = Path(str(json_path) + suffix)
-    tmp_json.write_text(json.dumps(result))
-    os.replace(tmp_json, json_path)
+    result = TaskResult(task.index, [], [], [], [])
+    for start, end in task.windows:
+        raw = fetch_bytes(fasta, handle, task.chrom, start, end)
+        try:
+            tokens = tokenize(raw)
+        except InvalidBaseError as exc:
+            raise GenomeLMError(
+                f"{handle.display}: record {task.chrom!r} position {start + exc.offset + 1}: "
+                f"invalid character {describe_byte(exc.byte)}"
+            ) from None
+        length = end - start
+        soft = softmask(raw)
+        info = {
+            "chrom": task.chrom,
+            "start": start,
+            "end": end,
+            "n_frac": _fraction(np.count_nonzero(tokens == N), length),
+            "softmask_frac": _fraction(np.count_nonzero(soft), length),
+            "ambiguous_frac": _fraction(count_ambiguous(raw, tokens), length),
+        }
+        if info["n_frac"] > max_n_frac:
+            result.skipped.append({**info, "reason": f"N fraction {info['n_frac']} > {max_n_frac}"})
+            continue
+        result.kept.append(info)
+        result.tokens.append(tokens)
+        result.softmask.append(pack_softmask(soft))
     return result

@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from genome_lm.cli import app
 from genome_lm.data.manifest import Manifest
 from genome_lm.data.prepare import PrepareRequest, prepare
+from genome_lm.data.shards import unpack_softmask
 from genome_lm.data.windows import WindowSpec, plan_windows
 from genome_lm.engine import quiet_megatron_import
 from tests.conftest import random_sequence, shared_genome, write_fasta
@@ -32,12 +33,15 @@ with quiet_megatron_import():
 
 
 def read_split(manifest: Manifest, split: str) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Every window of a split, read back with megatron-core's own reader."""
+    """Every window of a split as (tokens, soft-mask), read back with megatron-core's own reader."""
     tokens = IndexedDataset(manifest.path_prefix(split))
-    flags = IndexedDataset(manifest.flags_prefix(split))
-    assert len(tokens) == len(flags) == len(manifest.split(split).windows)
+    masks = IndexedDataset(manifest.softmask_prefix(split))
+    windows = manifest.split(split).windows
+    assert len(tokens) == len(masks) == len(windows)
     assert tokens.document_indices.tolist() == list(range(len(tokens) + 1))  # one document per window
-    return [(np.array(tokens[i]), np.array(flags[i])) for i in range(len(tokens))]  # copies: the mmap closes
+    assert tokens.sequence_lengths.tolist() == [w.length for w in windows]
+    # copies: the memory maps close with the datasets
+    return [(np.array(tokens[i]), unpack_softmask(np.array(masks[i]), w.length)) for i, w in enumerate(windows)]
 
 
 def plain_copy(path: Path, folder: Path) -> Path:
@@ -59,11 +63,12 @@ def check_against_pyfaidx(manifest: Manifest, fasta: Path, folder: Path, rng, n_
             w = windows[i]
             text = reference[w.chrom][w.start : w.end]
             ref_tokens, ref_flags = naive_tokenize(text)
-            tokens, flags = data[i]
+            tokens, softmask = data[i]
             assert tokens.dtype == np.uint8 and tokens.tolist() == ref_tokens, (split, i)
-            assert flags.tolist() == ref_flags, (split, i)
+            assert softmask.tolist() == [bool(f & 1) for f in ref_flags] == [c.islower() for c in text], (split, i)
             assert w.n_frac == pytest.approx(ref_tokens.count(8) / len(text), abs=1e-6)
             assert w.softmask_frac == pytest.approx(sum(c.islower() for c in text) / len(text), abs=1e-6)
+            assert w.ambiguous_frac == pytest.approx(sum(f >= 2 for f in ref_flags) / len(text), abs=1e-6)
 
 
 def random_genome(tmp_path, rng, compression="plain", names=("chr1", "chr2", "chr22", "chrM")) -> tuple[Path, dict]:
