@@ -304,3 +304,58 @@ def test_manifest_is_versioned_json(tmp_path, rng):
 
     with pytest.raises(GenomeLMError, match="unsupported manifest schema"):
         Manifest.load(tmp_path / "out")
+
+
+def test_interrupted_run_resumes_after_the_last_task_written(tmp_path, rng, monkeypatch):
+    import genome_lm.data.prepare as prep
+
+    fasta, _ = random_genome(tmp_path, rng)
+    monkeypatch.setattr(prep, "TASK_BASES", 2000)  # many small tasks
+    request = dict(fasta=fasta, train_chroms=("chr1", "chr2"), eval_chroms=("chr22",), windows=WindowSpec(1000, 1000))
+    prepare(PrepareRequest(out=tmp_path / "reference", **request), workers=1, quiet=True)
+
+    calls = []
+    real_write = prep._SplitWriter.write
+
+    def write_then_die(self, task, result):
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        calls.append(task.index)
+        real_write(self, task, result)
+
+    monkeypatch.setattr(prep._SplitWriter, "write", write_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(PrepareRequest(out=tmp_path / "out", **request), workers=1, quiet=True)
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(prep._SplitWriter, "write", real_write)
+
+    ran = []
+    real_run = prep.run_task
+    monkeypatch.setattr(prep, "run_task", lambda task, *a: ran.append(task.index) or real_run(task, *a))
+    result = prepare(PrepareRequest(out=tmp_path / "out", **request), workers=1, quiet=True)
+    assert ran[0] == 5 and 0 not in ran, "tasks written before the interruption are not redone"
+    assert _tree(tmp_path / "out") == _tree(tmp_path / "reference")
+    assert not result.reused
+
+
+@pytest.mark.slow
+def test_memory_stays_flat_as_chromosomes_grow(tmp_path, rng):
+    """Peak RSS (VmHWM of a fresh process) for a 4 Mbp and a 64 Mbp chromosome differ by little."""
+    script = (
+        "import sys; from pathlib import Path;"
+        "from genome_lm.data.prepare import PrepareRequest, prepare;"
+        "from genome_lm.data.windows import WindowSpec;"
+        "prepare(PrepareRequest(Path(sys.argv[1]), Path(sys.argv[2]), ('chr1',), (), WindowSpec(524288, 524288)),"
+        " workers=1, quiet=True);"
+        "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])"
+    )
+    peaks = {}
+    for mbp in (4, 64):
+        seq = np.random.default_rng(mbp).choice(np.frombuffer(b"ACGTacgt", dtype=np.uint8), size=mbp << 20).tobytes()
+        fasta = write_fasta(tmp_path / f"g{mbp}.fa", {"chr1": seq})
+        out = subprocess.run([sys.executable, "-c", script, str(fasta), str(tmp_path / f"out{mbp}")],
+                             check=True, capture_output=True, text=True).stdout
+        peaks[mbp] = int(out.split()[-1]) / 1024  # MiB
+    # 16x the sequence; a task holds at most 32 Mbp of windows, and two tasks are in flight.
+    assert peaks[64] - peaks[4] < 150, peaks
+    assert peaks[64] < 1500, peaks
