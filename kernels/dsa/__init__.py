@@ -1,0 +1,1 @@
+"""DeepSeek sparse attention with a k-pool lightning indexer."""

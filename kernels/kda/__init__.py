@@ -1,0 +1,1 @@
+"""Kimi Delta Attention: the gated delta rule with per-channel decay."""
