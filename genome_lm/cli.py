@@ -87,7 +87,9 @@ def prepare(
     ] = None,
     ray_address: Annotated[
         Optional[str],
-        typer.Option(help="Run the work as Ray tasks on this cluster ('auto', 'host:port'); needs a shared --out."),
+        typer.Option(
+            help="Run the work as Ray tasks on this cluster ('auto', 'host:port'); every node must see the FASTA and --out at the same paths."
+        ),
     ] = None,
     force: Annotated[bool, typer.Option(help="Rebuild even if a finished dataset for the same request exists.")] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,

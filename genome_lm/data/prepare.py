@@ -121,7 +121,10 @@ def _build(request, key, staging, out, workers, ray_address, quiet, cache_dir) -
     # numpy's look-ups all release the GIL).
     with ThreadPoolExecutor(1) as hashing, ThreadPoolExecutor(1) as writing, progress_bar(quiet) as progress:
         sha256 = hashing.submit(sha256_file, Path(request.fasta))
-        source = _open_source(Path(request.fasta), staging, cache_dir, progress)
+        # Ray workers on other nodes read the index too: keep a built one beside the output,
+        # which a cluster run must have on storage every node sees, not in this node's cache.
+        index_dir = staging / "index" if ray_address else cache_dir
+        source = _open_source(Path(request.fasta), staging, index_dir, progress)
         splits = _resolve_splits(request, source)
         tasks, dropped = _plan_tasks(splits, request.windows)
         writer = _SplitWriter(final, staging / "done")
@@ -281,7 +284,8 @@ def _pool_in_order(tasks, args, workers):
 
 
 def _ray_in_order(tasks, args, address):
-    """Ray tasks on a cluster; results travel back through Ray's object store."""
+    """Ray tasks on a cluster; results travel back through Ray's object store to this process,
+    which writes them, so only the FASTA and its index need to be visible to every node."""
     import ray
 
     started_here = not ray.is_initialized()
