@@ -1,0 +1,47 @@
+"""megatron-core on a machine without a GPU: every redirection it needs, in one place.
+
+megatron-core 0.19.2 allocates some buffers on ``torch.cuda.current_device()`` (the MoE layer,
+the global memory buffer, about 40 call sites). On CPU that call raises ("Found no NVIDIA
+driver"). :func:`enable_cpu_megatron` points it at the CPU for the whole process. It is called
+by genome-lm's engine just before it builds megatron-core modules, only when CUDA is not
+available, and never at import time; ``tests/engine/test_cpu.py`` fails when a newer
+megatron-core stops needing a redirection or stops accepting it.
+
+Pinned version: megatron-core 0.19.x. Its releases from 0.17 need Python 3.12, and context
+parallel for DSA and for gated delta net (the pattern genome-lm's KDA layer follows) arrived
+after 0.16.
+
+Not redirected (use instead): the all-to-all token dispatcher creates CUDA streams in its
+constructor, so on CPU use ``moe_token_dispatcher_type="allgather"``; Transformer Engine does
+not install without CUDA, so CPU runs use megatron-core's local (torch) layer specs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_state = {"enabled": False, "current_device": None}
+
+
+def enable_cpu_megatron() -> bool:
+    """Redirect megatron-core's CUDA-only calls to the CPU; returns whether it did anything.
+
+    Idempotent. Does nothing when a GPU is present.
+    """
+    if torch.cuda.is_available() or _state["enabled"]:
+        return False
+    _state["current_device"] = torch.cuda.current_device
+    torch.cuda.current_device = _cpu_device
+    _state["enabled"] = True
+    return True
+
+
+def disable_cpu_megatron() -> None:
+    """Undo :func:`enable_cpu_megatron` (tests use it)."""
+    if _state["enabled"]:
+        torch.cuda.current_device = _state["current_device"]
+        _state["enabled"] = False
+
+
+def _cpu_device() -> torch.device:
+    return torch.device("cpu")

@@ -1,0 +1,73 @@
+"""The CPU redirections for megatron-core: still needed, and still enough.
+
+Each check runs in a fresh process with its own single-rank gloo group, so megatron-core's
+process-wide state never leaks between tests.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
+
+MOE = textwrap.dedent(
+    """
+    import os, socket, warnings
+    warnings.simplefilter("ignore")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    import torch, torch.distributed as dist
+    from genome_lm.engine.cpu import enable_cpu_megatron
+    if {redirect}:
+        assert enable_cpu_megatron()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(1, 1)
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer import TransformerConfig
+    config = TransformerConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True, add_bias_linear=False,
+        bias_activation_fusion=False, gradient_accumulation_fusion=False, num_moe_experts=4, moe_router_topk=2,
+        moe_ffn_hidden_size=16, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=16, moe_router_dtype="fp32",
+        moe_token_dispatcher_type="allgather", gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+    moe = get_moe_module_spec(use_te=False, num_experts=4)(config=config)
+    x = torch.randn(8, 2, 32, requires_grad=True)
+    out, _ = moe(x)
+    out.square().mean().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    print("OK")
+    """
+)
+
+
+def _run(redirect: bool) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", MOE.format(redirect=redirect)], capture_output=True, text=True, timeout=300)
+
+
+def test_megatron_moe_runs_on_cpu_with_the_redirection():
+    result = _run(redirect=True)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
+
+
+def test_the_redirection_is_still_needed():
+    """If this fails, megatron-core no longer calls torch.cuda.current_device here: drop the redirection."""
+    result = _run(redirect=False)
+    assert result.returncode != 0 and "NVIDIA driver" in result.stderr, result.stderr[-3000:]
+
+
+def test_enable_is_idempotent_and_undoable():
+    from genome_lm.engine.cpu import disable_cpu_megatron, enable_cpu_megatron
+
+    original = torch.cuda.current_device
+    try:
+        assert enable_cpu_megatron() is True
+        assert enable_cpu_megatron() is False
+        assert torch.cuda.current_device() == torch.device("cpu")
+    finally:
+        disable_cpu_megatron()
+    assert torch.cuda.current_device is original
