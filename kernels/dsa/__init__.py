@@ -1,1 +1,84 @@
-"""DeepSeek sparse attention with a k-pool lightning indexer."""
+"""DeepSeek sparse attention with a k-pool lightning indexer (GLM-5.3-Flash).
+
+Three public ops, each with an explicit ``backend`` ("reference" | "torch" | "triton"; resolve
+"auto" once with ``genome_lm_kernels.resolve_backend``):
+
+    select_tokens(q_idx [B,T,Hi,Di], k_idx [B,T,Di], w_idx [B,T,Hi], gate [B,T,Di] | None,
+                  ape [kpool,Di] | None, *, kpool, topk, scale=None, backend, chunk=64)
+        -> idx [B,T,S] int64 (-1 = empty slot), valid [B,T,S] bool;  S = topk + kpool - 1
+    sparse_attention(q [B,T,H,Dqk], k [B,T,H,Dqk], v [B,T,H,Dv], idx [B,T,S], *, scale,
+                     backend, chunk=64) -> o [B,T,H,Dv], lse [B,T,H]
+    indexer_loss(q_idx, k_idx, w_idx, q, k, idx=None, *, gate=None, ape=None, kpool,
+                 idx_scale=None, scale, backend, chunk=64) -> scalar KL loss
+        (idx=None: dense warm-up mode; idx from select_tokens: sparse mode)
+
+The reference backend builds [T, T] tensors (small T only); "torch" and "triton" never do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import indexer as _indexer
+from . import loss as _loss
+from . import reference as _reference
+from . import sparse_attention as _sparse
+
+__all__ = ["select_tokens", "sparse_attention", "indexer_loss", "pool_keys"]
+
+pool_keys = _indexer.pool_keys
+
+
+def select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate_BTD=None, ape_KD=None, *, kpool: int, topk: int,
+                  scale: float | None = None, backend: str, chunk: int = 64):
+    """Top topk // kpool complete pools per query (causal), expanded to tokens, plus the
+    query's incomplete tail pool; see ``indexer`` for the slot layout and tie rule."""
+    if backend == "reference":
+        scale = q_idx_BTHD.shape[-1] ** -0.5 if scale is None else scale
+        B, T, _ = k_idx_BTD.shape
+        gate = gate_BTD if gate_BTD is not None else k_idx_BTD.new_zeros(B, T, k_idx_BTD.shape[-1])
+        ape = ape_KD if ape_KD is not None else k_idx_BTD.new_zeros(kpool, k_idx_BTD.shape[-1])
+        with torch.no_grad():
+            return _reference.select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate, ape,
+                                            kpool=kpool, topk=topk, scale=scale)
+    if backend == "torch":
+        score_fn = _indexer.torch_scores
+    elif backend == "triton":
+        from . import triton as _triton
+
+        score_fn = _triton.pool_scores_chunk
+    else:
+        raise ValueError(f"unknown backend {backend!r}")
+    return _indexer.select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate_BTD, ape_KD, kpool=kpool, topk=topk,
+                                  scale=scale, chunk=chunk, score_fn=score_fn)
+
+
+def sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, *, scale: float, backend: str, chunk: int = 64):
+    """Attention of each query over its selected keys only. lse is fp32 (fp64 for fp64 inputs on
+    the torch and reference paths); a query with no key gets o = 0, lse = -inf."""
+    if backend == "reference":
+        return _reference.sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale=scale)
+    if backend == "torch":
+        return _sparse.sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale=scale, chunk=chunk)
+    if backend == "triton":
+        from . import triton as _triton
+
+        return _triton.sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale=scale)
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def indexer_loss(q_idx_BTHD, k_idx_BTD, w_idx_BTH, q_BTHD, k_BTHD, idx_BTS=None, *, gate_BTD=None, ape_KD=None,
+                 kpool: int, idx_scale: float | None = None, scale: float, backend: str, chunk: int = 64):
+    """KL(p || softmax(I)) over pools (see ``loss``). Gradient reaches q_idx, k_idx, w_idx, gate,
+    ape only. The "triton" backend runs the chunked torch loss (no Triton loss kernel yet)."""
+    if backend == "reference":
+        idx_scale = q_idx_BTHD.shape[-1] ** -0.5 if idx_scale is None else idx_scale
+        B, T, D = k_idx_BTD.shape
+        gate = gate_BTD if gate_BTD is not None else k_idx_BTD.new_zeros(B, T, D)
+        ape = ape_KD if ape_KD is not None else k_idx_BTD.new_zeros(kpool, D)
+        return _reference.indexer_loss(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate, ape, q_BTHD, k_BTHD, idx_BTS,
+                                       kpool=kpool, idx_scale=idx_scale, scale=scale)
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"unknown backend {backend!r}")
+    return _loss.indexer_loss(q_idx_BTHD, k_idx_BTD, w_idx_BTH, q_BTHD, k_BTHD, idx_BTS, gate_BTD=gate_BTD,
+                              ape_KD=ape_KD, kpool=kpool, idx_scale=idx_scale, scale=scale, chunk=chunk)

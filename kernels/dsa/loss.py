@@ -1,0 +1,141 @@
+"""Indexer KL loss (DeepSeek-V3.2), torch path, chunked over queries.
+
+    loss = mean over queries t with >= 1 candidate pool of  KL(p_t || softmax(I_t))
+
+Candidates: the complete pools visible to t (dense warm-up mode) or the pools selected for t
+(sparse mode, ``idx`` from ``select_tokens``). p_t: the main attention of t over its candidate
+keys (every visible key / every selected key, tail included) per head, summed over heads,
+summed over each candidate pool's tokens (the tail is dropped: it has no indexer score),
+L1-normalised. I_t: indexer pool scores.
+
+Gradient: only the indexer tensors get one (q_idx, w_idx and the pooled keys, hence k_idx, gate
+and ape); the main q and k are detached here, and the caller detaches the hidden states that
+feed the indexer projections, as DeepSeek-V3.2 does, so the loss trains the indexer only.
+Memory per chunk: dense mode [B, H, chunk, T] attention probabilities and [B, chunk, Hi, N]
+indexer scores; sparse mode scores the chunk against the union of its selected keys (as
+``sparse_attention`` does). Backward recomputes everything per chunk (the target without
+gradient), so nothing of size [T, T] or [T, N] is ever held.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .indexer import compute_dtype, pool_keys, visible_pools
+from .sparse_attention import _probs, _union
+
+
+def _target_and_candidates(q_BTHD, k_BTHD, idx_BTS, t0, t1, kpool, N, scale, dt):
+    """p [B, C, M] (L1-normalised), candidate pool ids [B, C, M] (-1 = none), for M candidates."""
+    B, _, H, _ = q_BTHD.shape
+    C = t1 - t0
+    q_BCHD = q_BTHD[:, t0:t1].to(dt)
+    if idx_BTS is None:  # dense: every key up to t1 - 1, causal mask inside the chunk
+        M = min(N, t1 // kpool)
+        s_BHCT = torch.einsum("bchd,bshd->bhcs", q_BCHD, k_BTHD[:, :t1].to(dt)) * scale
+        t_C = torch.arange(t0, t1, device=q_BTHD.device)
+        causal_CT = torch.arange(t1, device=q_BTHD.device)[None, :] <= t_C[:, None]
+        p_BCT = s_BHCT.masked_fill_(~causal_CT, float("-inf")).softmax(-1).sum(1)
+        p_BCM = p_BCT[..., : M * kpool].unflatten(-1, (M, kpool)).sum(-1)
+        vis_CM = visible_pools(t0, C, M, kpool, q_BTHD.device)
+        pools_BCM = torch.where(vis_CM, torch.arange(M, device=q_BTHD.device), -1).expand(B, C, M)
+    else:  # sparse: the selected keys; pool slots come first in kpool-token groups
+        idx_BCS = idx_BTS[:, t0:t1]
+        p_BCS = torch.stack([_selected_probs(q_BCHD[b], k_BTHD[b], idx_BCS[b], scale, dt) for b in range(B)])
+        M = min((idx_BTS.shape[-1] - kpool + 1) // kpool, N)  # S = topk + kpool - 1
+        first_BCM = idx_BCS[..., : M * kpool : kpool]
+        p_BCM = p_BCS[..., : M * kpool].unflatten(-1, (M, kpool)).sum(-1)
+        pools_BCM = torch.where(first_BCM >= 0, first_BCM // kpool, -1)
+    p_BCM = p_BCM * (pools_BCM >= 0)
+    return p_BCM / p_BCM.sum(-1, keepdim=True).clamp_min(torch.finfo(dt).tiny), pools_BCM
+
+
+def _selected_probs(q_CHD, k_THD, idx_CS, scale, dt):
+    """Main attention over each query's selected keys, summed over heads, per slot: [C, S].
+    Scores the chunk against the union of its selections, like ``sparse_attention``."""
+    keys_U, sel_CU = _union(idx_CS, k_THD.shape[0])
+    if keys_U.shape[0] == 0:
+        return torch.zeros(idx_CS.shape, dtype=dt, device=idx_CS.device)
+    p_HCU, _ = _probs(q_CHD.transpose(0, 1), k_THD[keys_U].to(dt).transpose(0, 1), sel_CU, scale)
+    pos_CS = torch.searchsorted(keys_U, idx_CS.clamp_min(0)).clamp_max(keys_U.shape[0] - 1)
+    return p_HCU.sum(0).gather(1, pos_CS) * (idx_CS >= 0)
+
+
+def _scores(q_BCHD, kp, w_BCH, pools_BCM, scale):
+    """Indexer scores [B, C, M] of the candidate pools (kp [B, M, D] shared or [B, C, M, D])."""
+    r = "bchd,bmd->bchm" if kp.dim() == 3 else "bchd,bcmd->bchm"
+    I_BCM = (torch.relu(torch.einsum(r, q_BCHD, kp) * scale) * w_BCH[..., None]).sum(2)
+    return I_BCM.masked_fill(pools_BCM < 0, float("-inf"))
+
+
+class IndexerLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_idx_BTHD, kp_BND, w_BTH, q_BTHD, k_BTHD, idx_BTS, kpool, idx_scale, scale, chunk):
+        dt = compute_dtype(q_idx_BTHD.dtype)
+        B, T = q_idx_BTHD.shape[:2]
+        N = kp_BND.shape[1]
+        total = torch.zeros((), dtype=dt, device=q_idx_BTHD.device)
+        rows = 0
+        for t0 in range(0, T, chunk):
+            t1 = min(t0 + chunk, T)
+            p_BCM, pools_BCM = _target_and_candidates(q_BTHD, k_BTHD, idx_BTS, t0, t1, kpool, N, scale, dt)
+            kp = _candidate_keys(kp_BND, pools_BCM, idx_BTS is None).to(dt)
+            I_BCM = _scores(q_idx_BTHD[:, t0:t1].to(dt), kp, w_BTH[:, t0:t1].to(dt), pools_BCM, idx_scale)
+            logq_BCM = I_BCM.log_softmax(-1)
+            kl = torch.where(p_BCM > 0, p_BCM * (p_BCM.clamp_min(torch.finfo(dt).tiny).log() - logq_BCM), 0.0)
+            total += kl.sum()
+            rows += int((pools_BCM >= 0).any(-1).sum())
+        ctx.save_for_backward(q_idx_BTHD, kp_BND, w_BTH, q_BTHD, k_BTHD, idx_BTS)
+        ctx.args = (kpool, idx_scale, scale, chunk, max(rows, 1))
+        return total / max(rows, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        q_idx_BTHD, kp_BND, w_BTH, q_BTHD, k_BTHD, idx_BTS = ctx.saved_tensors
+        kpool, idx_scale, scale, chunk, rows = ctx.args
+        dt = compute_dtype(q_idx_BTHD.dtype)
+        T, N = q_idx_BTHD.shape[1], kp_BND.shape[1]
+        dq = torch.zeros(q_idx_BTHD.shape, dtype=dt, device=q_idx_BTHD.device)
+        dw = torch.zeros(w_BTH.shape, dtype=dt, device=w_BTH.device)
+        dkp = torch.zeros(kp_BND.shape, dtype=dt, device=kp_BND.device)
+        for t0 in range(0, T, chunk):
+            t1 = min(t0 + chunk, T)
+            with torch.no_grad():
+                p_BCM, pools_BCM = _target_and_candidates(q_BTHD, k_BTHD, idx_BTS, t0, t1, kpool, N, scale, dt)
+            with torch.enable_grad():
+                q_c = q_idx_BTHD[:, t0:t1].detach().to(dt).requires_grad_()
+                w_c = w_BTH[:, t0:t1].detach().to(dt).requires_grad_()
+                kp_c = _candidate_keys(kp_BND.detach(), pools_BCM, idx_BTS is None).to(dt).requires_grad_()
+                I_BCM = _scores(q_c, kp_c, w_c, pools_BCM, idx_scale)
+                # d KL / d I = softmax(I) - p on candidates (rows sum p to 1 or have no candidate).
+                dI = (I_BCM.detach().softmax(-1).nan_to_num(0.0) - p_BCM) * (pools_BCM >= 0) * (g / rows)
+                gq, gw, gkp = torch.autograd.grad(I_BCM, (q_c, w_c, kp_c), dI.to(dt))
+            dq[:, t0:t1] = gq
+            dw[:, t0:t1] = gw
+            if idx_BTS is None:
+                dkp[:, : gkp.shape[1]] += gkp
+            else:
+                offs = torch.arange(kp_BND.shape[0], device=dkp.device)[:, None, None] * N
+                dkp.view(-1, dkp.shape[-1]).index_add_(0, (pools_BCM.clamp_min(0) + offs).flatten(), gkp.flatten(0, 2))
+        return (dq.to(q_idx_BTHD.dtype), dkp.to(kp_BND.dtype), dw.to(w_BTH.dtype),
+                None, None, None, None, None, None, None)
+
+
+def _candidate_keys(kp_BND, pools_BCM, dense: bool):
+    if dense:
+        return kp_BND[:, : pools_BCM.shape[-1]]
+    B, N, D = kp_BND.shape
+    rows = pools_BCM.clamp_min(0) + torch.arange(B, device=kp_BND.device)[:, None, None] * N
+    return kp_BND.reshape(B * N, D).index_select(0, rows.flatten()).view(*pools_BCM.shape, D)
+
+
+def indexer_loss(q_idx_BTHD, k_idx_BTD, w_BTH, q_BTHD, k_BTHD, idx_BTS=None, *, gate_BTD=None, ape_KD=None,
+                 kpool: int, idx_scale: float | None = None, scale: float, chunk: int = 64):
+    """Scalar KL loss; ``idx_BTS=None`` is the dense warm-up mode, else the sparse mode.
+    Shapes as in ``select_tokens`` (indexer) and ``sparse_attention`` (main q, k)."""
+    idx_scale = q_idx_BTHD.shape[-1] ** -0.5 if idx_scale is None else idx_scale
+    # Pool keys in fp32 (not the input dtype, as selection does): a bf16 rounding of the keys
+    # flips ReLUs and makes the gradient noisy; the gradient still flows back to bf16 leaves.
+    kp_BND = pool_keys(k_idx_BTD.to(compute_dtype(k_idx_BTD.dtype)), gate_BTD, ape_KD, kpool=kpool)
+    return IndexerLoss.apply(q_idx_BTHD, kp_BND, w_BTH, q_BTHD.detach(), k_BTHD.detach(), idx_BTS,
+                             kpool, idx_scale, scale, chunk)

@@ -1,0 +1,229 @@
+"""DSA ops: every fast path (torch, triton) and every gradient against the dense reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from genome_lm_kernels import dsa
+from genome_lm_kernels.dsa import reference
+from genome_lm_kernels.dsa.bench import PeakRSS
+
+from .conftest import LENGTHS, REL_TOL, assert_rel_close
+
+# (kpool, topk): released checkpoint kpool 4, config default 16; topk not a multiple of kpool;
+# topk below kpool (no pool slot: only the tail, so some queries select nothing).
+SELECTIONS = [(4, 24), (4, 18), (16, 40), (4, 2)]
+SEL_IDS = [f"K{k}-topk{t}" for k, t in SELECTIONS]
+DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+TRITON_LENGTHS = (1, 63, 65)
+TRITON_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def indexer_inputs(generator, B, T, Hi, Di, kpool, dtype, gate=True):
+    r = lambda *s: torch.randn(*s, generator=generator).to(dtype)  # noqa: E731
+    return dict(q_idx_BTHD=r(B, T, Hi, Di), k_idx_BTD=r(B, T, Di), w_idx_BTH=r(B, T, Hi),
+                gate_BTD=r(B, T, Di) if gate else None, ape_KD=r(kpool, Di) if gate else None)
+
+
+def ref_scores(inp, kpool):
+    """Reference pool scores [B, T, N] of the same (possibly low-precision) inputs."""
+    B, T, Di = inp["k_idx_BTD"].shape
+    gate = inp["gate_BTD"] if inp["gate_BTD"] is not None else inp["k_idx_BTD"].new_zeros(B, T, Di)
+    ape = inp["ape_KD"] if inp["ape_KD"] is not None else inp["k_idx_BTD"].new_zeros(kpool, Di)
+    kp = reference.pool_keys(inp["k_idx_BTD"], gate, ape, kpool)
+    return reference.index_scores(inp["q_idx_BTHD"], kp, inp["w_idx_BTH"], kpool, Di**-0.5)
+
+
+def assert_same_selection(idx, idx_ref, scores_BTN, *, kpool, topk, sorted_pools=True, rtol=1e-5):
+    """Same slot layout, same tails, and the same pool set per query except for pools whose
+    scores tie (within rtol of the row's score scale) with the selection boundary."""
+    assert idx.shape == idx_ref.shape and idx.dtype == torch.long
+    B, T, N = scores_BTN.shape
+    P = min(topk // kpool, N)
+    assert torch.equal(idx[..., P * kpool:], idx_ref[..., P * kpool:]), "tail / padding slots differ"
+    groups = idx[..., : P * kpool].reshape(B, T, P, kpool)
+    first = groups[..., :1]
+    expect = torch.where(first >= 0, first + torch.arange(kpool), -1)
+    assert torch.equal(groups, expect), "a pool slot is not kpool consecutive tokens of one pool"
+    assert bool(((first < 0) | (first % kpool == 0)).all()), "a pool slot does not start on a pool boundary"
+
+    def pool_mask(ix):
+        pools = ix[..., : P * kpool : kpool]
+        m = torch.zeros(B, T, N + 1, dtype=torch.bool)
+        m.scatter_(-1, torch.where(pools >= 0, pools // kpool, N), True)
+        return m[..., :N], pools
+
+    mine, pools = pool_mask(idx)
+    ref, _ = pool_mask(idx_ref)
+    assert torch.equal(mine.sum(-1), ref.sum(-1)), "different number of selected pools"
+    assert not (mine & ~torch.isfinite(scores_BTN)).any(), "selected a pool that is not yet complete"
+    if sorted_pools:
+        nxt = pools[..., 1:]
+        assert bool(((nxt < 0) | (nxt > pools[..., :-1])).all()), "pools not ascending / -1 not last"
+    diff = mine ^ ref
+    if diff.any():
+        finite = torch.where(torch.isfinite(scores_BTN), scores_BTN, 0.0)
+        scale_BT1 = finite.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+        bound_BT1 = torch.where(ref, scores_BTN, float("inf")).amin(-1, keepdim=True)
+        gap = ((scores_BTN - bound_BT1).abs() / scale_BT1)[diff]
+        assert gap.max() <= rtol, f"{int(diff.sum())} pools differ, worst not a tie: gap {gap.max():.2e}"
+
+
+# ---------------------------------------------------------------- indexer selection
+
+
+def _check_selection(backend, T, kpool, topk, dtype, generator, gate=True, chunk=64):
+    inp = indexer_inputs(generator, 2, T, 3, 16, kpool, dtype, gate)
+    idx, valid = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend=backend, chunk=chunk)
+    idx_ref, _ = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend="reference")
+    assert torch.equal(valid, idx >= 0)
+    if dtype == torch.float64:  # same arithmetic up to fp64 rounding: identical, ties included
+        assert torch.equal(idx, idx_ref)
+    assert_same_selection(idx, idx_ref, ref_scores(inp, kpool), kpool=kpool, topk=topk)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kpool,topk", SELECTIONS, ids=SEL_IDS)
+@pytest.mark.parametrize("T", LENGTHS)
+def test_select_tokens_torch(T, kpool, topk, dtype, generator, nan_poison):
+    _check_selection("torch", T, kpool, topk, dtype, generator, gate=(T != 65))
+
+
+@pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)
+@pytest.mark.parametrize("kpool,topk", SELECTIONS[:3], ids=SEL_IDS[:3])
+@pytest.mark.parametrize("T", TRITON_LENGTHS)
+def test_select_tokens_triton(T, kpool, topk, dtype, generator, nan_poison):
+    _check_selection("triton", T, kpool, topk, dtype, generator, chunk=32)
+
+
+def test_select_tokens_ties_go_to_the_lower_pool(generator):
+    """All scores equal (w = 0): the first topk // kpool visible pools are selected."""
+    inp = indexer_inputs(generator, 1, 100, 2, 8, 4, torch.float32)
+    inp["w_idx_BTH"] = torch.zeros_like(inp["w_idx_BTH"])
+    idx, _ = dsa.select_tokens(**inp, kpool=4, topk=12, backend="torch", chunk=16)
+    assert idx[0, 99, :12].tolist() == list(range(12))
+    assert idx[0, 99, 12:].tolist() == [-1, -1, -1]  # 100 tokens: pool 24 complete, no tail
+    assert idx[0, 50, 12:].tolist() == [48, 49, 50]
+
+
+# ---------------------------------------------------------------- sparse attention
+
+
+def attention_case(generator, B, T, H, dtype, kpool=4, topk=18, D=16, DV=8):
+    r = lambda *s: torch.randn(*s, generator=generator).to(dtype)  # noqa: E731
+    inp = indexer_inputs(generator, B, T, 2, 8, kpool, torch.float64)
+    idx, _ = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend="torch")
+    q, k, v = r(B, T, H, D), r(B, T, H, D), r(B, T, H, DV)
+    return q, k, v, idx, r(B, T, H, DV), torch.randn(B, T, H, generator=generator)
+
+
+def _check_attention(backend, T, H, dtype, generator, kpool=4, topk=18, chunk=64):
+    q, k, v, idx, do, dlse = attention_case(generator, 2, T, H, dtype, kpool, topk)
+    scale = q.shape[-1] ** -0.5
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, lse = dsa.sparse_attention(*leaves, idx, scale=scale, backend=backend, chunk=chunk)
+    finite = torch.isfinite(lse)
+    grads = torch.autograd.grad((o.float() * do.float()).sum() + (lse.nan_to_num(neginf=0.0) * dlse).sum(), leaves)
+
+    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    o_ref, lse_ref = reference.sparse_attention(*ref_leaves, idx, scale=scale)
+    ref_grads = torch.autograd.grad(
+        (o_ref * do.double()).sum() + (lse_ref.nan_to_num(neginf=0.0) * dlse.double()).sum(), ref_leaves)
+
+    assert o.dtype == dtype
+    assert torch.equal(finite, torch.isfinite(lse_ref)), "a query with no key must have lse = -inf"
+    assert_rel_close(o, o_ref, dtype, "o")
+    assert_rel_close(lse[finite], lse_ref[finite], max(dtype, torch.float32, key=lambda d: REL_TOL[d]), "lse")
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert g.dtype == dtype
+        assert_rel_close(g, g_ref, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("H", [1, 3])
+@pytest.mark.parametrize("T", LENGTHS)
+def test_sparse_attention_torch(T, H, dtype, generator, nan_poison):
+    _check_attention("torch", T, H, dtype, generator)
+
+
+@pytest.mark.parametrize("kpool,topk", [(16, 40), (4, 2)], ids=["K16-topk40", "K4-topk2-empty-rows"])
+def test_sparse_attention_torch_selections(kpool, topk, generator, nan_poison):
+    _check_attention("torch", 257, 2, torch.float64, generator, kpool=kpool, topk=topk, chunk=32)
+
+
+@pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)
+@pytest.mark.parametrize("T", TRITON_LENGTHS)
+def test_sparse_attention_triton(T, dtype, generator, nan_poison):
+    _check_attention("triton", T, 2, dtype, generator)
+
+
+def test_sparse_attention_triton_empty_rows(generator, nan_poison):
+    _check_attention("triton", 33, 2, torch.float32, generator, kpool=4, topk=2)
+
+
+def test_sparse_attention_triton_several_blocks(generator, nan_poison):
+    """S = 75 slots: two BLOCK_S = 64 blocks, the tail in the second (online-softmax rescaling)."""
+    _check_attention("triton", 65, 2, torch.float32, generator, kpool=4, topk=72)
+
+
+# ---------------------------------------------------------------- indexer loss
+
+
+def _check_loss(backend, T, kpool, topk, sparse, dtype, generator, chunk=64):
+    inp = indexer_inputs(generator, 2, T, 3, 8, kpool, dtype)
+    r = lambda *s: torch.randn(*s, generator=generator).to(dtype)  # noqa: E731
+    q, k = r(2, T, 2, 16).requires_grad_(), r(2, T, 2, 16).requires_grad_()
+    idx = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend="torch")[0] if sparse else None
+    names = list(inp)
+    leaves = {n: inp[n].clone().requires_grad_() for n in names}
+    loss = dsa.indexer_loss(leaves["q_idx_BTHD"], leaves["k_idx_BTD"], leaves["w_idx_BTH"], q, k, idx,
+                            gate_BTD=leaves["gate_BTD"], ape_KD=leaves["ape_KD"], kpool=kpool, scale=0.25,
+                            backend=backend, chunk=chunk)
+    grads = torch.autograd.grad(loss, [leaves[n] for n in names] + [q, k], allow_unused=True)
+    assert grads[-1] is None and grads[-2] is None, "the main q, k must not receive indexer-loss gradient"
+    ref = {n: inp[n].detach().double().requires_grad_() for n in names}
+    loss_ref = dsa.indexer_loss(ref["q_idx_BTHD"], ref["k_idx_BTD"], ref["w_idx_BTH"], q.double(), k.double(),
+                                idx, gate_BTD=ref["gate_BTD"], ape_KD=ref["ape_KD"], kpool=kpool, scale=0.25,
+                                backend="reference")
+    if T < kpool:  # no query sees a complete pool
+        assert loss.item() == 0.0
+        return
+    *ref_grads, gq_ref, gk_ref = torch.autograd.grad(loss_ref, [ref[n] for n in names] + [q, k], allow_unused=True)
+    assert gq_ref is None and gk_ref is None, "reference: the main q, k must be detached"
+    assert_rel_close(loss.detach().reshape(1), loss_ref.detach().reshape(1), dtype, "loss")
+    for n, g, g_ref in zip(names, grads, ref_grads):
+        assert_rel_close(g, g_ref, dtype, f"d{n}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("kpool,topk", SELECTIONS[:3], ids=SEL_IDS[:3])
+@pytest.mark.parametrize("T", LENGTHS)
+def test_indexer_loss_torch(T, kpool, topk, sparse, dtype, generator, nan_poison):
+    _check_loss("torch", T, kpool, topk, sparse, dtype, generator)
+
+
+# ---------------------------------------------------------------- memory: no [T, T]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
+def test_chunked_paths_never_build_T_by_T(generator):
+    """At T = 16384 one fp32 [T, T] tensor is 1 GiB; the chunked paths must stay far below."""
+    T, kpool, topk, chunk = 16384, 4, 64, 64
+    inp = indexer_inputs(generator, 1, T, 2, 16, kpool, torch.float32)
+    q, k, v = (torch.randn(1, T, 2, 16, generator=generator).requires_grad_() for _ in range(3))
+    tt_bytes = T * T * 4
+    with PeakRSS() as m_sel:
+        idx, _ = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend="torch", chunk=chunk)
+    with PeakRSS() as m_attn:
+        o, lse = dsa.sparse_attention(q, k, v, idx, scale=0.25, backend="torch", chunk=chunk)
+        o.sum().backward()
+    leaves = [inp[n].requires_grad_() for n in ("q_idx_BTHD", "k_idx_BTD", "w_idx_BTH")]
+    with PeakRSS() as m_loss:
+        for mode in (None, idx):
+            dsa.indexer_loss(*leaves, q, k, mode, kpool=kpool, scale=0.25, backend="torch", chunk=chunk).backward()
+    for what, m in (("select", m_sel), ("attention", m_attn), ("loss", m_loss)):
+        assert m.delta < tt_bytes / 8, f"{what}: peak growth {m.delta / 2**20:.0f} MiB, [T, T] is 1 GiB"
