@@ -183,9 +183,83 @@ def demo(
     console.print("finetune and eval stages are not built yet; the dataset above is ready for them.")
 
 
+bench_app = typer.Typer(help="Benchmarks that compare against a baseline in the same run and print the ratio.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+def _print_rows(title: str, rows: list[dict], columns: dict[str, str]) -> None:
+    """``columns`` maps a row key to its heading; the other keys are settings, shown once."""
+    settings = {k: v for k, v in rows[0].items() if k not in columns and v not in (None, False) and all(r.get(k) == v for r in rows)}
+    table = Table(title=title, caption=", ".join(f"{k}={v}" for k, v in settings.items()))
+    for heading in columns.values():
+        table.add_column(heading, justify="left" if heading in ("path", "mode", "note") else "right")
+    for row in rows:
+        table.add_row(*(_cell(row.get(key, "")) for key in columns))
+    console.print(table)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return "nan" if value != value else (f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}")
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+
+
+def _with_ratio(rows: list[dict], key: str, group: tuple[str, ...], baseline: dict, out: str) -> list[dict]:
+    """Add ``out`` = row[key] / baseline row's [key], the baseline being the row of the same
+    ``group`` values that matches ``baseline``."""
+    base = {tuple(r[g] for g in group): r[key] for r in rows if all(r.get(k) == v for k, v in baseline.items())}
+    for row in rows:
+        ref = base.get(tuple(row[g] for g in group))
+        row[out] = row[key] / ref if ref and row.get(key) == row.get(key) and row.get(key) is not None else None
+    return rows
+
+
+@bench_app.command("kernels")
+def bench_kernels(
+    seq_lens: Annotated[str, typer.Option(help="Comma-separated sequence lengths (k=1024).")] = "8k,32k,128k",
+    op: Annotated[str, typer.Option(help="Which ops: kda, dsa or all.")] = "all",
+    backward: Annotated[bool, typer.Option(help="Time KDA forward+backward too (slow for the reference).")] = True,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write every row, all fields, to this file.")] = None,
+) -> None:
+    """KDA chunked vs its token-by-token reference (and transformers' torch fallback); DSA sparse vs dense masked attention: time and peak memory on this machine, with the ratio to the baseline."""
+    import json
+
+    lengths = tuple(parse_size(x) for x in seq_lens.split(","))
+    if op not in ("kda", "dsa", "all"):
+        raise typer.BadParameter("choose kda, dsa or all", param_hint="--op")
+    results = {}
+    if op in ("kda", "all"):
+        from genome_lm_kernels.kda.bench import bench as bench_kda
+
+        rows = _with_ratio(bench_kda(lengths=lengths, backward=backward), "seconds", ("mode", "T"), {"impl": "torch"}, "x torch time")
+        results["kda"] = rows
+        _print_rows("KDA (time relative to the chunked torch path)", rows,
+                    {"impl": "path", "mode": "mode", "T": "T", "seconds": "seconds", "x torch time": "x torch time",
+                     "peak_mib": "peak MiB", "note": "note"})
+    if op in ("dsa", "all"):
+        from genome_lm_kernels.dsa.bench import bench as bench_dsa
+
+        rows = bench_dsa(lengths=lengths)
+        for row in rows:
+            row["peak_mib"] = row["peak_bytes"] / 2**20 if row.get("peak_bytes") is not None else None
+            row["kib_per_token"] = row["bytes_per_token"] / 1024 if row.get("bytes_per_token") is not None else None
+            row["note"] = row.get("skipped") or ("extrapolated" if row.get("extrapolated") else "measured")
+        _with_ratio(rows, "time_s", ("T",), {"path": "sparse"}, "x sparse time")
+        _with_ratio(rows, "peak_mib", ("T",), {"path": "sparse"}, "x sparse memory")
+        results["dsa"] = rows
+        _print_rows("DSA forward+backward (relative to the sparse path)", rows,
+                    {"path": "path", "T": "T", "time_s": "seconds", "x sparse time": "x sparse time",
+                     "peak_mib": "peak MiB", "kib_per_token": "KiB/token", "x sparse memory": "x sparse mem",
+                     "note": "note"})
+    if json_out:
+        json_out.write_text(json.dumps(results, indent=1, default=str) + "\n")
+
+
 def run() -> None:  # console-script entry point
     try:
         app()
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("interrupted; run the same command again to resume", file=sys.stderr)
         sys.exit(130)

@@ -16,6 +16,13 @@ SHARED_GENOMES = REPO.parent / "shared" / "data" / "genomes"
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors through Triton's interpreter (slow: small shapes only).
+    # Set here, before any test module imports triton (megatron-core does): triton reads it once.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path_factory, monkeypatch):

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Triton kernels run on CPU tensors through Triton's interpreter (slow: small shapes only).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
+# TRITON_INTERPRET=1 on machines without a GPU is set by tests/conftest.py, before triton loads.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 # Sequence lengths that are not multiples of a chunk (64) or a pool (4, 16).

@@ -1,0 +1,188 @@
+"""Kimi Delta Attention in chunks of 64 tokens: the CPU-efficient torch path.
+
+Inside a chunk (positions i, j = 0..63, entering state S0 [K, V], G_i = g_0 + ... + g_i the
+in-chunk cumulative log-decay, all per channel), unrolling the recurrence gives
+
+    delta_i = beta_i (v_i - S0^T (e^{G_i} k_i) - sum_{j<i} (k_i . e^{G_i - G_j} k_j) delta_j)
+
+i.e. (I + A) delta = beta (v - (e^G k) S0) with A_ij = beta_i k_i . e^{G_i - G_j} k_j (j < i).
+With Tinv = (I + A)^{-1} (the UT transform) and the WY pair U = Tinv beta v,
+W = Tinv beta e^G k:
+
+    delta = U - W S0
+    o     = (e^G q) S0 + M delta,            M_ij = q_i . e^{G_i - G_j} k_j  (j <= i)
+    S_end = e^{G_last} S0 + (e^{G_last - G} k)^T delta
+
+Everything depending only on the chunk (A, M, Tinv, W, U) is computed for all chunks at once;
+only S0 -> S_end runs as a loop over chunks, in fp32.
+
+The pairwise e^{G_i - G_j} is per channel, so A and M are not a plain matmul. In 16-row
+sub-chunks, the exponent is split at a reference row r, e^{G_i - G_r} e^{G_r - G_j}, which makes
+each sub-chunk's rows one matmul. With r the middle row this needs the decay inside a sub-chunk
+to stay moderate (true for glm5_next's safe gate); for stronger decays an exact form takes over:
+r the sub-chunk's first row for the blocks left of it (both factors <= 1) and the 16 x 16
+diagonal blocks formed element by element.
+
+The in-chunk cumulative decay G is summed in fp64 and only differences of it are cast to fp32
+before exp: with strong decays (-60 per token) G reaches -4,000 within a chunk, where fp32 keeps
+only 4 digits of G_i - G_j and the gradient of g lost them (2e-5 relative error; 1e-7 now).
+
+Backward is autograd through this code. The pairwise step makes 4 x T x K (16 x T x K when
+exact) temporaries, so the per-chunk part runs in groups of chunks under activation
+checkpointing: what autograd keeps is W, U, M, e^G q, e^{G_last - G} k and one entering state per
+chunk, O(T (K + V + 64) + T/64 K V), and the temporaries exist for one group at a time (forward
+and recompute). A custom
+backward would save the recompute (about a third of the forward) but is far more code to trust.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+CHUNK = 64
+SUB = 16  # rows per sub-chunk for the pairwise decays
+MAX_EXP = 60.0  # largest exponent a factorised decay may take (e^60 ~ 1e26, fp32 tops at e^88)
+GROUP = 128  # chunks (all batch rows and heads together) per streamed, checkpointed group
+
+
+def _pairwise(k_NCK: torch.Tensor, q_NCK: torch.Tensor, G_NCK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each chunk, P_ij = sum_d a_i[d] k_j[d] exp(G_i[d] - G_j[d]) for j <= i (0 above),
+    with a = k and with a = q: two [N, C, C]. Both share the decay factors, so they are made once.
+
+    Split at each 16-row sub-chunk's middle row r, e^{G_i - G_j} = e^{G_i - G_r} e^{G_r - G_j} is
+    one matmul per sub-chunk; it is safe while no factor exceeds e^{MAX_EXP}, i.e. while the decay
+    from a sub-chunk's first row to r, and from r to its last row, stays under MAX_EXP (always for
+    glm5_next's safe gate, bound -5: at most 8 x 5 = 40). Otherwise the exact form is used.
+    """
+    N, C, K = k_NCK.shape
+    G = G_NCK.view(N, C // SUB, SUB, K)
+    ref = G[:, :, SUB // 2 : SUB // 2 + 1]  # [N, nsub, 1, K]
+    if torch.maximum(G[:, :, 0:1] - ref, ref - G[:, :, -1:]).max() > MAX_EXP:
+        return _pairwise_exact(k_NCK, q_NCK, G_NCK)
+    kq = torch.stack([k_NCK, q_NCK], 1).view(N, 2, C // SUB, SUB, K)
+    kq_in = (kq * (G - ref).float().exp()[:, None]).transpose(1, 2).flatten(2, 3)  # [N, nsub, 2*SUB, K]
+    # Columns after the sub-chunk are masked below; the clamp keeps their factors finite.
+    k_out = k_NCK[:, None] * (ref - G_NCK[:, None]).clamp(max=MAX_EXP).float().exp()  # [N, nsub, C, K]
+    P = (kq_in @ k_out.transpose(-1, -2)).view(N, C // SUB, 2, SUB, C).transpose(1, 2).reshape(N, 2, C, C)
+    # Keep j < i only. Above the diagonal the factors need not cancel (e^{G_i - G_j} >= 1 there,
+    # even inf): select, never multiply by a 0/1 mask, so those entries stay out of the gradient.
+    # The diagonal (e^0 = 1) is added without the split: through the split, its O(1) gradients
+    # into G_i and G_r cancel only up to rounding, which swamped the true gradient of g (e^{g}
+    # times smaller) by 1e-4 at g = -7.4.
+    P = torch.where(torch.ones(C, C, dtype=torch.bool, device=P.device).tril(-1), P, 0.0)
+    P = P + torch.diag_embed((kq * k_NCK.view(N, 1, C // SUB, SUB, K)).sum(-1).flatten(2))  # [N, 2, C, C]
+    return P[:, 0], P[:, 1]
+
+
+def _pairwise_exact(k_NCK: torch.Tensor, q_NCK: torch.Tensor, G_NCK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_pairwise`` for any decay: blocks left of a sub-chunk split at its first row (both factors
+    <= 1), the 16 x 16 diagonal blocks formed exactly (16 x T x K floats)."""
+    N, C, K = k_NCK.shape
+    nsub = C // SUB
+    k, G = k_NCK.view(N, nsub, SUB, K), G_NCK.view(N, nsub, SUB, K)
+    kq = torch.stack([k, q_NCK.view(N, nsub, SUB, K)], 2)  # [N, nsub, 2, SUB, K]
+    ref = G[:, :, None, :1]  # [N, nsub, 1, 1, K]: the first row of each sub-chunk
+    # Columns before the sub-chunk: e^{G_r - G_j} <= 1 there; the clamp only touches columns that
+    # the mask drops (at or after the sub-chunk), keeping inf out of the matmul.
+    kq_in = kq * (G[:, :, None] - ref).float().exp()
+    k_out = k_NCK[:, None] * (ref[:, :, 0] - G_NCK[:, None]).clamp(max=0).float().exp()  # [N, nsub, C, K]
+    off = kq_in.flatten(2, 3) @ k_out.transpose(-1, -2)  # [N, nsub, 2*SUB, C]
+    col_sub = torch.arange(C, device=k.device) // SUB
+    before = col_sub[None, :] < torch.arange(nsub, device=k.device)[:, None]  # [nsub, C]
+    off = off.view(N, nsub, 2, SUB, C) * before[None, :, None, None, :]
+    # Diagonal 16 x 16 blocks, exact; the exponent above the diagonal is masked to -inf (-> 0).
+    tril = torch.ones(SUB, SUB, dtype=torch.bool, device=k.device).tril()
+    expo = (G[:, :, :, None, :] - G[:, :, None, :, :]).float().masked_fill(~tril[..., None], float("-inf"))
+    k_decayed = k[:, :, None, :, :] * expo.exp()  # [N, nsub, SUB_i, SUB_j, K]
+    diag = kq.transpose(2, 3) @ k_decayed.transpose(-1, -2)  # [N, nsub, SUB_i, 2, SUB_j]
+    eye_sub = torch.eye(nsub, dtype=diag.dtype, device=k.device)
+    diag = diag.permute(0, 1, 3, 2, 4)[:, :, :, :, None, :] * eye_sub[:, None, None, :, None]
+    P = (off + diag.reshape(N, nsub, 2, SUB, C)).transpose(1, 2).reshape(N, 2, C, C)
+    return P[:, 0], P[:, 1]
+
+
+class _UnitLowerInverse(torch.autograd.Function):
+    """(I + A)^{-1} for strictly lower triangular A [N, C, C], by forward substitution (batched
+    triangular solves are slow on CPU here); backward: dA = -(Y^T dY Y^T), strictly lower."""
+
+    @staticmethod
+    def forward(ctx, A_NCC: torch.Tensor) -> torch.Tensor:
+        N, C, _ = A_NCC.shape
+        Y = torch.eye(C, dtype=A_NCC.dtype, device=A_NCC.device).repeat(N, 1, 1)
+        for i in range(1, C):  # row i of Y: e_i - sum_{j<i} A_ij Y_j
+            Y[:, i : i + 1, :i] -= A_NCC[:, i : i + 1, :i] @ Y[:, :i, :i]
+        ctx.save_for_backward(Y)
+        return Y
+
+    @staticmethod
+    def backward(ctx, dY: torch.Tensor) -> torch.Tensor:
+        (Y,) = ctx.saved_tensors
+        Yt = Y.transpose(-1, -2)
+        return -(Yt @ dY @ Yt).tril(-1)
+
+
+def _chunk_prepare(q, k, v, G, beta):
+    """Per-chunk quantities for N chunks ([N, 64, .] in, fp32): W, U, M, e^G q, e^{G_last-G} k, e^{G_last}."""
+    C = k.shape[1]
+    strict = torch.ones(C, C, dtype=torch.bool, device=k.device).tril(-1)
+    P_kk, M = _pairwise(k, q, G)
+    Tinv = _UnitLowerInverse.apply(P_kk * strict * beta[..., None])
+    eG = G.float().exp()
+    W = Tinv @ (beta[..., None] * eG * k)
+    U = Tinv @ (beta[..., None] * v)
+    G_last = G[:, -1:]
+    return W, U, M, q * eG, k * (G_last - G).float().exp(), G_last.squeeze(1).float().exp()
+
+
+def kda_chunked(
+    q_BTHK: torch.Tensor,
+    k_BTHK: torch.Tensor,
+    v_BTHV: torch.Tensor,
+    g_BTHK: torch.Tensor,
+    beta_BTH: torch.Tensor,
+    scale: float,
+    initial_state_BHKV: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``kda_reference``: (o [B, T, H, V] fp32, final state [B, H, K, V] fp32).
+
+    Any T: the tail is padded to a whole chunk with g = 0, beta = 0, k = 0, which leaves the
+    state untouched, and the padded outputs are dropped.
+    """
+    B, T, H, K = k_BTHK.shape
+    V = v_BTHV.shape[-1]
+    n = -(-T // CHUNK)
+    pad = n * CHUNK - T
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, D] -> [B, H, n, 64, D] fp32
+        x = F.pad(x.float(), (0, 0, 0, 0, 0, pad))
+        return x.view(B, n, CHUNK, H, -1).permute(0, 3, 1, 2, 4)
+
+    q, k, v, g = chunks(q_BTHK * scale), chunks(k_BTHK), chunks(v_BTHV), chunks(g_BTHK)
+    beta = chunks(beta_BTH[..., None]).squeeze(-1)
+
+    # Stream over groups of chunks in time: prepare a group (checkpointed when autograd is on),
+    # then carry the state through it, so temporaries never exceed one group.
+    S = q.new_zeros(B, H, K, V) if initial_state_BHKV is None else initial_state_BHKV.float()
+    group = max(1, GROUP // (B * H))
+    outputs = []
+    for c0 in range(0, n, group):
+        nc = min(group, n - c0)
+        args = [x[:, :, c0 : c0 + nc].reshape(B * H * nc, CHUNK, -1) for x in (q, k, v, g)]
+        args[3] = args[3].double().cumsum(1)  # G in fp64: differences of long sums keep their digits
+        args.append(beta[:, :, c0 : c0 + nc].reshape(B * H * nc, CHUNK))
+        if torch.is_grad_enabled():
+            parts = checkpoint(_chunk_prepare, *args, use_reentrant=False)
+        else:
+            parts = _chunk_prepare(*args)
+        W, U, M, Qg, Kd, decay = (p.view(B, H, nc, *p.shape[1:]) for p in parts)
+        entering, deltas = [], []
+        for c in range(nc):
+            entering.append(S)
+            delta = U[:, :, c] - W[:, :, c] @ S  # [B, H, 64, V]
+            deltas.append(delta)
+            S = decay[:, :, c, :, None] * S + Kd[:, :, c].transpose(-1, -2) @ delta
+        outputs.append(Qg @ torch.stack(entering, 2) + M @ torch.stack(deltas, 2))  # [B, H, nc, 64, V]
+    o = torch.cat(outputs, 2).reshape(B, H, n * CHUNK, V)[:, :, :T].transpose(1, 2)
+    return o, S
