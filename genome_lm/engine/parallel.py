@@ -1,0 +1,89 @@
+"""Process groups: the one place genome-lm touches torch.distributed and megatron-core's
+``parallel_state`` globals.
+
+``parallel_context(sizes)`` initialises the default process group if nobody has (a one-process
+group on a free local port: the CPU demo and the tests), sets up megatron-core's tensor /
+context / expert / pipeline groups, and yields the ``ProcessGroupCollection`` that every model
+module receives explicitly. On exit it tears megatron-core's groups down again, so tests can
+build models with different layouts in one process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from .cpu import enable_cpu_megatron
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """How the model is split: tensor, context, expert, expert-tensor and pipeline parallel."""
+
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    pp: int = 1
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.cp * self.pp
+
+    def check(self, world_size: int) -> None:
+        if world_size % self.model_parallel:
+            raise ValueError(f"world size {world_size} is not a multiple of tp*cp*pp = {self.model_parallel}")
+        if world_size % (self.ep * self.etp * self.pp):
+            raise ValueError(f"world size {world_size} is not a multiple of ep*etp*pp = {self.ep * self.etp * self.pp}")
+        if self.pp != 1:
+            raise ValueError("pipeline parallel is not supported yet (pp must be 1)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int = 0, world_size: int = 1, *, init_method: str | None = None) -> None:
+    """Start the default process group (gloo on CPU, nccl on GPU) unless one exists."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if init_method is None and "MASTER_ADDR" in os.environ:
+        init_method = "env://"
+    if init_method is None:
+        if world_size != 1:
+            raise ValueError("a multi-process group needs init_method or MASTER_ADDR/MASTER_PORT")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+
+
+@contextmanager
+def parallel_context(sizes: ParallelSizes = ParallelSizes()) -> Iterator["ProcessGroupCollection"]:  # noqa: F821
+    """Yield megatron-core's process groups for ``sizes``; tear them down afterwards."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    enable_cpu_megatron()  # no-op on a GPU machine
+    init_distributed()
+    sizes.check(dist.get_world_size())
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=sizes.tp,
+        pipeline_model_parallel_size=sizes.pp,
+        context_parallel_size=sizes.cp,
+        expert_model_parallel_size=sizes.ep,
+        expert_tensor_parallel_size=sizes.etp,
+    )
+    try:
+        yield ProcessGroupCollection.use_mpu_process_groups()
+    finally:
+        parallel_state.destroy_model_parallel()

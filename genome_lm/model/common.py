@@ -1,0 +1,170 @@
+"""Pieces shared by the layers: megatron-core's config and spec provider, RMSNorm, mHC.
+
+Layout: inside the stack activations are sequence-first, ``[S, B, ...]``, as megatron-core's
+modules expect; the mHC residual streams are ``[S, B, N, hidden]`` with N = ``hc_mult``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+TransformerImpl = Literal["local", "transformer_engine"]
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Choices made once when a model is built (never read from globals later).
+
+    transformer_impl: megatron-core's spec provider, "local" (torch, CPU) or
+        "transformer_engine" (GPU, needs the ``gpu`` extra).
+    kernel_backend: backend of the KDA and DSA ops ("reference", "torch", "triton"), already
+        resolved with ``genome_lm_kernels.resolve_backend``.
+    dtype: parameter dtype.
+    """
+
+    transformer_impl: TransformerImpl = "local"
+    kernel_backend: str = "torch"
+    dtype: torch.dtype = torch.float32
+
+    def spec_provider(self):
+        if self.transformer_impl == "transformer_engine":
+            from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+            return TESpecProvider()
+        from megatron.core.models.backends import LocalSpecProvider
+
+        return LocalSpecProvider()
+
+
+def megatron_config(cfg: ModelConfig, sizes, options: BuildOptions):
+    """The megatron-core ``TransformerConfig`` its MLP, MoE and parallel linear layers read.
+
+    Attention fields are placeholders megatron-core validates but genome-lm's own KDA and DSA
+    layers do not use. Fusions stay off: the swiglu clamp of glm5_next (gate <= limit, up in
+    [-limit, limit]) is applied by megatron-core's unfused GLU through
+    ``activation_func_clamp_value``."""
+    from megatron.core.transformer import TransformerConfig
+
+    on_gpu = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads,
+        kv_channels=cfg.v_head_dim,
+        layernorm_epsilon=cfg.rms_norm_eps,
+        normalization="RMSNorm",
+        init_method_std=cfg.initializer_range,
+        add_bias_linear=False,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        activation_func_clamp_value=cfg.swiglu_limit,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not on_gpu,
+        params_dtype=options.dtype,
+        bf16=options.dtype == torch.bfloat16,
+        transformer_impl=options.transformer_impl,
+        tensor_model_parallel_size=sizes.tp,
+        context_parallel_size=sizes.cp,
+        expert_model_parallel_size=sizes.ep,
+        expert_tensor_parallel_size=sizes.etp,
+        num_moe_experts=cfg.n_routed_experts,
+        moe_router_topk=cfg.num_experts_per_tok,
+        moe_ffn_hidden_size=cfg.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=cfg.shared_expert_size,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=cfg.routed_scaling_factor,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+        moe_grouped_gemm=False,
+    )
+
+
+class RMSNorm(nn.Module):
+    """glm5_next's RMSNorm: normalise in fp32, cast back, then scale by the weight."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class HyperConnection(nn.Module):
+    """Manifold-constrained hyper-connection (mHC) around one block (attention or MLP).
+
+    From the N residual streams it computes, with one linear map of the RMS-normalised
+    flattened streams: ``pre`` [.., N] (collapses the streams into the block's input), ``post``
+    [.., N] (spreads the block's output over the streams) and ``comb`` [.., N, N] (mixes the
+    residual streams; Sinkhorn-normalised to be doubly stochastic so the residual cannot grow).
+    Parameters and arithmetic follow transformers' ``Glm5NextTextHyperConnection``; fn, base
+    and scale are kept in fp32.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        n = cfg.hc_mult
+        self.n, self.iters, self.eps, self.norm_eps = n, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * cfg.hidden_size, dtype=torch.float32))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+        nn.init.normal_(self.fn, std=0.02)
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [S, B, N, D] -> (post [S, B, N] fp32, comb [S, B, N, N] fp32, block input [S, B, D])."""
+        n = self.n
+        flat = streams.flatten(-2).float()
+        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
+        mixed = F.linear(flat, self.fn.float())
+        pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        pre_s, post_s, comb_s = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), dim=-1) + self.eps
+        comb = comb / (comb.sum(-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(-2, keepdim=True) + self.eps)
+        block_in = (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
+        return post, comb, block_in
+
+    @staticmethod
+    def merge(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        """New streams: post * block output + comb^T @ old streams."""
+        dtype = streams.dtype
+        return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + comb.to(dtype).transpose(-1, -2) @ streams
+
+
+def replicated_linear(in_features: int, out_features: int, cfg: ModelConfig, dtype: torch.dtype) -> nn.Linear:
+    """A small projection every tensor-parallel rank holds whole (its inputs are replicated)."""
+    layer = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
+    nn.init.normal_(layer.weight, std=cfg.initializer_range)
+    return layer
+
+
+def tp_shared(weight: torch.Tensor, tp_group) -> torch.Tensor:
+    """Use a replicated parameter on tensor-parallel-split data: identity forward, all-reduce of
+    its gradient backward (each rank only sees its own heads' contribution)."""
+    if tp_group is None or tp_group.size() == 1:
+        return weight
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    return copy_to_tensor_model_parallel_region(weight, group=tp_group)

@@ -1,0 +1,133 @@
+"""The DSA layer of GLM-5.3-Flash: MLA without positional encoding + the k-pool lightning indexer.
+
+(glm5_next ``Glm5NextTextAttention`` and ``Glm5NextTextIndexer``.) The indexer picks, for each
+query, the top ``index_topk / index_kpool`` complete pools of ``index_kpool`` tokens plus the
+query's incomplete tail pool; the main attention then runs over those tokens only
+(``genome_lm_kernels.dsa.sparse_attention``: gathered keys, chunked queries, memory O(T * topk)).
+A layer whose ``indexer_types`` entry is "shared" has no indexer and reuses the selection of the
+previous full layer.
+
+Training adds the indexer loss (DeepSeek-V3.2): KL between the main attention distribution
+(summed over heads, normalised) and the indexer's distribution, on a detached indexer input so
+the loss trains only the indexer and the language-model loss never reaches it. Mode "dense"
+(warm-up, all visible pools) or "sparse" (the selected pools).
+
+Tensor parallel splits the attention heads (q_b, kv_b column-parallel, o row-parallel); the
+low-rank down projections, their norms and the indexer are replicated. The indexer loss needs
+every head's scores, so each rank gathers the (detached) q and k of all heads for it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+from torch import nn
+
+from genome_lm_kernels import dsa as dsa_ops
+
+from .common import BuildOptions, RMSNorm, replicated_linear
+from .config import SHARED, ModelConfig
+
+IndexerLossMode = Literal["off", "dense", "sparse"]
+
+
+class DSAOutput(NamedTuple):
+    out: torch.Tensor  # [S, B, hidden]
+    idx: torch.Tensor  # [B, S, index_topk + index_kpool - 1] selected tokens, -1 = empty
+    indexer_loss: torch.Tensor | None
+
+
+class Indexer(nn.Module):
+    """The lightning indexer's parameters and its inputs for the kernels (replicated under TP)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+        self.heads, self.dim = Hi, Di
+        self.wq_b = replicated_linear(cfg.q_lora_rank, Hi * Di, cfg, dtype)
+        self.wk = replicated_linear(cfg.hidden_size, Di, cfg, dtype)
+        self.k_norm = nn.LayerNorm(Di, eps=1e-6, dtype=dtype)
+        self.weights_proj = replicated_linear(cfg.hidden_size, Hi, cfg, dtype)
+        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(cfg.index_kpool, Di, dtype=dtype))
+        self.index_kpool_compress_gate = nn.Parameter(torch.ones(Di, cfg.hidden_size, dtype=dtype))
+
+    def inputs(self, x_BSD: torch.Tensor, q_resid_BSR: torch.Tensor):
+        """(q [B,S,Hi,Di], k [B,S,Di], w [B,S,Hi], gate logits [B,S,Di]) as glm5_next computes them."""
+        q = self.wq_b(q_resid_BSR).unflatten(-1, (self.heads, self.dim))
+        k = self.k_norm(self.wk(x_BSD))
+        w = self.weights_proj(x_BSD).float() * self.heads**-0.5
+        gate = x_BSD @ self.index_kpool_compress_gate.t()
+        return q, k, w, gate
+
+
+class DSAAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tf_config, options: BuildOptions, tp_group):
+        super().__init__()
+        provider = options.spec_provider()
+        tp = 1 if tp_group is None else tp_group.size()
+        if cfg.num_attention_heads % tp:
+            raise ValueError(f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by tensor parallel {tp}")
+        self.cfg, self.backend, self.tp_group = cfg, options.kernel_backend, tp_group
+        self.heads = cfg.num_attention_heads // tp
+        self.scale = cfg.qk_head_dim**-0.5
+        dtype = options.dtype
+        H = cfg.num_attention_heads
+
+        def column(n_in: int, n_out: int):
+            return provider.column_parallel_linear()(
+                n_in, n_out, config=tf_config, init_method=tf_config.init_method, bias=False,
+                gather_output=False, skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None, tp_group=tp_group)
+
+        self.q_a_proj = replicated_linear(cfg.hidden_size, cfg.q_lora_rank, cfg, dtype)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
+        self.q_b_proj = column(cfg.q_lora_rank, H * cfg.qk_head_dim)
+        self.kv_a_proj_with_mqa = replicated_linear(cfg.hidden_size, cfg.kv_lora_rank, cfg, dtype)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype)
+        self.kv_b_proj = column(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.o_proj = provider.row_parallel_linear()(
+            H * cfg.v_head_dim, cfg.hidden_size, config=tf_config, init_method=tf_config.output_layer_init_method,
+            bias=False, input_is_parallel=True, skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None,
+            tp_group=tp_group)
+        self.indexer = None if cfg.indexer_types[layer_idx] == SHARED else Indexer(cfg, dtype)
+
+    def forward(self, x: torch.Tensor, shared_idx: torch.Tensor | None = None,
+                indexer_loss: IndexerLossMode = "off") -> DSAOutput:
+        """x [S, B, hidden]; ``shared_idx`` is the previous full layer's selection for a shared layer."""
+        S, B, _ = x.shape
+        cfg = self.cfg
+        x_BSD = x.transpose(0, 1)
+        q_resid = self.q_a_layernorm(self.q_a_proj(x_BSD))
+        q = self.q_b_proj(q_resid.transpose(0, 1))[0].transpose(0, 1).unflatten(-1, (self.heads, cfg.qk_head_dim))
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x_BSD))
+        kv = self.kv_b_proj(latent.transpose(0, 1))[0].transpose(0, 1)
+        k, v = kv.unflatten(-1, (self.heads, -1)).split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+
+        loss = None
+        if self.indexer is None:
+            if shared_idx is None:
+                raise ValueError("a shared DSA layer needs the selection of a previous full layer")
+            idx = shared_idx
+        else:
+            # the indexer sees a detached input: its loss trains it alone, the LM loss never does
+            q_i, k_i, w_i, gate_i = self.indexer.inputs(x_BSD.detach(), q_resid.detach())
+            idx, _ = dsa_ops.select_tokens(q_i, k_i, w_i, gate_i, self.indexer.index_kpool_compress_ape,
+                                           kpool=cfg.index_kpool, topk=cfg.index_topk, backend=self.backend)
+            if indexer_loss != "off":
+                q_all, k_all = self._all_heads(q.detach()), self._all_heads(k.detach())
+                loss = dsa_ops.indexer_loss(
+                    q_i, k_i, w_i, q_all, k_all, idx if indexer_loss == "sparse" else None,
+                    gate_BTD=gate_i, ape_KD=self.indexer.index_kpool_compress_ape, kpool=cfg.index_kpool,
+                    scale=self.scale, backend=self.backend)
+        o, _ = dsa_ops.sparse_attention(q, k.contiguous(), v.contiguous(), idx, scale=self.scale,
+                                        backend=self.backend)
+        out = self.o_proj(o.reshape(B, S, -1).transpose(0, 1))[0]
+        return DSAOutput(out, idx, loss)
+
+    def _all_heads(self, t_BSHD: torch.Tensor) -> torch.Tensor:
+        """Concatenate the heads of every tensor-parallel rank (no gradient flows through)."""
+        if self.tp_group is None or self.tp_group.size() == 1:
+            return t_BSHD
+        parts = [torch.empty_like(t_BSHD) for _ in range(self.tp_group.size())]
+        torch.distributed.all_gather(parts, t_BSHD.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=2)

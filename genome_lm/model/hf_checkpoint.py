@@ -1,0 +1,308 @@
+"""Hugging Face glm5_next checkpoints <-> genome-lm's megatron-core model, any parallel layout.
+
+The checkpoint format is what transformers' ``save_pretrained`` writes for
+``Glm5NextForConditionalGeneration`` (and what the released checkpoint uses): safetensors files,
+sharded with ``model.safetensors.index.json``, text weights under ``model.language_model.`` (or
+``model.`` for a text-only checkpoint), ``lm_head.weight`` at the top, experts as one tensor per
+expert and projection, hyper-connections as ``hc_attn_fn`` / ``hc_attn_base`` / ....
+Vision weights are ignored.
+
+Two steps, in both directions:
+1. names: each model parameter corresponds to one or more checkpoint tensors at full size
+   (``_full_from_hf`` / ``_full_to_hf``): for instance megatron-core's ``linear_fc1`` is
+   ``[gate; up]`` and genome-lm's KDA ``conv_weight`` is ``[q; k; v]`` convolutions.
+2. layout: a rank holds a slice of the full tensor along ``partition_dim`` in its tensor (or
+   expert-tensor) parallel group, and experts ``ep_rank * local + j`` (``_shard`` / ``_gather``).
+   The GLU ``linear_fc1`` is sharded as ``[gate_r; up_r]`` on each rank.
+
+Loading reads one checkpoint tensor at a time through memory-mapped ``safe_open`` and copies
+the local slice into the parameter, so the weights are never held twice. Export gathers one
+parameter at a time and writes shards of at most ``max_shard_bytes``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .config import ModelConfig
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read as glm5_next (names the file and what is wrong)."""
+
+
+class HFCheckpoint:
+    """Read access to the tensors of a safetensors checkpoint folder, one at a time."""
+
+    def __init__(self, path: str | Path):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        if (self.path / INDEX).exists():
+            try:
+                weight_map = json.loads((self.path / INDEX).read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise CheckpointError(f"{self.path / INDEX}: not a safetensors index ({exc})") from None
+        elif (self.path / SINGLE).exists():
+            with safe_open(self.path / SINGLE, "pt") as f:
+                weight_map = {k: SINGLE for k in f.keys()}
+        else:
+            raise CheckpointError(f"{self.path}: no {INDEX} or {SINGLE}")
+        self.weight_map: dict[str, str] = weight_map
+        self._open = safe_open
+        self._handles: dict[str, object] = {}
+        self.prefix = self._text_prefix()
+
+    def _text_prefix(self) -> str:
+        for prefix in ("model.language_model.", "model.", ""):
+            if prefix + "embed_tokens.weight" in self.weight_map:
+                return prefix
+        raise CheckpointError(f"{self.path}: no embed_tokens.weight: not a glm5_next checkpoint")
+
+    def config(self) -> ModelConfig:
+        file = self.path / "config.json"
+        if not file.exists():
+            raise CheckpointError(f"{file}: missing")
+        try:
+            return ModelConfig.from_hf(file)
+        except (ValueError, TypeError) as exc:
+            raise CheckpointError(f"{file}: {exc}") from None
+
+    def has(self, key: str) -> bool:
+        return key in self.weight_map
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self.weight_map:
+            raise CheckpointError(f"{self.path}: tensor {key} is missing")
+        file = self.weight_map[key]
+        if file not in self._handles:
+            if not (self.path / file).exists():
+                raise CheckpointError(f"{self.path / file}: missing (listed in the index)")
+            self._handles[file] = self._open(self.path / file, "pt")
+        return self._handles[file].get_tensor(key)
+
+    def dtype_of(self, key: str) -> torch.dtype:
+        return self.get(key).dtype
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+# ------------------------------------------------------------------------------ names, full size
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
+
+# parameter (inside a layer) -> checkpoint tensor (inside the layer), one to one
+_SAME_IN_LAYER = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+    "self_attention.o_norm_weight": "self_attn.o_norm.weight",
+    "self_attention.A_log": "self_attn.A_log",
+    "self_attention.dt_bias": "self_attn.dt_bias",
+}
+for _hc in ("attn", "ffn"):
+    for _p in ("fn", "base", "scale"):
+        _SAME_IN_LAYER[f"{_hc}_hc.{_p}"] = f"hc_{_hc}_{_p}"
+_GLU = {"mlp.linear_fc1.weight": "mlp", "mlp.shared_experts.linear_fc1.weight": "mlp.shared_experts"}
+_DOWN = {"mlp.linear_fc2.weight": "mlp.down_proj.weight",
+         "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight"}
+
+
+def _top_level(name: str, cfg: ModelConfig, prefix: str) -> list[str]:
+    if name == "embedding.weight":
+        return [prefix + "embed_tokens.weight"]
+    if name == "final_norm.weight":
+        return [prefix + "norm.weight"]
+    if name == "output_layer.weight":
+        return [prefix + "embed_tokens.weight"] if cfg.tie_word_embeddings else ["lm_head.weight"]
+    raise KeyError(name)
+
+
+def hf_keys(name: str, cfg: ModelConfig, prefix: str, expert_offset: int = 0) -> list[str]:
+    """Checkpoint tensors that make up parameter ``name`` (in order of concatenation)."""
+    m = _LAYER.fullmatch(name)
+    if not m:
+        return _top_level(name, cfg, prefix)
+    layer, rest = m.group(1), m.group(2)
+    base = f"{prefix}layers.{layer}."
+    if rest in _SAME_IN_LAYER:
+        return [base + _SAME_IN_LAYER[rest]]
+    if rest in _GLU:
+        return [f"{base}{_GLU[rest]}.gate_proj.weight", f"{base}{_GLU[rest]}.up_proj.weight"]
+    if rest in _DOWN:
+        return [base + _DOWN[rest]]
+    if (e := _EXPERT.fullmatch(rest)) is not None:
+        expert = int(e.group(1)) + expert_offset
+        if e.group(2) == "linear_fc1":
+            return [f"{base}mlp.experts.{expert}.gate_proj.weight", f"{base}mlp.experts.{expert}.up_proj.weight"]
+        return [f"{base}mlp.experts.{expert}.down_proj.weight"]
+    if rest == "self_attention.conv_weight":
+        return [f"{base}self_attn.{p}_conv1d.weight" for p in "qkv"]
+    if rest.startswith("self_attention."):
+        return [base + "self_attn." + rest[len("self_attention."):]]
+    raise KeyError(name)
+
+
+def _full_from_hf(name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Checkpoint tensors -> the parameter at tensor-parallel size 1."""
+    if name.endswith("self_attention.conv_weight"):  # 3 x [W, 1, k] -> [3, W, k]
+        return torch.stack([t.squeeze(1) for t in tensors])
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+
+
+def _full_to_hf(name: str, full: torch.Tensor) -> list[torch.Tensor]:
+    if name.endswith("self_attention.conv_weight"):
+        return [t.unsqueeze(1).contiguous() for t in full.unbind(0)]
+    if name.endswith("linear_fc1.weight"):
+        return [t.contiguous() for t in full.chunk(2, dim=0)]
+    return [full]
+
+
+# ---------------------------------------------------------------------------------------- layout
+def _is_glu(name: str) -> bool:
+    return name.endswith("linear_fc1.weight")
+
+
+def _groups(model, name: str):
+    """(tensor-parallel group of this parameter, expert-parallel group or None)."""
+    if ".experts.local_experts." in name:
+        return model.pg.expt_tp, model.pg.ep
+    return model.pg.tp, None
+
+
+def _expert_offset(model, name: str) -> int:
+    if ".experts.local_experts." not in name:
+        return 0
+    local = model.cfg.n_routed_experts // model.pg.ep.size()
+    return model.pg.ep.rank() * local
+
+
+def _shard(full: torch.Tensor, param: torch.Tensor, name: str, group) -> torch.Tensor:
+    if not getattr(param, "tensor_model_parallel", False) or group is None or group.size() == 1:
+        return full
+    dim, rank, size = param.partition_dim, group.rank(), group.size()
+    if _is_glu(name):
+        return torch.cat([half.chunk(size, dim=0)[rank] for half in full.chunk(2, dim=0)], dim=0)
+    return full.chunk(size, dim=dim)[rank]
+
+
+def _gather(local: torch.Tensor, param: torch.Tensor, name: str, group) -> torch.Tensor:
+    if not getattr(param, "tensor_model_parallel", False) or group is None or group.size() == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(group.size())]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    if _is_glu(name):
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])], dim=0)
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def _weights(model):
+    """(name, tensor) of everything a checkpoint holds: parameters and the router's expert bias."""
+    for name, param in model.named_parameters():
+        yield name, param
+    for name, buf in model.named_buffers():
+        if name.endswith("router.expert_bias"):
+            yield name, buf
+
+
+# ---------------------------------------------------------------------------------- load, export
+@torch.no_grad()
+def load_hf_checkpoint(model, path: str | Path, *, check_config: bool = True) -> None:
+    """Copy the checkpoint's text weights into ``model`` (any tensor / expert parallel layout)."""
+    ckpt = HFCheckpoint(path)
+    if check_config:
+        cfg = ckpt.config()
+        if cfg != model.cfg:
+            diff = {f: (getattr(cfg, f), getattr(model.cfg, f)) for f in cfg.__dataclass_fields__
+                    if getattr(cfg, f) != getattr(model.cfg, f)}
+            raise CheckpointError(f"{ckpt.path / 'config.json'}: does not match the model: {diff}")
+    try:
+        for name, param in _weights(model):
+            keys = hf_keys(name, model.cfg, ckpt.prefix, _expert_offset(model, name))
+            full = _full_from_hf(name, [ckpt.get(k) for k in keys])
+            tp_group, _ = _groups(model, name)
+            local = _shard(full, param, name, tp_group)
+            if local.shape != param.shape:
+                raise CheckpointError(f"{ckpt.path}: {keys[0]} has shape {tuple(full.shape)}, which does not fit "
+                                      f"{name} {tuple(param.shape)} at this parallel layout")
+            param.copy_(local)
+            del full, local
+    finally:
+        ckpt.close()
+
+
+@torch.no_grad()
+def export_hf_checkpoint(model, out: str | Path, *, dtype: torch.dtype | None = None,
+                         like: str | Path | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write the model's weights as a glm5_next safetensors checkpoint (collective: call on every
+    rank; rank 0 writes). Each tensor keeps the dtype it has in ``like`` (a checkpoint folder),
+    else ``dtype``, else the parameter's dtype. ``config.json`` comes from ``like`` when given."""
+    from safetensors.torch import save_file
+
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    out = Path(out)
+    source = HFCheckpoint(like) if like is not None else None
+    prefix = source.prefix if source is not None else "model.language_model."
+    if rank0:
+        out.mkdir(parents=True, exist_ok=True)
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes, files, weight_map = 0, [], {}
+
+    def flush():
+        nonlocal pending, pending_bytes
+        if pending:
+            file = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(pending, str(out / file), metadata={"format": "pt"})
+            files.append(file)
+            weight_map.update({k: file for k in pending})
+            pending, pending_bytes = {}, 0
+
+    for name, param in _weights(model):
+        tp_group, ep_group = _groups(model, name)
+        full = _gather(param.detach(), param, name, tp_group)
+        experts = [full]
+        if ep_group is not None and ep_group.size() > 1:
+            experts = [torch.empty_like(full) for _ in range(ep_group.size())]
+            dist.all_gather(experts, full.contiguous(), group=ep_group)
+        if not rank0:
+            continue
+        local_count = model.cfg.n_routed_experts // (ep_group.size() if ep_group is not None else 1)
+        for ep_rank, tensor in enumerate(experts):
+            keys = hf_keys(name, model.cfg, prefix, ep_rank * local_count if ep_group is not None else 0)
+            for key, t in zip(keys, _full_to_hf(name, tensor)):
+                want = source.dtype_of(key) if source is not None and source.has(key) else (dtype or t.dtype)
+                t = t.to(want).contiguous().clone()
+                if pending and pending_bytes + t.numel() * t.element_size() > max_shard_bytes:
+                    flush()
+                pending[key] = t
+                pending_bytes += t.numel() * t.element_size()
+    if rank0:
+        flush()
+        total = len(files)
+        renamed = {}
+        for i, file in enumerate(files, start=1):
+            final = f"model-{i:05d}-of-{total:05d}.safetensors"
+            (out / file).rename(out / final)
+            renamed[file] = final
+        index = {"metadata": {"format": "genome-lm export"},
+                 "weight_map": {k: renamed[f] for k, f in sorted(weight_map.items())}}
+        (out / INDEX).write_text(json.dumps(index, indent=2))
+        if like is not None and (Path(like) / "config.json").exists():
+            config = json.loads((Path(like) / "config.json").read_text())
+        else:
+            config = {"model_type": "glm5_next", "architectures": ["Glm5NextForConditionalGeneration"],
+                      "text_config": model.cfg.to_hf()}
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+    if source is not None:
+        source.close()

@@ -1,0 +1,119 @@
+"""The GLM-5.3-Flash text stack on megatron-core.
+
+    tokens -> VocabParallelEmbedding -> N copies (mHC streams)
+           -> layers: [mHC -> RMSNorm -> KDA or DSA -> mHC merge] [mHC -> RMSNorm -> MLP or MoE -> merge]
+           -> mean over streams -> RMSNorm -> output layer (column-parallel over the vocabulary)
+
+Dense MLP layers are megatron-core's ``MLP``, MoE layers its ``MoELayer`` (sigmoid router with
+expert bias, top-k scaling, shared expert, token dispatcher, expert parallel); linear layers
+come from megatron-core's spec provider (local torch on CPU, Transformer Engine on GPU).
+Process groups arrive explicitly as a ``ProcessGroupCollection``; nothing here reads
+megatron-core's globals.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from .common import BuildOptions, HyperConnection, RMSNorm, megatron_config
+from .config import DENSE, LINEAR, ModelConfig
+from .dsa import DSAAttention, IndexerLossMode
+from .kda import KDAAttention
+
+
+class ModelOutput(NamedTuple):
+    logits: torch.Tensor  # [B, T, V] (vocabulary-parallel shard unless gathered)
+    indexer_losses: list[torch.Tensor]  # one per DSA layer with its own indexer, when asked for
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tf_config, options: BuildOptions, pg):
+        super().__init__()
+        self.is_kda = cfg.layer_types[layer_idx] == LINEAR
+        self.attn_hc = HyperConnection(cfg)
+        self.ffn_hc = HyperConnection(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.dtype)
+        if self.is_kda:
+            self.self_attention = KDAAttention(cfg, tf_config, options, pg.tp)
+        else:
+            self.self_attention = DSAAttention(cfg, layer_idx, tf_config, options, pg.tp)
+        provider = options.spec_provider()
+        if cfg.mlp_layer_types[layer_idx] == DENSE:
+            from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+            self.mlp = MLP(tf_config, MLPSubmodules(linear_fc1=provider.column_parallel_linear(),
+                                                    linear_fc2=provider.row_parallel_linear()),
+                           ffn_hidden_size=cfg.intermediate_size, tp_group=pg.tp)
+        else:
+            from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+
+            builder = get_moe_module_spec_for_backend(provider, num_experts=cfg.n_routed_experts)
+            self.mlp = builder(config=tf_config, layer_number=layer_idx + 1, pg_collection=pg)
+
+    def forward(self, streams: torch.Tensor, idx: torch.Tensor | None, indexer_loss: IndexerLossMode):
+        """streams [S, B, N, D] -> (streams, selection for a following shared layer, indexer loss)."""
+        post, comb, x = self.attn_hc(streams)
+        x = self.input_layernorm(x)
+        loss = None
+        if self.is_kda:
+            out = self.self_attention(x)
+        else:
+            out, idx, loss = self.self_attention(x, idx, indexer_loss)
+        streams = HyperConnection.merge(post, comb, out, streams)
+        post, comb, x = self.ffn_hc(streams)
+        out = self.mlp(self.post_attention_layernorm(x))[0]
+        return HyperConnection.merge(post, comb, out, streams), idx, loss
+
+
+class GLM5Model(nn.Module):
+    """GLM-5.3-Flash text model. ``forward(input_ids [B, T]) -> ModelOutput``."""
+
+    def __init__(self, cfg: ModelConfig, pg, sizes, options: BuildOptions = BuildOptions()):
+        super().__init__()
+        from megatron.core import tensor_parallel
+
+        self.cfg, self.options, self.pg = cfg, options, pg
+        self.tf_config = tf_config = megatron_config(cfg, sizes, options)
+        self.embedding = tensor_parallel.VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, init_method=tf_config.init_method, config=tf_config, tp_group=pg.tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tf_config, options, pg) for i in range(cfg.num_hidden_layers))
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.dtype)
+        self.output_layer = options.spec_provider().column_parallel_linear()(
+            cfg.hidden_size, cfg.vocab_size, config=tf_config, init_method=tf_config.init_method, bias=False,
+            gather_output=False, skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None, tp_group=pg.tp)
+
+    def hidden(self, input_ids: torch.Tensor, indexer_loss: IndexerLossMode = "off"):
+        """Final hidden states [S, B, D] and the indexer losses."""
+        x = self.embedding(input_ids).transpose(0, 1)  # [S, B, D]
+        streams = x.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
+        idx, losses = None, []
+        for layer in self.layers:
+            streams, idx, loss = layer(streams, idx, indexer_loss)
+            if loss is not None:
+                losses.append(loss)
+        return self.final_norm(streams.mean(dim=2)), losses
+
+    def forward(self, input_ids: torch.Tensor, *, gather_logits: bool = True,
+                indexer_loss: IndexerLossMode = "off") -> ModelOutput:
+        h, losses = self.hidden(input_ids, indexer_loss)
+        logits = self.output_layer(h)[0]  # [S, B, V / tp]
+        if gather_logits and self.pg.tp.size() > 1:
+            from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+            logits = gather_from_tensor_model_parallel_region(logits, group=self.pg.tp)
+        return ModelOutput(logits.transpose(0, 1), losses)
+
+
+def build_model(cfg: ModelConfig, pg, sizes, *, transformer_impl: str = "local", kernel_backend: str = "auto",
+                dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> GLM5Model:
+    """Build the model for the process groups ``pg`` (from ``engine.parallel.parallel_context``)."""
+    from genome_lm_kernels import resolve_backend
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    options = BuildOptions(transformer_impl=transformer_impl, dtype=dtype,
+                           kernel_backend=resolve_backend(kernel_backend, device))
+    return GLM5Model(cfg, pg, sizes, options).to(device)
