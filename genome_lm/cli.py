@@ -256,6 +256,53 @@ def bench_kernels(
     if json_out:
         json_out.write_text(json.dumps(results, indent=1, default=str) + "\n")
 
+@app.command()
+def parity(
+    hf: Annotated[Path, typer.Option("--hf", help="A glm5_next checkpoint folder written by transformers' save_pretrained.")],
+    lengths: Annotated[str, typer.Option(help="Comma-separated sequence lengths (k=1024).")] = "1,63,64,65,257,1000,4096",
+    tol: Annotated[float, typer.Option(help="Largest allowed |logit difference| (fp32).")] = 1e-4,
+    seed: Annotated[int, typer.Option(help="Seed of the random DNA tokens.")] = 0,
+    backend: Annotated[str, typer.Option(help="Kernel backend of genome-lm's model: auto, torch, triton, reference.")] = "auto",
+) -> None:
+    """Check genome-lm's model against transformers' glm5_next on the same checkpoint.
+
+    Loads the checkpoint in transformers and through genome-lm's loader, runs both on the same
+    random DNA tokens at each length, prints the largest |logit difference| per length, and exits
+    with status 1 when any length exceeds --tol. Works for any glm5_next text config that
+    genome-lm supports (NoPE MLA, one router group)."""
+    from genome_lm.model.parity import run_parity
+
+    sizes = [parse_size(x) for x in lengths.split(",") if x.strip()]
+    if not hf.is_dir():
+        _fail(GenomeLMError(f"{hf}: not a folder"))
+    table = Table(title=f"genome-lm vs transformers on {hf}", title_justify="left")
+    for column in ("T", "max |d logit|", "mean |d logit|", "max |d logprob|", f"<= {tol:g}"):
+        table.add_column(column, justify="right")
+
+    def show(row):
+        console.print(f"T={row.length:,}: max |d logit| {row.max_abs_logit:.3g}", highlight=False)
+
+    try:
+        with quiet_megatron_import_ctx():
+            rows = run_parity(hf, sizes, tol=tol, seed=seed, kernel_backend=backend, progress=show)
+    except GenomeLMError as exc:
+        _fail(exc)
+    for row in rows:
+        table.add_row(f"{row.length:,}", f"{row.max_abs_logit:.3g}", f"{row.mean_abs_logit:.3g}",
+                      f"{row.max_abs_logprob:.3g}", "yes" if row.passed else "[bold red]NO[/]")
+    console.print(table)
+    failed = [r.length for r in rows if not r.passed]
+    if failed:
+        Console(stderr=True).print(f"[bold red]parity failed[/] at T = {', '.join(map(str, failed))} (tolerance {tol:g})")
+        raise typer.Exit(1)
+    console.print(f"parity holds at every length (tolerance {tol:g})")
+
+
+def quiet_megatron_import_ctx():
+    from genome_lm.engine import quiet_megatron_import
+
+    return quiet_megatron_import()
+
 
 def run() -> None:  # console-script entry point
     try:

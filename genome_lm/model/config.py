@@ -92,11 +92,15 @@ class ModelConfig:
             bad = sorted(set(values) - set(allowed))
             if bad:
                 raise ValueError(f"{name} holds {bad}; allowed: {list(allowed)}")
-        first_dsa = next((i for i, t in enumerate(self.layer_types) if t == INDEXED), None)
-        if first_dsa is not None and self.indexer_types[first_dsa] == SHARED:
-            raise ValueError(f"layer {first_dsa} is the first DSA layer and cannot share a previous indexer")
+        for i, (kind, indexer) in enumerate(zip(self.layer_types, self.indexer_types)):
+            # glm5_next hands a selection only from a full DSA layer to the layer right after it
+            if kind == INDEXED and indexer == SHARED and (
+                    i == 0 or self.layer_types[i - 1] != INDEXED or self.indexer_types[i - 1] != FULL):
+                raise ValueError(f"layer {i} shares an indexer, so layer {i - 1} must be a DSA layer with its own")
         if self.index_kpool < 1 or self.index_topk % self.index_kpool:
             raise ValueError(f"index_topk ({self.index_topk}) must be a multiple of index_kpool ({self.index_kpool})")
+        if not self.norm_topk_prob:  # megatron-core's sigmoid router always normalises the top-k
+            raise ValueError("norm_topk_prob=False is not supported (megatron-core normalises sigmoid top-k weights)")
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ValueError("num_experts_per_tok exceeds n_routed_experts")
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
@@ -138,7 +142,7 @@ class ModelConfig:
             config = json.loads(Path(config).read_text())
         text = dict(config.get("text_config") or config)
         unsupported = {"qk_rope_head_dim": 0, "n_group": 1, "topk_group": 1, "attention_bias": False,
-                       "index_kpool_always_select_tail": True}
+                       "index_kpool_always_select_tail": True, "norm_topk_prob": True}
         for key, expected in unsupported.items():
             if key in text and text[key] not in (expected, None):
                 raise ValueError(f"glm5_next config has {key}={text[key]!r}; genome-lm supports only {expected!r}")

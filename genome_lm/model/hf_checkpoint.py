@@ -29,13 +29,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from genome_lm.errors import GenomeLMError
+
 from .config import ModelConfig
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(GenomeLMError, ValueError):
     """A checkpoint that cannot be read as glm5_next (names the file and what is wrong)."""
 
 

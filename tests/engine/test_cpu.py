@@ -61,13 +61,17 @@ def test_the_redirection_is_still_needed():
 
 
 def test_enable_is_idempotent_and_undoable():
-    from genome_lm.engine.cpu import disable_cpu_megatron, enable_cpu_megatron
+    from genome_lm.engine import cpu
 
+    was_enabled = cpu._state["enabled"]  # model tests in this process may have enabled it already
+    cpu.disable_cpu_megatron()
     original = torch.cuda.current_device
     try:
-        assert enable_cpu_megatron() is True
-        assert enable_cpu_megatron() is False
+        assert cpu.enable_cpu_megatron() is True
+        assert cpu.enable_cpu_megatron() is False
         assert torch.cuda.current_device() == torch.device("cpu")
     finally:
-        disable_cpu_megatron()
+        cpu.disable_cpu_megatron()
     assert torch.cuda.current_device is original
+    if was_enabled:
+        cpu.enable_cpu_megatron()

@@ -1,0 +1,82 @@
+"""genome-lm's model against transformers' glm5_next (the oracle), through `genome-lm parity`.
+
+Every run is a subprocess: transformers must not see flash-linear-attention on a CPU machine.
+"""
+
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from .hf_oracle import make_checkpoint
+
+LENGTHS = "1,63,64,65,257,1000,4096"
+
+
+def _parity(path, *args):
+    return subprocess.run([sys.executable, "-m", "genome_lm", "parity", "--hf", str(path), *args],
+                          capture_output=True, text=True, timeout=600, env={"COLUMNS": "150", **_env()})
+
+
+def _env():
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+
+
+def _max_diffs(stdout: str) -> dict[int, float]:
+    return {int(t.replace(",", "")): float(d) for t, d in re.findall(r"T=([\d,]+): max \|d logit\| (\S+)", stdout)}
+
+
+def test_tiny_random_config_matches_transformers(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt", seed=11)
+    result = _parity(ckpt, "--lengths", LENGTHS, "--tol", "1e-4")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    diffs = _max_diffs(result.stdout)
+    assert sorted(diffs) == [1, 63, 64, 65, 257, 1000, 4096]
+    assert all(0 <= d <= 1e-4 for d in diffs.values()), diffs
+
+
+def test_other_config_softplus_gate_shared_indexer_more_layers(tmp_path):
+    """Not a preset: 8 layers with two DSA layers in a row (the second shares the first's
+    selection), the softplus decay (no safe gate), k-pool 8, more MLA heads, 3 experts of top-3,
+    no dense layers, a short convolution of 3."""
+    layers = ["linear_attention"] * 3 + ["indexed_attention"] * 2 + ["linear_attention"] * 2 + ["indexed_attention"]
+    text = dict(num_hidden_layers=8, layer_types=layers, linear_lower_bound=None,
+                indexer_types=["full"] * 4 + ["shared"] + ["full"] * 3,
+                index_kpool=8, index_topk=32, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=3,
+                num_experts_per_tok=3, mlp_layer_types=["sparse"] * 8, linear_num_heads=4, linear_conv_kernel_dim=3)
+    ckpt = make_checkpoint(tmp_path / "ckpt", text=text, seed=5)
+    result = _parity(ckpt, "--lengths", "1,65,300,1000")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert max(_max_diffs(result.stdout).values()) <= 1e-4
+
+
+def test_parity_fails_when_the_loader_is_wrong(tmp_path):
+    """Swap the q and k short convolutions while loading: parity must see it and exit non-zero."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", seed=2)
+    script = textwrap.dedent(f"""
+        import sys
+        from genome_lm.model import hf_checkpoint
+        original = hf_checkpoint._full_from_hf
+        def swapped(name, tensors):
+            if name.endswith("conv_weight"):
+                tensors = [tensors[1], tensors[0], tensors[2]]
+            return original(name, tensors)
+        hf_checkpoint._full_from_hf = swapped
+        from genome_lm.cli import run
+        sys.argv = ["genome-lm", "parity", "--hf", {str(ckpt)!r}, "--lengths", "1,100"]
+        run()
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert "parity failed" in result.stderr
+    assert max(_max_diffs(result.stdout).values()) > 1e-3
+
+
+def test_bad_folder_is_one_line_error(tmp_path):
+    result = _parity(tmp_path)
+    assert result.returncode == 1
+    assert "no model.safetensors" in result.stderr and "Traceback" not in result.stderr
