@@ -221,27 +221,60 @@ def _weights(model):
 # ---------------------------------------------------------------------------------- load, export
 @torch.no_grad()
 def load_hf_checkpoint(model, path: str | Path, *, check_config: bool = True) -> None:
-    """Copy the checkpoint's text weights into ``model`` (any tensor / expert parallel layout)."""
+    """Copy the checkpoint's text weights into ``model`` (any tensor / expert parallel layout).
+
+    Streams file by file: each safetensors file is opened (memory-mapped), the tensors this rank
+    needs are copied into their parameters, and the file is closed before the next one, so
+    memory holds the model plus at most the pieces of parameters split across files."""
     ckpt = HFCheckpoint(path)
     if check_config:
         cfg = ckpt.config()
         if cfg != model.cfg:
             diff = {f: (getattr(cfg, f), getattr(model.cfg, f)) for f in cfg.__dataclass_fields__
                     if getattr(cfg, f) != getattr(model.cfg, f)}
-            raise CheckpointError(f"{ckpt.path / 'config.json'}: does not match the model: {diff}")
+            raise CheckpointError(f"{ckpt.path / 'config.json'}: does not match the model (checkpoint, model): {diff}")
+    targets = dict(_weights(model))
+    wanted: dict[str, list[str]] = {}
+    owner: dict[str, list[str]] = {}  # checkpoint key -> parameters that need it
+    for name in targets:
+        keys = hf_keys(name, model.cfg, ckpt.prefix, _expert_offset(model, name))
+        missing = [k for k in keys if not ckpt.has(k)]
+        if missing:
+            raise CheckpointError(f"{ckpt.path}: tensor {missing[0]} is missing (needed for {name})")
+        wanted[name] = keys
+        for key in keys:
+            owner.setdefault(key, []).append(name)
+    pieces: dict[str, dict[str, torch.Tensor]] = {}
+    by_file: dict[str, list[str]] = {}
+    for key in owner:
+        by_file.setdefault(ckpt.weight_map[key], []).append(key)
     try:
-        for name, param in _weights(model):
-            keys = hf_keys(name, model.cfg, ckpt.prefix, _expert_offset(model, name))
-            full = _full_from_hf(name, [ckpt.get(k) for k in keys])
-            tp_group, _ = _groups(model, name)
-            local = _shard(full, param, name, tp_group)
-            if local.shape != param.shape:
-                raise CheckpointError(f"{ckpt.path}: {keys[0]} has shape {tuple(full.shape)}, which does not fit "
-                                      f"{name} {tuple(param.shape)} at this parallel layout")
-            param.copy_(local)
-            del full, local
+        for file, keys in sorted(by_file.items()):
+            for key in keys:
+                tensor = ckpt.get(key)
+                for name in owner[key]:
+                    got = pieces.setdefault(name, {})
+                    got[key] = tensor
+                    if len(got) == len(wanted[name]):
+                        _copy_into(targets[name], name, [got[k] for k in wanted[name]], model, ckpt)
+                        del pieces[name]
+                del tensor
+            ckpt.close()  # unmap this file before opening the next
     finally:
         ckpt.close()
+
+
+def _copy_into(param: torch.Tensor, name: str, tensors: list[torch.Tensor], model, ckpt: HFCheckpoint) -> None:
+    full = _full_from_hf(name, tensors)
+    tp_group, _ = _groups(model, name)
+    if full.dim() != param.dim() or (tp_group.size() == 1 and full.shape != param.shape):
+        raise CheckpointError(f"{ckpt.path}: {hf_keys(name, model.cfg, ckpt.prefix)[0]} has shape "
+                              f"{tuple(full.shape)}, which does not fit {name} {tuple(param.shape)}")
+    local = _shard(full, param, name, tp_group)
+    if local.shape != param.shape:
+        raise CheckpointError(f"{ckpt.path}: {hf_keys(name, model.cfg, ckpt.prefix)[0]} has shape "
+                              f"{tuple(full.shape)}, which does not fit {name} {tuple(param.shape)} at this layout")
+    param.copy_(local)
 
 
 @torch.no_grad()

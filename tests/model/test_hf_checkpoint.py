@@ -111,3 +111,49 @@ def test_config_mismatch_and_missing_folder(hf_dir, model_from, tmp_path):
         load_hf_checkpoint(model_from(), dst)
     with pytest.raises(CheckpointError, match="no model.safetensors"):
         HFCheckpoint(tmp_path / "nowhere")
+
+
+LOAD_MEMORY = """
+import json, os, sys
+os.environ["TORCHDYNAMO_DISABLE"] = "1"
+import torch
+from genome_lm.engine.parallel import ParallelSizes, parallel_context
+from genome_lm.model.hf_checkpoint import HFCheckpoint, load_hf_checkpoint
+from genome_lm.model.model import build_model
+
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+
+path = sys.argv[1]
+with parallel_context() as pg:
+    model = build_model(HFCheckpoint(path).config(), pg, ParallelSizes(), kernel_backend="torch")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak-RSS mark to the current RSS
+    base = status("VmRSS")
+    load_hf_checkpoint(model, path)
+    print(json.dumps({"extra": status("VmHWM") - base}))
+"""
+
+
+def test_loading_streams_instead_of_holding_a_second_copy(tmp_path):
+    """Peak extra memory while loading stays well under the checkpoint's size (a loader that read
+    every tensor first, or kept every file mapped, would need at least 1x)."""
+    import subprocess
+    import sys
+
+    from genome_lm.model import get_preset
+
+    cfg = get_preset("tiny").replace(hidden_size=256, intermediate_size=1024, n_routed_experts=32,
+                                     moe_intermediate_size=256, linear_num_heads=8, linear_head_dim=32)
+    with parallel_context() as pg:
+        model = build_model(cfg, pg, ParallelSizes(), kernel_backend="torch")
+        export_hf_checkpoint(model, tmp_path / "ckpt", max_shard_bytes=8 * 2**20)
+    size = sum(f.stat().st_size for f in (tmp_path / "ckpt").glob("*.safetensors"))
+    assert size > 80 * 2**20
+    result = subprocess.run([sys.executable, "-c", LOAD_MEMORY, str(tmp_path / "ckpt")], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    extra = json.loads(result.stdout.strip().splitlines()[-1])["extra"]
+    assert extra < 0.35 * size, f"loading took {extra / 2**20:.0f} MiB extra for a {size / 2**20:.0f} MiB checkpoint"
