@@ -1,0 +1,60 @@
+import pytest
+
+from genome_lm.config import CONFIG_DIR, RunConfig, load_config
+from genome_lm.errors import GenomeLMError
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+def test_shipped_configs_validate(name):
+    cfg = load_config(name)
+    assert isinstance(cfg, RunConfig)
+    assert cfg.train.global_batch_size % cfg.train.micro_batch_size == 0
+
+
+def test_published_setups_are_shipped():
+    c512, c1m = load_config("glm-5.3-flash-512k-64xb200"), load_config("glm-5.3-flash-1m-64xb200")
+    assert (c512.data.seq_len, c1m.data.seq_len) == (524288, 1048576)
+    for cfg in (c512, c1m):
+        p = cfg.parallel
+        assert (p.tp, p.ep, p.etp) == (8, 32, 2) and cfg.memory.recompute == "full"
+        assert cfg.memory.offload_activations and cfg.memory.moe_chunks == 64
+    assert (c512.parallel.cp, c1m.parallel.cp) == (1, 2)
+
+
+def test_overrides_are_typed():
+    cfg = load_config("demo-cpu", ["train.steps=3", "data.seq_len_warmup=[[0, 1024], [2, 4096]]"])
+    assert cfg.train.steps == 3 and cfg.data.seq_len_warmup == [(0, 1024), (2, 4096)]
+    assert load_config("demo-cpu").train.steps != 3  # overrides do not leak
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.stepz=5", "train.stepz: Extra inputs are not permitted"),
+    ("memory.offload_activations=true,", "memory.offload_activations: Input should be a valid boolean"),
+    ("train.lr=fast", "train.lr"),
+    ("data.softmask_weight=2", "less than or equal to 1"),
+    ("parallel.pp=2", "parallel.pp"),
+    ("nosection", "expected section.field=value"),
+])
+def test_bad_values_are_one_line_errors(override, message):
+    with pytest.raises(GenomeLMError, match=message.replace(".", r"\.").replace("(", r"\(")) as info:
+        load_config("demo-cpu", [override])
+    assert "\n" not in str(info.value)
+
+
+def test_bad_files(tmp_path):
+    (tmp_path / "a.yaml").write_text("train: {steps: 3\n")
+    with pytest.raises(GenomeLMError, match="a.yaml: not valid YAML"):
+        load_config(str(tmp_path / "a.yaml"))
+    (tmp_path / "b.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(GenomeLMError, match="mapping of sections"):
+        load_config(str(tmp_path / "b.yaml"))
+    (tmp_path / "c.yaml").write_text("trian:\n  steps: 3\n")
+    with pytest.raises(GenomeLMError, match="c.yaml: trian: Extra inputs"):
+        load_config(str(tmp_path / "c.yaml"))
+    with pytest.raises(GenomeLMError, match="shipped: demo-cpu"):
+        load_config("no-such-config")
+
+
+def test_resolved_round_trips():
+    cfg = load_config("glm-5.3-flash-1m-64xb200")
+    assert RunConfig.model_validate(cfg.resolved(), strict=False) == cfg
