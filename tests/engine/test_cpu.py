@@ -45,8 +45,55 @@ MOE = textwrap.dedent(
 )
 
 
-def _run(redirect: bool) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", MOE.format(redirect=redirect)], capture_output=True, text=True, timeout=300)
+DDP = textwrap.dedent(
+    """
+    import os, socket, warnings
+    warnings.simplefilter("ignore")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    import torch, torch.distributed as dist
+    from genome_lm.engine import cpu
+    if {redirect}:
+        assert cpu.enable_cpu_megatron()
+    else:  # only the stream redirection is left out
+        cpu._state["current_device"] = torch.cuda.current_device
+        torch.cuda.current_device = cpu._cpu_device
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(1, 1)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer import TransformerConfig
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True,
+                               add_bias_linear=False, gradient_accumulation_fusion=False)
+    module = ColumnParallelLinear(8, 8, config=config, init_method=torch.nn.init.normal_, bias=False)
+    module.config = config
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), module, pg_collection=pg)
+    ddp(torch.randn(4, 8))[0].square().sum().backward()
+    finalize_model_grads([ddp], pg_collection=pg)
+    assert module.weight.main_grad.abs().sum() > 0
+    print("OK")
+    """
+)
+
+
+def _run(redirect: bool, script: str = MOE) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", script.format(redirect=redirect)], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_megatron_ddp_gradient_sync_runs_on_cpu_with_the_redirection():
+    result = _run(redirect=True, script=DDP)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
+
+
+def test_the_stream_redirection_is_still_needed():
+    """If this fails, megatron-core's gradient buffers no longer ask for the current CUDA stream."""
+    result = _run(redirect=False, script=DDP)
+    assert result.returncode != 0 and "current_stream" in result.stderr, result.stderr[-3000:]
 
 
 def test_megatron_moe_runs_on_cpu_with_the_redirection():
