@@ -57,7 +57,7 @@ class ParallelConfig(Section):
 
 class MemoryConfig(Section):
     recompute: Literal["none", "selective", "full"] = "none"
-    recompute_modules: list[Literal["attention", "mlp", "moe", "norm", "mhc"]] = Field(
+    recompute_modules: list[Literal["attention", "mlp", "moe"]] = Field(
         default_factory=lambda: ["attention"], description="Modules recomputed when recompute = selective.")
     offload_activations: bool = Field(False, description="Keep saved activations in host memory between forward and backward.")
     offload_pinned: bool = Field(True, description="Pinned host memory for offload (faster copies, rounded to powers of two).")

@@ -1,0 +1,1 @@
+"""Training: the loss, the memory techniques, checkpoints and the loop."""

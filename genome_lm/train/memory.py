@@ -1,0 +1,103 @@
+"""The memory techniques, each a config switch applied to a built model from outside.
+
+- recompute: "full" re-runs each decoder layer in the backward pass instead of keeping its
+  activations (only the layer input is saved); "selective" does that for the chosen submodules
+  (attention, mlp/moe). torch.utils.checkpoint, non-reentrant, so RNG state and the DSA
+  selection handed between layers are reproduced exactly.
+- MoE in chunks: the tokens go through each MoE layer ``moe_chunks`` at a time, so the dispatch
+  buffers and expert activations of only one chunk exist at once (the published run used 64
+  chunks at 512k).
+- offload: the tensors autograd saves for backward are moved to host memory (pinned or
+  pageable) with torch's saved-tensor hooks, and the pinned-memory cache is released after the
+  step (pinned blocks round up to powers of two and ran a node out of RAM in the published run).
+  megatron-core's own offloading needs Transformer Engine and CUDA streams (DESIGN.md section 6).
+
+Each function changes the model in place and returns nothing; ``apply_memory`` applies a
+``MemoryConfig``. Tests check each gives the same loss and gradients as the plain model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+# The wrappers replace a module's ``forward`` on the instance instead of nesting modules, so
+# parameter names (and with them checkpoints) do not change.
+
+def recompute(module: nn.Module) -> None:
+    """Run ``module`` under activation checkpointing (non-reentrant)."""
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+    module.recomputed = True
+
+
+def chunk_moe(moe: nn.Module, chunks: int) -> None:
+    """Pass x [S, B, D] through the MoE layer ``chunks`` slices of the sequence at a time."""
+    inner = moe.forward
+
+    def forward(x: torch.Tensor, *args, **kwargs):
+        outs = [inner(part, *args, **kwargs)[0] for part in x.chunk(chunks, dim=0)]
+        return torch.cat(outs, dim=0), None
+
+    moe.forward = forward
+    moe.moe_chunks = chunks
+
+
+def _is_moe(module: nn.Module) -> bool:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return isinstance(module, MoELayer)
+
+
+def apply_recompute(model, mode: str, modules=("attention",)) -> None:
+    if mode == "none":
+        return
+    for layer in model.layers:
+        if mode == "full":
+            recompute(layer)
+            continue
+        if "attention" in modules:
+            recompute(layer.self_attention)
+        if ("mlp" in modules and not _is_moe(layer.mlp)) or ("moe" in modules and _is_moe(layer.mlp)):
+            recompute(layer.mlp)
+
+
+def apply_moe_chunks(model, chunks: int) -> None:
+    if chunks <= 1:
+        return
+    for layer in model.layers:
+        if _is_moe(layer.mlp):
+            chunk_moe(layer.mlp, chunks)
+
+
+@contextlib.contextmanager
+def offload_saved_tensors(enabled: bool, pinned: bool):
+    """Keep autograd's saved tensors in host memory during forward+backward of one step."""
+    if not enabled:
+        yield
+        return
+    pin = pinned and torch.cuda.is_available()
+    with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+        yield
+
+
+def release_host_cache() -> None:
+    """Give the pinned host blocks cached by the CUDA host allocator back to the system."""
+    if torch.cuda.is_available() and hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()
+
+
+def apply_memory(model, memory) -> None:
+    """Apply a ``config.MemoryConfig`` (chunking first, so recompute wraps the chunked MoE)."""
+    apply_moe_chunks(model, memory.moe_chunks)
+    apply_recompute(model, memory.recompute, tuple(memory.recompute_modules))
