@@ -1,0 +1,100 @@
+import json
+
+import pytest
+import torch
+
+from genome_lm.errors import GenomeLMError
+from genome_lm.train.checkpoint import (CheckpointCorrupt, latest_checkpoint, load_checkpoint, save_checkpoint,
+                                        verify)
+
+
+def _model_and_opt(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_round_trip_restores_model_optimizer_rng_and_state(tmp_path):
+    model, opt = _model_and_opt(0)
+    folder = save_checkpoint(tmp_path, 7, model, opt, {"data": {"epoch": 1, "position": 5}})
+    expected_next = torch.rand(4)
+    assert latest_checkpoint(tmp_path) == folder and folder.name == "step-000007"
+    other, other_opt = _model_and_opt(1)
+    state = load_checkpoint(folder, other, other_opt)
+    assert state == {"data": {"epoch": 1, "position": 5}}
+    assert torch.equal(torch.rand(4), expected_next)  # RNG continues where the saved run was
+    for a, b in zip(model.parameters(), other.parameters()):
+        assert torch.equal(a, b)
+    sa, sb = opt.state_dict(), other_opt.state_dict()
+    for key in sa["state"]:
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch.as_tensor(sa["state"][key][name]), torch.as_tensor(sb["state"][key][name]))
+
+
+def test_truncated_or_altered_files_are_named_and_the_previous_checkpoint_stays(tmp_path):
+    model, opt = _model_and_opt(0)
+    first = save_checkpoint(tmp_path, 1, model, opt, {})
+    second = save_checkpoint(tmp_path, 2, model, opt, {})
+    weights = second / "model-r00000.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])
+    with pytest.raises(CheckpointCorrupt, match="model-r00000.safetensors: .* bytes, expected"):
+        load_checkpoint(second, model, opt)
+    third = save_checkpoint(tmp_path, 3, model, opt, {})
+    optim = third / "optim-r00000.pt"
+    data = bytearray(optim.read_bytes())
+    data[-20] ^= 0xFF
+    optim.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match="optim-r00000.pt: checksum mismatch"):
+        load_checkpoint(third, model, opt)
+    (third / "state-r00000.json").unlink()
+    with pytest.raises(CheckpointCorrupt, match="state-r00000.json: missing"):
+        verify(third)
+    assert verify(first)["step"] == 1  # the earlier checkpoint is untouched
+
+
+def test_interrupted_save_leaves_latest_alone(tmp_path, monkeypatch):
+    model, opt = _model_and_opt(0)
+    save_checkpoint(tmp_path, 1, model, opt, {})
+    import genome_lm.train.checkpoint as ckpt
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 2, model, opt, {})
+    assert latest_checkpoint(tmp_path).name == "step-000001"
+    assert not (tmp_path / "checkpoints" / "step-000002").exists()
+
+
+def test_optimizer_state_is_loaded_without_unpickling_objects(tmp_path):
+    """A .pt file carrying an arbitrary object is refused (weights_only=True)."""
+    model, opt = _model_and_opt(0)
+    folder = save_checkpoint(tmp_path, 3, model, opt, {})
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    torch.save({"state": Evil()}, folder / "optim-r00000.pt")
+    meta = json.loads((folder / "meta.json").read_text())
+    import hashlib
+
+    blob = (folder / "optim-r00000.pt").read_bytes()
+    meta["files"]["optim-r00000.pt"] = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(Exception, match="Weights only load failed|Unsupported global"):
+        load_checkpoint(folder, model, opt)
+
+
+def test_layout_mismatch_is_explained(tmp_path):
+    model, opt = _model_and_opt(0)
+    folder = save_checkpoint(tmp_path, 4, model, opt, {})
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["world_size"] = 8
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(GenomeLMError, match="written by 8 ranks"):
+        load_checkpoint(folder, model, opt)
