@@ -39,7 +39,8 @@ def test_truncated_or_altered_files_are_named_and_the_previous_checkpoint_stays(
     first = save_checkpoint(tmp_path, 1, model, opt, {})
     second = save_checkpoint(tmp_path, 2, model, opt, {})
     weights = second / "model-r00000.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-10])
+    original = weights.read_bytes()
+    weights.write_bytes(original[:-10])
     with pytest.raises(CheckpointCorrupt, match="model-r00000.safetensors: .* bytes, expected"):
         load_checkpoint(second, model, opt)
     third = save_checkpoint(tmp_path, 3, model, opt, {})
@@ -49,9 +50,10 @@ def test_truncated_or_altered_files_are_named_and_the_previous_checkpoint_stays(
     optim.write_bytes(bytes(data))
     with pytest.raises(CheckpointCorrupt, match="optim-r00000.pt: checksum mismatch"):
         load_checkpoint(third, model, opt)
-    (third / "state-r00000.json").unlink()
+    weights.write_bytes(original)
+    (second / "state-r00000.json").unlink()
     with pytest.raises(CheckpointCorrupt, match="state-r00000.json: missing"):
-        verify(third)
+        verify(second)
     assert verify(first)["step"] == 1  # the earlier checkpoint is untouched
 
 
