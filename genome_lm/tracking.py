@@ -1,0 +1,391 @@
+"""Experiment tracking: the one module that knows MLflow exists.
+
+The trainer and the evaluator log through :class:`Tracker`; everything it returns is a plain
+string or dict. Design rules:
+
+* **Default store**: with no ``tracking_uri`` a run is recorded in ``sqlite:///<run_dir>/mlflow.db``
+  with artifacts in ``<run_dir>/mlartifacts`` (SQLite, not ``./mlruns``: MLflow 3 deprecates the
+  file store). No server is needed; ``tracker.location`` prints the ``mlflow ui`` command to open it.
+* **Tracking never stops training.** If the store cannot be reached (a server that does not
+  answer when the run starts, or that goes away mid-run), the tracker logs ONE warning naming the
+  URI and becomes a no-op for the rest of the run; nothing is buffered (the run folder keeps the
+  checkpoints and ``loss_curve.png``; resuming with the same ``run_id`` continues the run once the
+  server is back). Any other failed call (a value the store refuses, a locked database) drops that
+  call only: the first is reported, the count at :meth:`Tracker.close`.
+* **Short network timeouts**: for http(s) stores each call runs with ``MLFLOW_HTTP_REQUEST_TIMEOUT``
+  = ``timeout_s`` (5 s) and one quick retry, unless the user set those variables, so an unreachable
+  server costs seconds, not MLflow's default minutes of back-off.
+* **Rank awareness**: ``enabled=False`` (non-zero ranks) never imports MLflow; every call returns
+  at once.
+* **Params are write-once in MLflow**: values are stringified and cut to 500 characters (the
+  smallest limit any MLflow server enforces; ``config.yaml`` keeps the full config); a key logged
+  again with a different value (``checkpoint`` after a resume) is stored as a tag of that name.
+* Non-finite metric values are skipped (one note per run), not sent: MLflow stores them, but they
+  break plots and comparisons.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+log = logging.getLogger(__name__)
+
+PARAM_VALUE_LIMIT = 500  # MLflow < 2.8 servers refuse longer param values (newer ones allow 6000)
+TAG_VALUE_LIMIT = 5000  # likewise for tags (8000 in newer servers)
+KEY_LIMIT = 250
+_BATCH = 100  # params or tags per request (MLflow's MAX_PARAMS_TAGS_PER_BATCH)
+_METRIC_BATCH = 1000
+_BAD_KEY_CHARS = re.compile(r"[^/\w.\- :]")
+
+
+class Tracker:
+    """One tracked run. Use as a context manager (or call :meth:`close`) so the run is ended.
+
+    Args:
+        tracking_uri: where runs go: ``http(s)://host:port`` for a tracking server, any other
+            MLflow store URI, or None for ``sqlite:///<run_dir>/mlflow.db``.
+        experiment: experiment name, created when missing.
+        run_name: shown in the UI; ignored when resuming.
+        run_dir: the run's output folder (holds the default store); defaults to the working folder.
+        run_id: continue logging into this existing run (training resume). When the store does not
+            know it (the URI changed), a new run is started, tagged ``genome_lm.resumed_from``.
+        enabled: False on non-zero ranks: every call is a no-op.
+        timeout_s: per-request network timeout for http(s) stores.
+    """
+
+    def __init__(self, tracking_uri: str | None = None, *, experiment: str = "genome-lm",
+                 run_name: str | None = None, run_dir: str | Path | None = None, run_id: str | None = None,
+                 enabled: bool = True, timeout_s: float = 5.0):
+        self.enabled = enabled
+        self._active = False
+        self._run_id: str | None = None
+        self._experiment_id: str | None = None
+        self._params: dict[str, str] = {}
+        self._noted: set[str] = set()
+        self._dropped = 0
+        self._closed = False
+        if not enabled:
+            self.tracking_uri = tracking_uri or ""
+            return
+        folder = Path(run_dir if run_dir is not None else ".").resolve()
+        self._default_store = tracking_uri is None
+        self.tracking_uri = tracking_uri or f"sqlite:///{folder / 'mlflow.db'}"
+        self._remote = self.tracking_uri.startswith(("http://", "https://"))
+        self._env = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, math.ceil(timeout_s))),
+                     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+                     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                     "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}
+        try:
+            with self._network():
+                self._start(experiment, run_name, run_id, folder)
+            self._active = True
+        except Exception as err:  # noqa: BLE001 - tracking must never stop training
+            self._warn_unavailable(err)
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def _start(self, experiment: str, run_name: str | None, run_id: str | None, folder: Path) -> None:
+        from mlflow.tracking import MlflowClient
+
+        if self._default_store:
+            folder.mkdir(parents=True, exist_ok=True)
+        self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        if run_id is not None:
+            run = self._find_run(run_id)
+            if run is not None:
+                self._run_id, self._experiment_id = run.info.run_id, run.info.experiment_id
+                self._params = dict(run.data.params)
+                self._client.update_run(self._run_id, status="RUNNING")
+                return
+            self._note("resume", f"tracking: run {run_id} is not in {self.tracking_uri}; starting a new run")
+        self._experiment_id = self._experiment(experiment)
+        tags = {"genome_lm.resumed_from": run_id} if run_id else None
+        run = self._client.create_run(self._experiment_id, run_name=run_name, tags=tags)
+        self._run_id = run.info.run_id
+
+    def _find_run(self, run_id: str):
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self._client.get_run(run_id)
+        except MlflowException as err:
+            if err.error_code == "RESOURCE_DOES_NOT_EXIST" or "not found" in str(err).lower():
+                return None
+            raise
+
+    def _experiment(self, name: str) -> str:
+        from mlflow.exceptions import MlflowException
+
+        found = self._client.get_experiment_by_name(name)
+        if found is not None:
+            if found.lifecycle_stage == "deleted":
+                self._client.restore_experiment(found.experiment_id)
+            return found.experiment_id
+        try:
+            return self._client.create_experiment(name, artifact_location=self._artifact_root())
+        except MlflowException:  # created by another process meanwhile
+            found = self._client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            return found.experiment_id
+
+    def _artifact_root(self) -> str | None:
+        """Artifacts beside a SQLite file (MLflow would otherwise use ./mlruns of the working folder);
+        servers and other stores choose their own."""
+        if self.tracking_uri.startswith("sqlite:///") and ":memory:" not in self.tracking_uri:
+            db = Path(self.tracking_uri[len("sqlite:///"):])
+            return (db.parent / "mlartifacts").as_uri()
+        return None
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def run_id(self) -> str | None:
+        """The run's id (store it in checkpoints to resume into the same run); None when inactive."""
+        return self._run_id if self.enabled else None
+
+    @property
+    def active(self) -> bool:
+        """True while calls reach the store."""
+        return self._active
+
+    @property
+    def location(self) -> str:
+        """Where a user can look at the run: a URL for servers, an ``mlflow ui`` command otherwise."""
+        if not self.enabled or self._run_id is None:
+            return ""
+        if self._remote:
+            return f"{self.tracking_uri.rstrip('/')}/#/experiments/{self._experiment_id}/runs/{self._run_id}"
+        return (f"mlflow ui --backend-store-uri {self.tracking_uri}  "
+                f"(experiment {self._experiment_id}, run {self._run_id})")
+
+    url = location
+
+    def info(self) -> dict[str, str | None]:
+        """Plain description of the run, for logs and reports."""
+        return {"tracking_uri": self.tracking_uri if self.enabled else None, "run_id": self.run_id,
+                "experiment_id": self._experiment_id if self.enabled else None, "location": self.location}
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Nested mappings are flattened with dots (``model.layers``); values become strings."""
+        if not self._active:
+            return
+        new, changed = {}, {}
+        for key, value in flatten(params).items():
+            key = _key(key)
+            value = _cut(_text(value), PARAM_VALUE_LIMIT)
+            if key not in self._params:
+                new[key] = value
+            elif self._params[key] != value:
+                changed[key] = value
+        if changed:
+            log.debug("tracking: params %s changed; the new values are stored as tags", sorted(changed))
+        self._batch(params=new, tags=changed)
+        self._params.update(new)
+
+    def log_config(self, config: Any, name: str = "config.yaml") -> None:
+        """The resolved config (mapping, dataclass or pydantic model) as ``config.yaml`` and as params."""
+        if not self._active:
+            return
+        tree = _plain(config)
+        with tempfile.TemporaryDirectory(prefix="genome-lm-tracking-") as tmp:
+            path = Path(tmp) / name
+            path.write_text(yaml.safe_dump(tree, sort_keys=False))
+            self.log_artifact(path)
+        self.log_params(tree)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Numbers (ints, floats, numpy or 0-d torch scalars); non-finite values are skipped."""
+        if not self._active:
+            return
+        from mlflow.entities import Metric
+
+        stamp = int(time.time() * 1000)
+        batch = []
+        for key, value in metrics.items():
+            value = float(value)
+            if not math.isfinite(value):
+                self._note("nonfinite", f"tracking: metric {key}={value} at step {step} not logged "
+                                        "(non-finite values are skipped; noted once per run)")
+                continue
+            batch.append(Metric(_key(key), value, stamp, int(step or 0)))
+        for i in range(0, len(batch), _METRIC_BATCH):
+            self._call(self._client.log_batch, self._run_id, metrics=batch[i:i + _METRIC_BATCH])
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        if self._active:
+            self._batch(tags={_key(k): _cut(_text(v), TAG_VALUE_LIMIT) for k, v in tags.items()})
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Copy a file or a folder into the run's artifacts (under ``artifact_path`` when given)."""
+        if not self._active:
+            return
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no such file to log as an artifact")
+        if path.is_dir():
+            self._call(self._client.log_artifacts, self._run_id, str(path), artifact_path)
+        else:
+            self._call(self._client.log_artifact, self._run_id, str(path), artifact_path)
+
+    def log_figure(self, figure: Any, name: str) -> None:
+        """A matplotlib figure (anything with ``savefig``) or a PNG file, as ``figures/<name>``."""
+        if not self._active:
+            return
+        name = name if Path(name).suffix else f"{name}.png"
+        with tempfile.TemporaryDirectory(prefix="genome-lm-tracking-") as tmp:
+            target = Path(tmp) / name
+            if hasattr(figure, "savefig"):
+                figure.savefig(target, dpi=120, bbox_inches="tight")
+            else:
+                shutil.copyfile(figure, target)
+            self.log_artifact(target, "figures")
+
+    def close(self, status: str = "FINISHED") -> None:
+        """End the run (status FINISHED, FAILED or KILLED); later calls are no-ops."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._active:
+            self._call(self._client.set_terminated, self._run_id, status)
+            self._active = False
+        if self._dropped > 1:
+            log.warning("tracking: %d calls to %s failed and were dropped", self._dropped, self.tracking_uri)
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close("FINISHED")
+        else:
+            self.close("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _batch(self, params: Mapping[str, str] | None = None, tags: Mapping[str, str] | None = None) -> None:
+        from mlflow.entities import Param, RunTag
+
+        params = [Param(k, v) for k, v in (params or {}).items()]
+        tags = [RunTag(k, v) for k, v in (tags or {}).items()]
+        for i in range(0, max(len(params), len(tags)), _BATCH):
+            self._call(self._client.log_batch, self._run_id, params=params[i:i + _BATCH], tags=tags[i:i + _BATCH])
+
+    def _call(self, fn, *args, **kwargs) -> None:
+        if not self._active:
+            return
+        try:
+            with self._network():
+                fn(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - tracking must never stop training
+            if _unreachable(err):
+                self._warn_unavailable(err)
+            else:
+                self._dropped += 1
+                self._note("dropped", f"tracking: a call to {self.tracking_uri} failed and was dropped "
+                                      f"({_short(err)}); training continues")
+
+    def _warn_unavailable(self, err: Exception) -> None:
+        self._active = False
+        self._note("unavailable", f"tracking: {self.tracking_uri} is unavailable ({_short(err)}); "
+                                  "training continues without tracking")
+
+    def _note(self, kind: str, message: str) -> None:
+        if kind not in self._noted:
+            self._noted.add(kind)
+            log.warning("%s", message)
+
+    @contextmanager
+    def _network(self) -> Iterator[None]:
+        """Short timeouts for this tracker's requests (MLflow reads them from the environment at
+        each request), unless the user set them; urllib3's retry chatter is kept off the console."""
+        if not self._remote:
+            yield
+            return
+        added = [k for k in self._env if k not in os.environ]
+        os.environ.update({k: self._env[k] for k in added})
+        pool = logging.getLogger("urllib3.connectionpool")
+        level = pool.level
+        pool.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            pool.setLevel(level)
+            for k in added:
+                os.environ.pop(k, None)
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def _plain(obj: Any) -> Any:
+    """Config objects to YAML/JSON-safe trees."""
+    if hasattr(obj, "model_dump"):
+        return _plain(obj.model_dump(mode="json"))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return _plain(dataclasses.asdict(obj))
+    if isinstance(obj, Mapping):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [_plain(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return str(obj)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple, Mapping)):
+        return json.dumps(_plain(value))
+    return str(value)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _key(key: str) -> str:
+    """A name MLflow accepts: allowed characters only, no empty or ``..`` path parts."""
+    parts = [p for p in _BAD_KEY_CHARS.sub("_", str(key)).split("/") if p not in ("", ".", "..")]
+    return "/".join(parts)[:KEY_LIMIT] or "_"
+
+
+def _short(err: Exception) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return _cut(f"{type(err).__name__}: {text}", 240)
+
+
+def _unreachable(err: Exception) -> bool:
+    """Connection refused, timed out, or retries used up: MLflow wraps these as 'API request to
+    <url> failed with (timeout) exception ...'."""
+    import requests
+
+    if isinstance(err, (requests.exceptions.ConnectionError, requests.exceptions.Timeout, ConnectionError,
+                        TimeoutError)):
+        return True
+    text = str(err)
+    return text.startswith("API request to") and ("failed with exception" in text or "failed with timeout" in text)

@@ -1,0 +1,265 @@
+"""Tracker: runs land in the store (read back with MLflow's own client), resume continues a run,
+and a tracking server that is missing, silent or killed mid-run never stops the caller."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from genome_lm.tracking import PARAM_VALUE_LIMIT, Tracker
+
+# MLflow's SQLite store uses a SQLAlchemy option SQLAlchemy deprecates (nothing a test can act on).
+pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy:DeprecationWarning")
+
+
+@pytest.fixture(autouse=True)
+def _quiet_mlflow(monkeypatch):
+    # No usage reports from test runs (and no network to send them to).
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    for name in ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+                 "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "genome_lm.tracking" and r.levelno >= logging.WARNING]
+
+
+def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def _artifacts(client, run_id: str, path: str | None = None) -> set[str]:
+    out = set()
+    for item in client.list_artifacts(run_id, path):
+        out |= _artifacts(client, run_id, item.path) if item.is_dir else {item.path}
+    return out
+
+
+def _figure():
+    from matplotlib.figure import Figure  # no pyplot: no backend or global state
+
+    fig = Figure(figsize=(2, 2))
+    fig.add_subplot().plot([1, 2, 3])
+    return fig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_local_store_round_trip_and_resume(tmp_path, monkeypatch, caplog):
+    from mlflow.tracking import MlflowClient
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)  # nothing may land in the working folder (MLflow's ./mlruns default)
+    run_dir = tmp_path / "run"
+    config = {"model": {"preset": "tiny", "layers": 4, "pattern": ["kda", "dsa"]},
+              "data": {"path": "x" * 800}, "train": {"lr": 3e-4, "steps": 10}}
+    extra = {f"sweep.k{i:03d}": i for i in range(150)}  # more than one 100-param batch
+    note = tmp_path / "note.txt"
+    note.write_text("hello\n")
+
+    with Tracker(None, experiment="exp", run_name="demo", run_dir=run_dir) as tracker:
+        assert tracker.active
+        run_id = tracker.run_id
+        tracker.log_config(config)
+        tracker.log_params(extra)
+        tracker.log_params({"checkpoint": "step-000002"})
+        tracker.set_tags({"stage": "pretrain"})
+        tracker.log_metrics({"loss": 2.0, "grad_norm": 1.0, "loss/token (bits)": 3.0}, step=1)
+        tracker.log_metrics({"loss": 1.5, "grad_norm": float("nan")}, step=2)
+        tracker.log_metrics({"loss": 1.25, "grad_norm": float("inf")}, step=3)
+        tracker.log_artifact(note)
+        tracker.log_figure(_figure(), "curve")
+        location = tracker.location
+    assert isinstance(run_id, str) and run_id in location
+    assert location.startswith(f"mlflow ui --backend-store-uri sqlite:///{run_dir / 'mlflow.db'}")
+    # the only warning: one note for the two non-finite values
+    assert len(_warnings(caplog)) == 1 and "non-finite" in _warnings(caplog)[0]
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "demo"
+    assert client.get_experiment(run.info.experiment_id).name == "exp"
+    params = run.data.params
+    assert params["model.layers"] == "4" and params["model.preset"] == "tiny"
+    assert params["model.pattern"] == '["kda", "dsa"]' and params["train.lr"] == "0.0003"
+    assert len(params["data.path"]) == PARAM_VALUE_LIMIT and params["data.path"].endswith("...")
+    assert all(params[k] == str(v) for k, v in extra.items())
+    assert run.data.tags["stage"] == "pretrain"
+    assert _history(client, run_id, "loss") == [(1, 2.0), (2, 1.5), (3, 1.25)]
+    assert _history(client, run_id, "grad_norm") == [(1, 1.0)]
+    assert _history(client, run_id, "loss/token _bits_") == [(1, 3.0)]
+    assert _artifacts(client, run_id) == {"config.yaml", "note.txt", "figures/curve.png"}
+    local = client.download_artifacts(run_id, "config.yaml", str(tmp_path))
+    assert yaml.safe_load(Path(local).read_text()) == config
+    assert (run_dir / "mlartifacts").is_dir() and list(cwd.iterdir()) == []
+
+    caplog.clear()
+    with Tracker(None, experiment="exp", run_name="ignored", run_dir=run_dir, run_id=run_id) as tracker:
+        assert tracker.run_id == run_id
+        assert client.get_run(run_id).info.status == "RUNNING"
+        tracker.log_metrics({"loss": 1.0}, step=4)
+        tracker.log_metrics({"loss": 0.5}, step=5)
+        tracker.log_params({"checkpoint": "step-000005", "model.layers": 4})  # changed, unchanged
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert _history(client, run_id, "loss") == [(1, 2.0), (2, 1.5), (3, 1.25), (4, 1.0), (5, 0.5)]
+    assert run.data.params["checkpoint"] == "step-000002"  # params are write-once in MLflow ...
+    assert run.data.tags["checkpoint"] == "step-000005"  # ... so the new value is a tag
+    assert _warnings(caplog) == []
+
+    # a run id this store does not know (the tracking URI changed): a new run, tagged
+    with Tracker(None, experiment="exp", run_dir=run_dir, run_id="0" * 32) as tracker:
+        new_id = tracker.run_id
+        tracker.log_metrics({"loss": 0.25}, step=6)
+    assert new_id not in (None, run_id)
+    assert client.get_run(new_id).data.tags["genome_lm.resumed_from"] == "0" * 32
+    assert _history(client, new_id, "loss") == [(6, 0.25)]
+    assert len(_warnings(caplog)) == 1 and "0" * 32 in _warnings(caplog)[0]
+
+    # an exception in the block ends the run as FAILED and is not swallowed
+    with pytest.raises(RuntimeError):
+        with Tracker(None, experiment="exp", run_dir=run_dir, run_id=new_id):
+            raise RuntimeError("boom")
+    assert client.get_run(new_id).info.status == "FAILED"
+
+
+def test_disabled_tracker_is_a_noop(tmp_path, caplog):
+    t0 = time.perf_counter()
+    with Tracker("http://127.0.0.1:9", experiment="exp", run_dir=tmp_path, enabled=False) as tracker:
+        tracker.log_config({"a": {"b": 1}})
+        tracker.log_params({"a": 1})
+        tracker.log_metrics({"loss": 1.0}, step=1)
+        tracker.log_artifact(tmp_path / "missing.txt")
+        tracker.log_figure(object(), "never-saved")
+        tracker.set_tags({"x": "y"})
+    assert time.perf_counter() - t0 < 0.5
+    assert tracker.run_id is None and tracker.location == "" and not tracker.active
+    assert list(tmp_path.iterdir()) == [] and _warnings(caplog) == []
+
+
+def _log_everything(tracker: Tracker, tmp_path: Path) -> None:
+    note = tmp_path / "note.txt"
+    note.write_text("x")
+    tracker.log_config({"model": {"layers": 2}})
+    tracker.log_params({"a": 1})
+    for step in range(1, 4):
+        tracker.log_metrics({"loss": 1.0 / step}, step=step)
+    tracker.log_artifact(note)
+    tracker.log_figure(_figure(), "curve")
+    tracker.set_tags({"k": "v"})
+
+
+def test_unreachable_server_warns_once_and_carries_on(tmp_path, caplog):
+    uri = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    t0 = time.perf_counter()
+    with Tracker(uri, experiment="exp", run_name="r", run_dir=tmp_path) as tracker:
+        _log_everything(tracker, tmp_path)
+    assert time.perf_counter() - t0 < 15
+    assert not tracker.active and tracker.run_id is None and tracker.location == ""
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and uri in warnings[0] and "\n" not in warnings[0]
+    assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ  # the short timeouts were scoped to the calls
+
+
+def test_silent_server_costs_seconds(tmp_path, caplog):
+    """A server that accepts connections and never answers: the short timeout applies."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        uri = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        t0 = time.perf_counter()
+        with Tracker(uri, experiment="exp", run_dir=tmp_path, timeout_s=1) as tracker:
+            _log_everything(tracker, tmp_path)
+        elapsed = time.perf_counter() - t0
+    assert elapsed < 15, elapsed
+    assert len(_warnings(caplog)) == 1 and uri in _warnings(caplog)[0]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real `mlflow server` on a free port with a SQLite store and proxied artifacts in tmp_path.
+    Yields (uri, artifacts folder, kill); the finalizer always kills the process group."""
+    port = _free_port()
+    store = tmp_path / "server"
+    store.mkdir()
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+           "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
+           "--artifacts-destination", str(store / "artifacts")]
+    log_path = store / "server.log"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(cmd, cwd=store, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    def kill():
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the server and its workers
+        proc.wait(timeout=30)
+
+    try:
+        uri = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90  # about 23 s on 2 cores (DESIGN.md section 7)
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"mlflow server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"mlflow server did not answer /health in 90 s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield uri, store / "artifacts", kill
+    finally:
+        kill()
+
+
+def test_real_server_then_server_dies(tmp_path, mlflow_server, caplog):
+    from mlflow.tracking import MlflowClient
+
+    uri, artifacts, kill = mlflow_server
+    tracker = Tracker(uri, experiment="server-exp", run_name="remote", run_dir=tmp_path / "run")
+    with tracker:
+        assert tracker.active
+        _log_everything(tracker, tmp_path)
+        run_id = tracker.run_id
+        assert tracker.location.startswith(f"{uri}/#/experiments/") and run_id in tracker.location
+
+        client = MlflowClient(tracking_uri=uri)
+        run = client.get_run(run_id)
+        assert run.info.run_name == "remote" and run.info.status == "RUNNING"
+        assert run.data.params == {"model.layers": "2", "a": "1"} and run.data.tags["k"] == "v"
+        assert _history(client, run_id, "loss") == [(1, 1.0), (2, 0.5), (3, 1 / 3)]
+        assert _artifacts(client, run_id) == {"config.yaml", "note.txt", "figures/curve.png"}
+        assert len(list(artifacts.rglob("curve.png"))) == 1  # proxied into the server's folder
+        assert _warnings(caplog) == []
+
+        kill()
+        t0 = time.perf_counter()
+        tracker.log_metrics({"loss": 0.1}, step=4)  # must not raise
+        assert not tracker.active
+        tracker.log_metrics({"loss": 0.05}, step=5)
+        tracker.log_artifact(tmp_path / "note.txt")
+        assert time.perf_counter() - t0 < 15
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and uri in warnings[0]
+    assert tracker.run_id == run_id  # still known: a resume can continue this run later
+    assert not (tmp_path / "run" / "mlflow.db").exists()  # no silent local fallback
