@@ -9,6 +9,7 @@ returns a frozen ``RunConfig``; ``RunConfig.resolved()`` is what gets logged wit
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -18,6 +19,21 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from genome_lm.errors import GenomeLMError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-5`` (no dot) as a string; learning rates are written that way."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 class Section(BaseModel):
@@ -144,7 +160,7 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[st
         path = find_config(name_or_path)
         source = str(path)
         try:
-            tree = yaml.safe_load(path.read_text()) or {}
+            tree = _yaml(path.read_text()) or {}
         except yaml.YAMLError as exc:
             raise GenomeLMError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
         if not isinstance(tree, dict):
@@ -153,7 +169,7 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[st
         if "=" not in item:
             raise GenomeLMError(f"--set {item!r}: expected section.field=value")
         key, value = item.split("=", 1)
-        _set(tree, key.strip(), yaml.safe_load(value))
+        _set(tree, key.strip(), _yaml(value))
     try:
         return RunConfig.model_validate(_lists_to_tuples(tree))
     except ValidationError as exc:

@@ -45,3 +45,29 @@ def progress_bar(quiet: bool = False) -> Progress:
         disable=quiet,
         transient=False,
     )
+
+
+class StepProgress:
+    """Training progress on stderr: steps done, loss, tokens/s and time left; notes print above it."""
+
+    def __init__(self, enabled: bool, start: int, total: int):
+        self.enabled = enabled
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} tok/s"), TimeRemainingColumn(),
+            console=Console(stderr=True), disable=not enabled, transient=False)
+        self.task = self.progress.add_task("train", total=total, completed=start, loss="--", rate="--")
+        if enabled:
+            self.progress.start()
+
+    def update(self, metrics) -> None:
+        self.progress.update(self.task, completed=metrics.step, loss=f"{metrics.lm_loss:.4f}",
+                             rate=_si(metrics.tokens_per_s, "").strip())
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            self.progress.console.print(text, highlight=False)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.progress.stop()

@@ -58,3 +58,9 @@ def test_bad_files(tmp_path):
 def test_resolved_round_trips():
     cfg = load_config("glm-5.3-flash-1m-64xb200")
     assert RunConfig.model_validate(cfg.resolved(), strict=False) == cfg
+
+
+def test_exponent_without_dot_is_a_number(tmp_path):
+    (tmp_path / "lr.yaml").write_text("train:\n  lr: 1e-5\n  min_lr: 2E-6\n")
+    cfg = load_config(str(tmp_path / "lr.yaml"), ["train.weight_decay=1e-2"])
+    assert (cfg.train.lr, cfg.train.min_lr, cfg.train.weight_decay) == (1e-5, 2e-6, 1e-2)

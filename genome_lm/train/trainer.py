@@ -1,0 +1,346 @@
+"""The training loop: one function, ``train(config)``, run on every rank.
+
+    process groups (engine.parallel) -> model (model.build_model, HF weights or random)
+    -> memory techniques (train.memory) -> megatron-core DDP -> optimizer (train.optim)
+    -> for each step: micro-batches from the prepared dataset (data.loader), weighted loss
+       normalised by the global batch's weight, backward, megatron-core's finalize_model_grads
+       (data-parallel reduction, MoE expert-bias update), clip, step, metrics to MLflow
+    -> checkpoints every N steps, at the end, and on SIGTERM/SIGINT
+
+Non-finite losses: with ``train.nonfinite = "skip"`` the step's update is skipped and reported,
+and three non-finite steps in a row stop the run; with "stop" the first one stops it. Either way
+the last good checkpoint is kept.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from genome_lm.errors import GenomeLMError
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    lm_loss: float
+    indexer_loss: float
+    lr: float
+    grad_norm: float
+    tokens: int
+    seconds: float
+    skipped: bool
+    peak_host_mib: float
+    peak_device_mib: float
+    moe_max_over_mean: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def as_metrics(self) -> dict[str, float]:
+        return {"loss": self.loss, "lm_loss": self.lm_loss, "indexer_loss": self.indexer_loss, "lr": self.lr,
+                "grad_norm": self.grad_norm, "tokens_per_s": self.tokens_per_s, "step_seconds": self.seconds,
+                "peak_host_mib": self.peak_host_mib, "peak_device_mib": self.peak_device_mib,
+                "moe_busiest_expert_over_mean": self.moe_max_over_mean, "skipped": float(self.skipped)}
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    steps_done: int
+    history: list[StepMetrics] = field(default_factory=list)
+    checkpoint: Path | None = None
+    run_id: str | None = None
+    stopped_by: str | None = None
+    tracking: str = ""
+
+
+class _StopFlag:
+    """SIGTERM / SIGINT ask the loop to checkpoint and stop at the end of the current step."""
+
+    def __init__(self):
+        self.signal: str | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. inside a Ray actor): leave signals alone
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal is not None:  # second signal: stop now
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _peak_host_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _moe_load(model) -> float:
+    """Busiest expert's token count over the mean, across MoE layers (megatron-core's router keeps
+    ``local_tokens_per_expert`` for the expert-bias update)."""
+    worst = 0.0
+    for name, buf in model.named_buffers():
+        if name.endswith("local_tokens_per_expert") and buf.sum() > 0:
+            worst = max(worst, float(buf.max() / buf.mean()))
+    return worst
+
+
+def _seq_len(cfg, step: int) -> int:
+    length = cfg.data.seq_len
+    for start, value in sorted(cfg.data.seq_len_warmup):
+        if step >= start:
+            length = value
+    return length
+
+
+def build(cfg, pg, sizes):
+    """Model (with weights) and its config, for a ``RunConfig``."""
+    from genome_lm.model import get_preset
+    from genome_lm.model.hf_checkpoint import HFCheckpoint, load_hf_checkpoint
+    from genome_lm.model.model import build_model
+
+    model_cfg = get_preset(cfg.model.preset)
+    ckpt = None
+    if cfg.model.checkpoint:
+        ckpt = HFCheckpoint(cfg.model.checkpoint)
+        model_cfg = ckpt.config()
+    impl = cfg.model.transformer_impl
+    if impl == "auto":
+        impl = "transformer_engine" if torch.cuda.is_available() and _has_te() else "local"
+    dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+    model = build_model(model_cfg, pg, sizes, transformer_impl=impl, kernel_backend=cfg.model.kernel_backend,
+                        dtype=dtype)
+    if ckpt is not None:
+        load_hf_checkpoint(model, ckpt.path)
+    return model
+
+
+def _has_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _optimizer(cfg, ddp, pg):
+    from .optim import CPUAdamW
+
+    if not torch.cuda.is_available():
+        return CPUAdamW(ddp, cfg.train, pg)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    t = cfg.train
+    config = OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+                             adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, clip_grad=t.grad_clip,
+                             bf16=cfg.model.dtype == "bf16", params_dtype=ddp.module.options.dtype,
+                             use_distributed_optimizer=True, optimizer_cpu_offload=cfg.memory.optimizer_offload)
+    return _MegatronOptimizer(get_megatron_optimizer(config, [ddp], pg_collection=pg, use_gloo_process_groups=False))
+
+
+class _MegatronOptimizer:
+    """megatron-core's optimizer behind the small interface the loop uses (GPU path)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def step(self) -> tuple[bool, float]:
+        ok, norm, _ = self.optimizer.step()
+        return bool(ok), float(norm) if norm is not None else float("nan")
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state)
+
+
+def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str | None = None,
+          max_steps: int | None = None) -> TrainResult:
+    """Train with ``cfg`` (a ``config.RunConfig``). Call on every rank of the job."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+
+    from genome_lm.data.loader import TrainLoader
+    from genome_lm.engine.parallel import ParallelSizes, parallel_context
+    from genome_lm.tracking import Tracker
+
+    from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from .loss import global_sum, lm_loss
+    from .memory import apply_memory, offload_saved_tensors, release_host_cache
+    from .optim import learning_rate
+
+    p = cfg.parallel
+    sizes = ParallelSizes(tp=p.tp, cp=p.cp, ep=p.ep, etp=p.etp, pp=p.pp)
+    out = Path(cfg.train.out_dir)
+    with parallel_context(sizes) as pg, _StopFlag() as stop:
+        rank = dist.get_rank()
+        dp_cp = pg.dp_cp
+        dp_rank, dp_size = pg.dp.rank(), pg.dp.size()
+        per_rank = cfg.train.global_batch_size // dp_size
+        if cfg.train.global_batch_size % (dp_size * cfg.train.micro_batch_size):
+            raise GenomeLMError(f"global_batch_size {cfg.train.global_batch_size} is not a multiple of "
+                                f"micro_batch_size x data-parallel size ({cfg.train.micro_batch_size} x {dp_size})")
+        if p.cp > 1:
+            raise GenomeLMError("context parallel training is not wired into the trainer yet (parallel.cp must be 1)")
+        torch.manual_seed(cfg.train.seed)
+        model = build(cfg, pg, sizes)
+        apply_memory(model, cfg.memory)
+        model.tf_config.calculate_per_token_loss = True  # the loss is already normalised globally: sum grads
+        ddp = DistributedDataParallel(
+            model.tf_config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                           use_distributed_optimizer=torch.cuda.is_available()),
+            model, pg_collection=pg)
+        optimizer = _optimizer(cfg, ddp, pg)
+        loader = TrainLoader(cfg.data.dataset, cfg.data.train_split, seq_len=_seq_len(cfg, 0),
+                             micro_batch_size=cfg.train.micro_batch_size, softmask_weight=cfg.data.softmask_weight,
+                             reverse_complement=cfg.data.reverse_complement, max_n_fraction=cfg.data.max_n_fraction,
+                             seed=cfg.train.seed, rank=dp_rank, world_size=dp_size)
+        start, run_id = 0, None
+        if resume:
+            folder = latest_checkpoint(out)
+            if folder is None:
+                raise GenomeLMError(f"{out}: nothing to resume (no checkpoints/latest)")
+            state = load_checkpoint(folder, model, optimizer)
+            loader.load_state_dict(state["loader"])
+            start, run_id = state["step"], state.get("run_id")
+        tracker = Tracker(tracking_uri or cfg.tracking.uri, experiment=cfg.tracking.experiment,
+                          run_name=cfg.tracking.run_name or out.name, run_dir=out, run_id=run_id,
+                          enabled=rank == 0)
+        result = TrainResult(out_dir=out, steps_done=start)
+        with tracker:
+            if start == 0:
+                tracker.log_config(cfg.resolved())
+            run_id = tracker.run_id
+            result.run_id = run_id
+            steps = cfg.train.steps if max_steps is None else min(cfg.train.steps, start + max_steps)
+            bar = _progress(progress and rank == 0, start, cfg.train.steps)
+            bad_in_row = 0
+
+            def checkpoint(step):
+                meta = {"config": cfg.resolved(), "layout": vars(sizes)}
+                return save_checkpoint(out, step, model, optimizer,
+                                       {"step": step, "loader": loader.state_dict(), "run_id": run_id}, meta)
+
+            for step in range(start, steps):
+                t0 = time.perf_counter()
+                loader.set_seq_len(_seq_len(cfg, step))
+                mode = "dense" if step < cfg.train.indexer_dense_steps else cfg.train.indexer_loss
+                lr = learning_rate(step, cfg.train)
+                optimizer.set_lr(lr)
+                ddp.zero_grad_buffer()
+                optimizer.zero_grad()
+                micro = [loader.next_batch() for _ in range(per_rank // cfg.train.micro_batch_size)]
+                weight = global_sum(sum(b.loss_weight.sum() for b in micro), dp_cp)
+                lm_sum = torch.zeros(())
+                idx_sum = torch.zeros(())
+                tokens = 0
+                for batch in micro:
+                    with offload_saved_tensors(cfg.memory.offload_activations, cfg.memory.offload_pinned):
+                        outp = ddp(batch.tokens.to(_device()), gather_logits=False, indexer_loss=mode)
+                        parts = lm_loss(outp.logits, batch.labels.to(_device()), batch.loss_weight.to(_device()),
+                                        global_weight=weight, indexer_losses=outp.indexer_losses,
+                                        indexer_coeff=cfg.train.indexer_loss_coeff / (dp_cp.size() * len(micro)),
+                                        tp_group=pg.tp)
+                        parts.total.backward()
+                    lm_sum += parts.lm_sum.float().cpu()
+                    idx_sum += parts.indexer.float().cpu() / len(micro)
+                    tokens += int(batch.tokens.numel())
+                release_host_cache()
+                moe_load = _moe_load(model)  # read before finalize_model_grads resets the counts
+                finalize_model_grads([ddp], pg_collection=pg)
+                lm = float(global_sum(lm_sum, dp_cp) / weight)
+                idx = float(global_sum(idx_sum, dp_cp)) / dp_cp.size()
+                stepped, norm = optimizer.step() if math.isfinite(lm) else (False, float("nan"))
+                tokens_all = int(global_sum(torch.tensor(float(tokens)), dp_cp)) // max(1, pg.tp.size())
+                metrics = StepMetrics(step + 1, lm + cfg.train.indexer_loss_coeff * idx, lm, idx, lr, norm,
+                                      tokens_all, time.perf_counter() - t0, not stepped, _peak_host_mib(),
+                                      _peak_device_mib(), moe_load)
+                result.history.append(metrics)
+                result.steps_done = step + 1
+                tracker.log_metrics(metrics.as_metrics(), step=step + 1)
+                bar.update(metrics)
+                if not stepped:
+                    bad_in_row += 1
+                    bar.note(f"step {step + 1}: non-finite loss or gradient (loss {lm}, grad norm {norm}); "
+                             "update skipped")
+                    if cfg.train.nonfinite == "stop" or bad_in_row >= 3:
+                        result.stopped_by = "non-finite loss"
+                        break
+                else:
+                    bad_in_row = 0
+                if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
+                    result.checkpoint = checkpoint(step + 1)
+                if stop.signal is not None:
+                    result.stopped_by = stop.signal
+                    break
+            bar.close()
+            if result.checkpoint is None or not result.checkpoint.name.endswith(f"{result.steps_done:06d}"):
+                if result.steps_done > start:
+                    result.checkpoint = checkpoint(result.steps_done)
+            if result.checkpoint is not None:
+                tracker.log_params({"checkpoint": str(result.checkpoint)})
+            _log_curve(tracker, result, out, rank)
+            result.tracking = tracker.location
+        return result
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _peak_device_mib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0.0
+
+
+def _log_curve(tracker, result: TrainResult, out: Path, rank: int) -> None:
+    if rank != 0 or not result.history:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([m.step for m in result.history], [m.lm_loss for m in result.history], label="LM loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("weighted cross-entropy (nats)")
+    ax.legend()
+    fig.tight_layout()
+    path = out / "loss_curve.png"
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    tracker.log_artifact(path)
+
+
+def _progress(enabled: bool, start: int, total: int):
+    from genome_lm.progress import StepProgress
+
+    return StepProgress(enabled, start, total)

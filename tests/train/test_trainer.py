@@ -1,0 +1,115 @@
+"""The training loop on CPU: it learns, and a stopped or killed run resumes to the same losses."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from genome_lm.config import load_config
+from genome_lm.train.trainer import train
+
+
+def _config(dataset, out, steps=4, extra=()):
+    return load_config("demo-cpu", [f"data.dataset={dataset}", f"train.out_dir={out}", f"train.steps={steps}",
+                                    "data.seq_len=256", "train.global_batch_size=2", "train.warmup_steps=1",
+                                    "train.indexer_dense_steps=1", "train.save_every=2", "model.kernel_backend=torch",
+                                    *extra])
+
+
+def test_loss_falls_and_everything_is_logged(small_dataset, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    result = train(_config(small_dataset, tmp_path / "run", steps=8, extra=["train.lr=1e-2"]), progress=False)
+    losses = [m.lm_loss for m in result.history]
+    assert result.steps_done == 8 and len(losses) == 8
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.05, losses
+    assert all(m.tokens == 2 * 256 and m.moe_max_over_mean >= 1.0 for m in result.history)
+    assert result.checkpoint.name == "step-000008"
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
+    run = client.get_run(result.run_id)
+    assert run.data.params["train.steps"] == "8"
+    history = client.get_metric_history(result.run_id, "lm_loss")
+    assert [round(h.value, 5) for h in history] == [round(x, 5) for x in losses]
+    for name in ("indexer_loss", "grad_norm", "tokens_per_s", "lr", "peak_host_mib", "moe_busiest_expert_over_mean"):
+        assert len(client.get_metric_history(result.run_id, name)) == 8, name
+    assert (tmp_path / "run" / "loss_curve.png").stat().st_size > 1000
+
+
+def test_stopped_run_resumes_bit_for_bit(small_dataset, tmp_path):
+    full = train(_config(small_dataset, tmp_path / "full", steps=4), progress=False)
+    part = train(_config(small_dataset, tmp_path / "part", steps=4), progress=False, max_steps=2)
+    assert part.steps_done == 2
+    rest = train(_config(small_dataset, tmp_path / "part", steps=4), progress=False, resume=True)
+    assert [m.loss for m in part.history + rest.history] == [m.loss for m in full.history]
+    assert [m.grad_norm for m in part.history + rest.history] == [m.grad_norm for m in full.history]
+    assert rest.run_id == part.run_id  # the same MLflow run continues
+
+
+KILLED = textwrap.dedent("""
+    import json, os, sys
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    from genome_lm.config import load_config
+    from genome_lm.train.trainer import train
+    cfg = load_config("demo-cpu", json.loads(sys.argv[1]))
+    result = train(cfg, progress=False, resume=sys.argv[2] == "resume")
+    print(json.dumps([m.loss for m in result.history]))
+""")
+
+
+def test_sigkill_then_resume_gives_the_uninterrupted_losses(small_dataset, tmp_path):
+    overrides = [f"data.dataset={small_dataset}", "train.steps=6", "data.seq_len=256", "train.global_batch_size=2",
+                 "train.save_every=2", "model.kernel_backend=torch"]
+    full = subprocess.run([sys.executable, "-c", KILLED, json.dumps(overrides + [f"train.out_dir={tmp_path / 'a'}"]),
+                           "fresh"], capture_output=True, text=True, timeout=600)
+    assert full.returncode == 0, full.stderr[-3000:]
+    expected = json.loads(full.stdout.strip().splitlines()[-1])
+    args = overrides + [f"train.out_dir={tmp_path / 'b'}"]
+    proc = subprocess.Popen([sys.executable, "-c", KILLED, json.dumps(args), "fresh"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    latest = tmp_path / "b" / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (latest.exists() and latest.read_text().strip() >= "step-000004"):
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    done = int(latest.read_text().strip()[-6:])
+    assert 2 <= done < 6
+    resumed = subprocess.run([sys.executable, "-c", KILLED, json.dumps(args), "resume"], capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads(resumed.stdout.strip().splitlines()[-1]) == expected[done:]
+
+
+def test_sigterm_checkpoints_and_stops(small_dataset, tmp_path):
+    args = [f"data.dataset={small_dataset}", "train.steps=50", "data.seq_len=256", "train.global_batch_size=2",
+            "model.kernel_backend=torch", f"train.out_dir={tmp_path / 'c'}", "train.save_every=0"]
+    proc = subprocess.Popen([sys.executable, "-c", KILLED, json.dumps(args), "fresh"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    mlflow_db = tmp_path / "c" / "mlflow.db"
+    deadline = time.time() + 300
+    while time.time() < deadline and not mlflow_db.exists():
+        time.sleep(0.1)
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    losses = json.loads(out.strip().splitlines()[-1])
+    assert 0 < len(losses) < 50
+    latest = (tmp_path / "c" / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step-{len(losses):06d}"
+
+
+@pytest.mark.parametrize("override,message", [("train.global_batch_size=3", "multiple of micro_batch_size"),
+                                              ("data.seq_len=4096", "seq_len")])
+def test_bad_settings_are_errors(small_dataset, tmp_path, override, message):
+    from genome_lm.errors import GenomeLMError
+
+    with pytest.raises(GenomeLMError, match=message):
+        train(_config(small_dataset, tmp_path / "x", extra=[override, "train.micro_batch_size=2"]
+                      if "global" in override else [override]), progress=False)
