@@ -244,7 +244,7 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
             bad_in_row = 0
 
             def checkpoint(step):
-                meta = {"config": cfg.resolved(), "layout": vars(sizes)}
+                meta = {"config": cfg.resolved(), "layout": vars(sizes), "model_config": model.cfg.to_hf()}
                 return save_checkpoint(out, step, model, optimizer,
                                        {"step": step, "loader": loader.state_dict(), "run_id": run_id}, meta)
 

@@ -113,3 +113,22 @@ def test_bad_settings_are_errors(small_dataset, tmp_path, override, message):
     with pytest.raises(GenomeLMError, match=message):
         train(_config(small_dataset, tmp_path / "x", extra=[override, "train.micro_batch_size=2"]
                       if "global" in override else [override]), progress=False)
+
+
+def test_export_writes_the_trained_weights_as_hugging_face(small_dataset, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from genome_lm.model import get_preset
+    from genome_lm.model.hf_checkpoint import HFCheckpoint, hf_keys
+    from genome_lm.train.export import export_run
+
+    result = train(_config(small_dataset, tmp_path / "run", steps=2), progress=False)
+    export_run(tmp_path / "run", tmp_path / "hf")
+    ckpt = HFCheckpoint(tmp_path / "hf")
+    assert ckpt.config() == get_preset("tiny")
+    trained = load_file(str(result.checkpoint / "model-r00000.safetensors"))
+    name = "layers.3.self_attention.q_b_proj.weight"
+    assert torch.equal(ckpt.get(hf_keys(name, ckpt.config(), ckpt.prefix)[0]), trained[name])
+    name = "layers.1.mlp.experts.local_experts.5.linear_fc2.weight"
+    assert torch.equal(ckpt.get(hf_keys(name, ckpt.config(), ckpt.prefix)[0]), trained[name])
