@@ -256,6 +256,62 @@ def bench_kernels(
     if json_out:
         json_out.write_text(json.dumps(results, indent=1, default=str) + "\n")
 
+
+@bench_app.command("model")
+def bench_model(
+    preset: Annotated[str, typer.Option(help="Model preset (tiny, glm-5.3-flash-4layer, glm-5.3-flash).")] = "tiny",
+    seq_lens: Annotated[str, typer.Option(help="Comma-separated sequence lengths (k=1024).")] = "2k,8k",
+    compare_transformers: Annotated[bool, typer.Option(
+        help="Also time transformers' glm5_next with the same weights (slow: only at these lengths).")] = False,
+    repeats: Annotated[int, typer.Option(help="Timed steps after the warm-up (fewer once 30 s of steps have run); the median is shown.", min=1)] = 3,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads in every run; default: the cores this process may use.", min=1)] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds allowed per run (model build + warm-up + timed steps); transformers reports 'timeout' past it.")] = 1200.0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write every row, all fields, to this file.")] = None,
+) -> None:
+    """Forward+backward of the whole model (batch 1, random DNA, next-token loss): seconds, tokens/s and peak memory per length, and the speed-up over transformers' glm5_next on the same weights."""
+    import json
+
+    from genome_lm.model.bench import bench, default_threads, growth
+    from genome_lm.model.presets import PRESETS
+
+    if preset not in PRESETS:
+        raise typer.BadParameter(f"choose from {', '.join(PRESETS)}", param_hint="--preset")
+    lengths = tuple(parse_size(x) for x in seq_lens.split(",") if x.strip())
+    threads = threads or default_threads()
+    console.print(f"torch threads: {threads}", highlight=False)
+
+    def show(row):
+        done = f"{row['seconds']:.3g} s" if row.get("seconds") else row.get("note", "")
+        console.print(f"{row['impl']} T={row['T']:,}: {done}", highlight=False)
+
+    try:
+        rows = bench(preset, lengths, compare_transformers=compare_transformers, repeats=repeats, threads=threads,
+                     timeout_s=timeout, progress=show)
+    except RuntimeError as exc:
+        _fail(GenomeLMError(str(exc)))
+    shown = [dict(r, note=None if r.get("note") == "measured" else r.get("note"), loss=None, backend=None,
+                  warmup_s=None, repeats=None) for r in rows]
+    _print_rows(f"{preset}: forward+backward, batch 1, median of up to {repeats} steps", shown,
+                {"T": "T", "impl": "path", "seconds": "seconds", "tokens_per_s": "tokens/s", "peak_mib": "peak MiB",
+                 "speedup": "speed-up", "note": "note"})
+    console.print("speed-up = transformers seconds / genome-lm seconds; "
+                  + "; ".join(sorted({f"{r['impl']}: {r['backend']}" for r in rows if r.get("backend")})), highlight=False)
+    losses = {}
+    for r in rows:
+        if r.get("loss") is not None:
+            losses.setdefault(r["T"], {})[r["impl"]] = r["loss"]
+    for T, pair in losses.items():
+        if len(pair) == 2:  # the same weights and tokens must give the same loss
+            console.print(f"loss at T={T:,}: " + ", ".join(f"{k} {v:.6f}" for k, v in pair.items()), highlight=False)
+    steps = growth(rows)
+    for g in steps:
+        memory = f", x{g['memory']:.1f} memory" if g["memory"] else ""
+        console.print(f"{g['impl']} {g['T_from']:,} -> {g['T_to']:,}: x{g['tokens']:.1f} tokens -> "
+                      f"x{g['time']:.1f} time{memory}", highlight=False)
+    if json_out:
+        json_out.write_text(json.dumps({"rows": rows, "growth": steps}, indent=1, default=str) + "\n")
+
+
 @app.command()
 def parity(
     hf: Annotated[Path, typer.Option("--hf", help="A glm5_next checkpoint folder written by transformers' save_pretrained.")],
@@ -296,6 +352,69 @@ def parity(
         Console(stderr=True).print(f"[bold red]parity failed[/] at T = {', '.join(map(str, failed))} (tolerance {tol:g})")
         raise typer.Exit(1)
     console.print(f"parity holds at every length (tolerance {tol:g})")
+
+
+@app.command()
+def finetune(
+    config: Annotated[str, typer.Option(help="A config name from configs/ (demo-cpu, glm-5.3-flash-512k-64xb200, ...) or a YAML path.")] = "demo-cpu",
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a field: --set train.steps=20 (repeatable).")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue from the run folder's latest checkpoint.")] = False,
+    tracking_uri: Annotated[Optional[str], typer.Option(help="MLflow server (http://host:5000); default: a SQLite store in the run folder.")] = None,
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+) -> None:
+    """Fine-tune the model on a prepared dataset (megatron-core; tracked in MLflow).
+
+    One process trains on this machine. For a node of GPUs start it with torchrun
+    (`torchrun --nproc-per-node 8 -m genome_lm finetune --config ...`): every rank runs this
+    command and the sizes in `parallel:` split the model. Checkpoints go to train.out_dir every
+    train.save_every steps, at the end and on SIGTERM/Ctrl-C; --resume continues from the last."""
+    from genome_lm.config import load_config
+    from genome_lm.train.trainer import train
+
+    try:
+        cfg = load_config(config, set_ or [])
+        with quiet_megatron_import_ctx():
+            result = train(cfg, resume=resume, progress=not quiet, tracking_uri=tracking_uri)
+    except GenomeLMError as exc:
+        _fail(exc)
+    _print_training(result)
+
+
+def _print_training(result) -> None:
+    if not result.history:
+        console.print("no steps run")
+        return
+    first, last = result.history[0], result.history[-1]
+    table = Table(title=f"fine-tuning in {result.out_dir}", title_justify="left")
+    for column in ("steps", "first loss", "last loss", "change", "tokens/s", "peak host MiB"):
+        table.add_column(column, justify="right")
+    change = (last.lm_loss - first.lm_loss) / first.lm_loss * 100
+    table.add_row(f"{result.steps_done}", f"{first.lm_loss:.4f}", f"{last.lm_loss:.4f}", f"{change:+.1f}%",
+                  f"{last.tokens_per_s:,.0f}", f"{last.peak_host_mib:,.0f}")
+    console.print(table)
+    if result.stopped_by:
+        console.print(f"stopped by {result.stopped_by}; continue with --resume", highlight=False)
+    console.print(f"checkpoint: {result.checkpoint}", highlight=False)
+    if result.tracking:
+        console.print(f"MLflow: {result.tracking}", highlight=False)
+
+
+@app.command()
+def export(
+    run: Annotated[Path, typer.Option(help="A training run folder (train.out_dir).")],
+    out: Annotated[Path, typer.Option(help="Folder for the Hugging Face glm5_next safetensors.")],
+    checkpoint: Annotated[Optional[str], typer.Option(help="Checkpoint folder name (default: the latest).")] = None,
+    like: Annotated[Optional[Path], typer.Option(help="A Hugging Face checkpoint whose config.json and tensor dtypes to copy.")] = None,
+) -> None:
+    """Write a training checkpoint as Hugging Face glm5_next safetensors (sharded, with an index)."""
+    from genome_lm.train.export import export_run
+
+    try:
+        with quiet_megatron_import_ctx():
+            path = export_run(run, out, checkpoint=checkpoint, like=like)
+    except GenomeLMError as exc:
+        _fail(exc)
+    console.print(f"wrote {path}", highlight=False)
 
 
 def quiet_megatron_import_ctx():
