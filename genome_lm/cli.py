@@ -160,15 +160,22 @@ def demo(
     out: Annotated[Path, typer.Option(help="Folder for the demo's genome and dataset.")] = Path("data/demo"),
     window: Annotated[str, typer.Option(help="Window length for the demo dataset.")] = "32k",
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
+    config: Annotated[str, typer.Option(help="Training config (name in configs/ or a path).")] = "demo-cpu",
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a training field (repeatable).")] = None,
+    eval_windows: Annotated[int, typer.Option(help="Evaluation windows of chr22 to score (each model).")] = 8,
 ) -> None:
     """Run the study end to end on the built-in demo genome, on this CPU.
 
-    Stages available so far: demo genome -> prepare. The finetune and eval stages join as they land.
-    """
+    demo genome -> prepare (chr1, chr2 train; chr22 eval) -> fine-tune the tiny model (config
+    demo-cpu, tracked in MLflow) -> score the starting and the tuned model on the same chr22
+    windows and print the loss by preceding-context length."""
+    from genome_lm.config import load_config
     from genome_lm.data.demo_genome import write_demo_genome
     from genome_lm.data.prepare import PrepareRequest
     from genome_lm.data.prepare import prepare as run_prepare
     from genome_lm.data.windows import WindowSpec
+    from genome_lm.eval.compare import compare_run
+    from genome_lm.train.trainer import train
 
     fasta = out / "genome.fa"
     size = parse_size(window)
@@ -177,10 +184,30 @@ def demo(
         if not fasta.exists():
             write_demo_genome(fasta)
         result = run_prepare(request, quiet=quiet)
+        print_dataset_summary(result.manifest, reused=result.reused)
+        cfg = load_config(config, [f"data.dataset={out / 'dataset'}", f"train.out_dir={out / 'run'}", *(set_ or [])])
+        with quiet_megatron_import_ctx():
+            trained = train(cfg, progress=not quiet)
+            _print_training(trained)
+            report = compare_run(out / "run", max_windows=eval_windows)
     except GenomeLMError as exc:
         _fail(exc)
-    print_dataset_summary(result.manifest, reused=result.reused)
-    console.print("finetune and eval stages are not built yet; the dataset above is ready for them.")
+    _print_comparison(report)
+
+
+def _print_comparison(report: dict) -> None:
+    change = (report["tuned"] - report["base"]) / report["base"] * 100
+    table = Table(title=f"{report['split']}: loss (nats/base) by preceding context, {report['windows']} windows, "
+                        f"{report['tokens']:,} tokens", title_justify="left")
+    for column in ("context", "tokens", "base", "tuned", "change"):
+        table.add_column(column, justify="right")
+    for row in report["buckets"]:
+        table.add_row(f"{row['from']:,}-{row['to'] - 1:,}", f"{row['tokens']:,}", f"{row['base']:.4f}",
+                      f"{row['tuned']:.4f}", f"{(row['tuned'] - row['base']) / row['base'] * 100:+.1f}%")
+    table.add_row("all", f"{report['tokens']:,}", f"{report['base']:.4f}", f"{report['tuned']:.4f}", f"{change:+.1f}%")
+    console.print(table)
+    console.print(f"loss {'fell' if change < 0 else 'rose'} {abs(change):.1f}% overall after fine-tuning "
+                  f"(base = the run's starting weights; checkpoint {report['checkpoint']})", highlight=False)
 
 
 bench_app = typer.Typer(help="Benchmarks that compare against a baseline in the same run and print the ratio.", no_args_is_help=True)

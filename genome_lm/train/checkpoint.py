@@ -137,8 +137,9 @@ def verify(folder: Path) -> dict:
     return meta
 
 
-def load_checkpoint(folder: str | Path, model, optimizer) -> dict:
-    """Restore model, optimizer and RNG states; returns the trainer's saved state dict."""
+def load_checkpoint(folder: str | Path, model, optimizer=None) -> dict:
+    """Restore model, optimizer (unless None: weights only) and RNG states; returns the trainer's
+    saved state dict."""
     folder = Path(folder)
     meta = verify(folder)
     rank, world = _rank_world()
@@ -155,7 +156,8 @@ def load_checkpoint(folder: str | Path, model, optimizer) -> dict:
         buffers = dict(model.named_buffers())
         for name, value in tensors.items():
             (params.get(name) if name in params else buffers[name]).copy_(value)
-    optimizer.load_state_dict(torch.load(folder / f"optim-r{rank:05d}.pt", weights_only=True))
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(folder / f"optim-r{rank:05d}.pt", weights_only=True))
     state = json.loads((folder / f"state-r{rank:05d}.json").read_text())
     set_rng_state(state.pop("rng"))
     return state

@@ -37,15 +37,9 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | None =
     with parallel_context(sizes) as pg:
         model = build_model(model_cfg, pg, sizes, kernel_backend="auto",
                             dtype=torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32)
-        load_checkpoint(folder, model, _NoOptimizer())
+        load_checkpoint(folder, model, None)
         export_hf_checkpoint(model, out, like=like)
     (Path(out) / "genome_lm_export.json").write_text(json.dumps({"run": str(run_dir), "checkpoint": folder.name,
                                                                  "step": meta["step"]}, indent=1))
     return Path(out)
 
-
-class _NoOptimizer:
-    """Export needs the weights only; the optimizer state in the checkpoint is left unread."""
-
-    def load_state_dict(self, state) -> None:
-        pass
