@@ -1,4 +1,4 @@
-"""The command line: every command explains itself, sizes parse, the demo's data stage runs."""
+"""The command line: every command explains itself, sizes parse, the demo runs every stage."""
 
 import pytest
 import typer
@@ -40,10 +40,18 @@ def test_version():
     assert result.exit_code == 0 and result.output.startswith("genome-lm ")
 
 
-def test_demo_builds_the_demo_dataset(tmp_path):
-    result = runner.invoke(app, ["demo", "--out", str(tmp_path / "demo"), "--window", "64k", "--quiet"])
+FAST_DEMO = ["--window", "8k", "--quiet", "--set", "train.steps=2", "--set", "data.seq_len=1024",
+             "--set", "train.indexer_dense_steps=0", "--eval-windows", "1"]
+
+
+def test_demo_runs_every_stage(tmp_path):
+    result = runner.invoke(app, ["demo", "--out", str(tmp_path / "demo"), *FAST_DEMO])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "demo" / "genome.planted.json").exists()
     assert (tmp_path / "demo" / "dataset" / "manifest.json").exists()
-    again = runner.invoke(app, ["demo", "--out", str(tmp_path / "demo"), "--window", "64k", "--quiet"])
+    assert (tmp_path / "demo" / "run" / "checkpoints" / "step-000002" / "meta.json").exists()
+    assert (tmp_path / "demo" / "run" / "mlflow.db").exists()
+    assert "fine-tuning in" in result.output and "by preceding context" in result.output
+    assert "overall after fine-tuning" in result.output
+    again = runner.invoke(app, ["demo", "--out", str(tmp_path / "demo"), *FAST_DEMO])
     assert "already up to date" in again.output
