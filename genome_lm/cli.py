@@ -388,12 +388,16 @@ def finetune(
     resume: Annotated[bool, typer.Option(help="Continue from the run folder's latest checkpoint.")] = False,
     tracking_uri: Annotated[Optional[str], typer.Option(help="MLflow server (http://host:5000); default: a SQLite store in the run folder.")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+    ray_address: Annotated[Optional[str], typer.Option(help="Train on a Ray cluster ('auto', host:port, or 'local' to start one here).")] = None,
+    workers: Annotated[int, typer.Option(help="With --ray-address: ranks to start (one GPU each, or CPU workers without GPUs).", min=1)] = 1,
+    cpus_per_worker: Annotated[int, typer.Option(help="With --ray-address: CPUs reserved per rank.", min=1)] = 1,
 ) -> None:
     """Fine-tune the model on a prepared dataset (megatron-core; tracked in MLflow).
 
     One process trains on this machine. For a node of GPUs start it with torchrun
     (`torchrun --nproc-per-node 8 -m genome_lm finetune --config ...`): every rank runs this
-    command and the sizes in `parallel:` split the model. Checkpoints go to train.out_dir every
+    command and the sizes in `parallel:` split the model. On a Ray cluster use --ray-address and
+    --workers: one actor per GPU in a placement group, rank 0 reports. Checkpoints go to train.out_dir every
     train.save_every steps, at the end and on SIGTERM/Ctrl-C; --resume continues from the last."""
     from genome_lm.config import load_config
     from genome_lm.train.trainer import train
@@ -401,7 +405,13 @@ def finetune(
     try:
         cfg = load_config(config, set_ or [])
         with quiet_megatron_import_ctx():
-            result = train(cfg, resume=resume, progress=not quiet, tracking_uri=tracking_uri)
+            if ray_address is not None:
+                from genome_lm.engine.launch import train_on_ray
+
+                result = train_on_ray(cfg, address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
+                                      resume=resume, tracking_uri=tracking_uri, progress=not quiet)
+            else:
+                result = train(cfg, resume=resume, progress=not quiet, tracking_uri=tracking_uri)
     except GenomeLMError as exc:
         _fail(exc)
     _print_training(result)
