@@ -15,5 +15,5 @@ genome-lm prepare --fasta "$FASTA" --out "$OUT/prepared" --train-chroms chr1,chr
 genome-lm finetune --config "$CONFIG" --set data.dataset="$OUT/prepared" --set train.out_dir="$OUT/run" \
   --ray-address "${RAY_ADDRESS:-auto}" --workers 64 --cpus-per-worker 8
 
-# The tuned weights as a Hugging Face checkpoint (for vLLM / transformers).
-genome-lm export --run "$OUT/run" --out "$OUT/run/hf" --like checkpoints/GLM-5.3-Flash
+# Exporting the tuned weights (genome-lm export) must run with the training layout (64 ranks,
+# e.g. torchrun on the 8 nodes); a single-process export of a sharded checkpoint is not built yet.
