@@ -134,6 +134,21 @@ def build(cfg, pg, sizes):
     return model
 
 
+def token_map(cfg, model) -> torch.Tensor | None:
+    """genome-lm id -> model id, when the model has a text vocabulary of its own (a pretrained
+    checkpoint): bases become its single-letter tokens (``data.vocab``). None for DNA vocabularies."""
+    from genome_lm.data.tokenizer import VOCAB_SIZE
+
+    if model.cfg.vocab_size <= 16 and model.cfg.vocab_size >= VOCAB_SIZE:
+        return None
+    if not cfg.model.checkpoint:
+        raise GenomeLMError(f"model vocabulary of {model.cfg.vocab_size} tokens is not genome-lm's DNA vocabulary, and "
+                            "there is no checkpoint tokenizer to map bases onto it")
+    from genome_lm.data.vocab import checkpoint_token_map
+
+    return checkpoint_token_map(cfg.model.checkpoint, model.cfg.pad_token_id)
+
+
 def _has_te() -> bool:
     try:
         import transformer_engine  # noqa: F401
@@ -218,6 +233,7 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
                                                            use_distributed_optimizer=torch.cuda.is_available()),
             model, pg_collection=pg)
         optimizer = _optimizer(cfg, ddp, pg)
+        to_model = token_map(cfg, model)
         loader = TrainLoader(cfg.data.dataset, cfg.data.train_split, seq_len=_seq_len(cfg, 0),
                              micro_batch_size=cfg.train.micro_batch_size, softmask_weight=cfg.data.softmask_weight,
                              reverse_complement=cfg.data.reverse_complement, max_n_fraction=cfg.data.max_n_fraction,
@@ -262,6 +278,8 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
                 idx_sum = torch.zeros(())
                 tokens = 0
                 for batch in micro:
+                    if to_model is not None:  # bases -> the checkpoint's single-letter tokens
+                        batch.tokens, batch.labels = to_model[batch.tokens], to_model[batch.labels.clamp_min(0)]
                     with offload_saved_tensors(cfg.memory.offload_activations, cfg.memory.offload_pinned):
                         outp = ddp(batch.tokens.to(_device()), gather_logits=False, indexer_loss=mode)
                         parts = lm_loss(outp.logits, batch.labels.to(_device()), batch.loss_weight.to(_device()),

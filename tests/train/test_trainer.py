@@ -132,3 +132,36 @@ def test_export_writes_the_trained_weights_as_hugging_face(small_dataset, tmp_pa
     assert torch.equal(ckpt.get(hf_keys(name, ckpt.config(), ckpt.prefix)[0]), trained[name])
     name = "layers.1.mlp.experts.local_experts.5.linear_fc2.weight"
     assert torch.equal(ckpt.get(hf_keys(name, ckpt.config(), ckpt.prefix)[0]), trained[name])
+
+
+def test_pretrained_checkpoint_with_its_own_vocabulary(small_dataset, tmp_path):
+    """Start from a glm5_next checkpoint whose vocabulary is text: bases train as its letters."""
+    from tests.data.test_vocab import write_tokenizer
+    from tests.model.hf_oracle import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "hf", text={"vocab_size": 64}, seed=1)
+    write_tokenizer(ckpt, {"<unk>": 0, "A": 40, "C": 41, "G": 50, "T": 33, "N": 60})
+    cfg = _config(small_dataset, tmp_path / "run", steps=2, extra=[f"model.checkpoint={ckpt}"])
+    result = train(cfg, progress=False)
+    assert result.steps_done == 2
+    # the first step's loss, recomputed by hand: the checkpoint's weights on the mapped letters
+    import torch
+
+    from genome_lm.data.loader import TrainLoader
+    from genome_lm.engine.parallel import ParallelSizes, parallel_context
+    from genome_lm.train.loss import lm_loss
+    from genome_lm.train.trainer import build
+
+    loader = TrainLoader(str(small_dataset), "train", seq_len=256, micro_batch_size=1, softmask_weight=0.1,
+                         reverse_complement=cfg.data.reverse_complement, seed=cfg.train.seed)
+    batches = [loader.next_batch(), loader.next_batch()]
+    table = torch.tensor([0, 0, 0, 0, 40, 41, 50, 33, 60])
+    with parallel_context() as pg, torch.no_grad():
+        model = build(cfg, pg, ParallelSizes())
+        weight = sum(b.loss_weight.sum() for b in batches)
+        total = sum(lm_loss(model(table[b.tokens]).logits, table[b.labels.clamp_min(0)], b.loss_weight,
+                            global_weight=weight).lm for b in batches)
+        unmapped = sum(lm_loss(model(b.tokens).logits, b.labels.clamp_min(0), b.loss_weight,
+                               global_weight=weight).lm for b in batches)
+    assert result.history[0].lm_loss == pytest.approx(float(total), rel=1e-5)
+    assert abs(float(unmapped) - float(total)) > 1e-3
