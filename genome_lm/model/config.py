@@ -53,6 +53,8 @@ class ModelConfig:
     moe_intermediate_size: int = 2048
     routed_scaling_factor: float = 2.5
     norm_topk_prob: bool = True
+    n_group: int = 1  # group-limited routing: experts in n_group groups, the best topk_group kept
+    topk_group: int = 1
     router_aux_loss_coef: float = 0.001
     swiglu_limit: float = 10.0
     # mHC hyper-connections
@@ -99,8 +101,9 @@ class ModelConfig:
                 raise ValueError(f"layer {i} shares an indexer, so layer {i - 1} must be a DSA layer with its own")
         if self.index_kpool < 1 or self.index_topk % self.index_kpool:
             raise ValueError(f"index_topk ({self.index_topk}) must be a multiple of index_kpool ({self.index_kpool})")
-        if not self.norm_topk_prob:  # megatron-core's sigmoid router always normalises the top-k
-            raise ValueError("norm_topk_prob=False is not supported (megatron-core normalises sigmoid top-k weights)")
+        if self.n_group < 1 or self.n_routed_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"n_group ({self.n_group}) must divide n_routed_experts ({self.n_routed_experts}) "
+                             f"and topk_group ({self.topk_group}) lie in 1..n_group")
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ValueError("num_experts_per_tok exceeds n_routed_experts")
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
@@ -141,8 +144,7 @@ class ModelConfig:
         if not isinstance(config, dict):
             config = json.loads(Path(config).read_text())
         text = dict(config.get("text_config") or config)
-        unsupported = {"qk_rope_head_dim": 0, "n_group": 1, "topk_group": 1, "attention_bias": False,
-                       "index_kpool_always_select_tail": True, "norm_topk_prob": True}
+        unsupported = {"qk_rope_head_dim": 0, "attention_bias": False, "index_kpool_always_select_tail": True}
         for key, expected in unsupported.items():
             if key in text and text[key] not in (expected, None):
                 raise ValueError(f"glm5_next config has {key}={text[key]!r}; genome-lm supports only {expected!r}")
@@ -172,7 +174,7 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         for name in ("layer_types", "mlp_layer_types", "indexer_types"):
             d[name] = list(d[name])
-        d.update(qk_rope_head_dim=0, num_key_value_heads=self.num_attention_heads, n_group=1, topk_group=1,
+        d.update(qk_rope_head_dim=0, num_key_value_heads=self.num_attention_heads,
                  attention_bias=False, index_kpool_always_select_tail=True, hidden_act="silu")
         return d
 

@@ -49,10 +49,21 @@ class DecoderLayer(nn.Module):
                                                     linear_fc2=provider.row_parallel_linear()),
                            ffn_hidden_size=cfg.intermediate_size, tp_group=pg.tp)
         else:
+            import dataclasses
+
             from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 
+            from .router import router_class
+
+            # Under tensor parallel the MoE layer runs sequence-parallel (megatron-core refuses to
+            # train it otherwise): each rank routes its slice of the tokens, see forward().
+            self.moe_sequence_parallel = pg.tp.size() > 1
+            moe_config = dataclasses.replace(tf_config, sequence_parallel=True) if self.moe_sequence_parallel \
+                else tf_config
             builder = get_moe_module_spec_for_backend(provider, num_experts=cfg.n_routed_experts)
-            self.mlp = builder(config=tf_config, layer_number=layer_idx + 1, pg_collection=pg)
+            builder.keywords["submodules"].router = router_class(cfg)
+            self.mlp = builder(config=moe_config, layer_number=layer_idx + 1, pg_collection=pg)
+        self.tp_group = pg.tp
 
     def forward(self, streams: torch.Tensor, idx: torch.Tensor | None, indexer_loss: IndexerLossMode):
         """streams [S, B, N, D] -> (streams, selection for a following shared layer, indexer loss)."""
@@ -65,7 +76,20 @@ class DecoderLayer(nn.Module):
             out, idx, loss = self.self_attention(x, idx, indexer_loss)
         streams = HyperConnection.merge(post, comb, out, streams)
         post, comb, x = self.ffn_hc(streams)
-        out = self.mlp(self.post_attention_layernorm(x))[0]
+        x = self.post_attention_layernorm(x)
+        if getattr(self, "moe_sequence_parallel", False):
+            from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
+                                                                scatter_to_sequence_parallel_region)
+
+            S, pad = x.shape[0], -x.shape[0] % self.tp_group.size()
+            if pad:  # zero rows so the tokens split evenly; their outputs are dropped below
+                x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+            out = self.mlp(scatter_to_sequence_parallel_region(x, group=self.tp_group))[0]
+            # everything after the MoE is replicated over the ranks: split (not reduce) the gradient
+            out = gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False,
+                                                       group=self.tp_group)[:S]
+        else:
+            out = self.mlp(x)[0]
         return HyperConnection.merge(post, comb, out, streams), idx, loss
 
 
@@ -106,6 +130,21 @@ class GLM5Model(nn.Module):
 
             logits = gather_from_tensor_model_parallel_region(logits, group=self.pg.tp)
         return ModelOutput(logits.transpose(0, 1), losses)
+
+
+def allreduce_sequence_parallel_grads(model) -> None:
+    """Sum over tensor-parallel ranks the gradients of replicated parameters that saw only this
+    rank's tokens (megatron-core marks them ``sequence_parallel``: the MoE routers). Call after
+    backward, before the optimizer; a no-op without tensor parallel."""
+    group = model.pg.tp
+    if group.size() == 1:
+        return
+    for p in model.parameters():
+        if getattr(p, "sequence_parallel", False):
+            grad = getattr(p, "main_grad", None)
+            grad = p.grad if grad is None else grad
+            if grad is not None:
+                torch.distributed.all_reduce(grad, group=group)
 
 
 def build_model(cfg: ModelConfig, pg, sizes, *, transformer_impl: str = "local", kernel_backend: str = "auto",

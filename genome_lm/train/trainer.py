@@ -204,6 +204,7 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
 
     from genome_lm.data.loader import TrainLoader
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
+    from genome_lm.model.model import allreduce_sequence_parallel_grads
     from genome_lm.tracking import Tracker
 
     from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -292,6 +293,7 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
                     tokens += int(batch.tokens.numel())
                 release_host_cache()
                 moe_load = _moe_load(model)  # read before finalize_model_grads resets the counts
+                allreduce_sequence_parallel_grads(model)
                 finalize_model_grads([ddp], pg_collection=pg)
                 lm = float(global_sum(lm_sum, dp_cp) / weight)
                 idx = float(global_sum(idx_sum, dp_cp)) / dp_cp.size()

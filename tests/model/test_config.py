@@ -49,8 +49,7 @@ def test_from_hf_reads_nested_and_linear_attn_config():
     assert cfg.layer_types == (LINEAR, LINEAR)
 
 
-@pytest.mark.parametrize("field,value", [("qk_rope_head_dim", 64), ("n_group", 8), ("attention_bias", True),
-                                         ("norm_topk_prob", False)])
+@pytest.mark.parametrize("field,value", [("qk_rope_head_dim", 64), ("attention_bias", True)])
 def test_unsupported_fields_are_named(field, value):
     with pytest.raises(ValueError, match=field):
         ModelConfig.from_hf({field: value})
@@ -63,6 +62,7 @@ def test_unsupported_fields_are_named(field, value):
     (dict(num_hidden_layers=3, layer_types=("indexed_attention",) * 3, indexer_types=("full", "shared", "shared")),
      "layer 1 must be a DSA layer with its own"),
     (dict(num_hidden_layers=1, mlp_layer_types=("moe",)), "mlp_layer_types holds"),
+    (dict(n_routed_experts=8, n_group=3), "n_group"),
 ])
 def test_invalid_configs(changes, match):
     with pytest.raises(ValueError, match=match):

@@ -41,13 +41,14 @@ def test_tiny_random_config_matches_transformers(tmp_path):
 
 def test_other_config_softplus_gate_shared_indexer_more_layers(tmp_path):
     """Not a preset: 8 layers with two DSA layers in a row (the second shares the first's
-    selection), the softplus decay (no safe gate), k-pool 8, more MLA heads, 3 experts of top-3,
-    no dense layers, a short convolution of 3."""
+    selection), the softplus decay (no safe gate), k-pool 8, more MLA heads, group-limited routing
+    (8 experts in 4 groups, best 2 groups, top-3, weights not normalised), no dense layers, a short
+    convolution of 3."""
     layers = ["linear_attention"] * 3 + ["indexed_attention"] * 2 + ["linear_attention"] * 2 + ["indexed_attention"]
     text = dict(num_hidden_layers=8, layer_types=layers, linear_lower_bound=None,
                 indexer_types=["full"] * 4 + ["shared"] + ["full"] * 3,
-                index_kpool=8, index_topk=32, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=3,
-                num_experts_per_tok=3, mlp_layer_types=["sparse"] * 8, linear_num_heads=4, linear_conv_kernel_dim=3)
+                index_kpool=8, index_topk=32, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                num_experts_per_tok=3, n_group=4, topk_group=2, norm_topk_prob=False, mlp_layer_types=["sparse"] * 8, linear_num_heads=4, linear_conv_kernel_dim=3)
     ckpt = make_checkpoint(tmp_path / "ckpt", text=text, seed=5)
     result = _parity(ckpt, "--lengths", "1,65,300,1000")
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]

@@ -1,0 +1,78 @@
+"""One rank of a multi-process model check (run by test_parallel.py as a subprocess).
+
+    python tests/model/dist_worker.py RANK WORLD PORT JSON
+JSON: {"hf": checkpoint dir, "sizes": {"tp": 2, ...}, "ids": path of a saved id tensor,
+       "indexer_loss": "off"|"dense"|"sparse", "out": result file (rank 0 writes it),
+       "export": optional dir to export the loaded model to}
+Rank 0 writes {"loss": float, "grads": {name: full-size gradient}} with torch.save.
+"""
+
+import json
+import os
+import sys
+
+os.environ["TORCHDYNAMO_DISABLE"] = "1"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from genome_lm.engine.parallel import ParallelSizes, init_distributed, parallel_context  # noqa: E402
+from genome_lm.model.hf_checkpoint import (HFCheckpoint, _gather, _groups, export_hf_checkpoint,  # noqa: E402
+                                           load_hf_checkpoint)
+from genome_lm.model.model import allreduce_sequence_parallel_grads, build_model  # noqa: E402
+
+
+def full_grads(model):
+    """Every gradient at full size, after the reductions megatron-core's DDP would do: experts
+    over the expert-data-parallel group (under tensor parallel, ranks route different tokens)."""
+    grads = {}
+    expt_dp = model.pg.expt_dp
+    for name, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        if ".experts.local_experts." in name and expt_dp.size() > 1:
+            torch.distributed.all_reduce(g, group=expt_dp)
+        tp_group, ep_group = _groups(model, name)
+        g = _gather(g, p, name, tp_group)
+        if ep_group is not None and ep_group.size() > 1:
+            parts = [torch.empty_like(g) for _ in range(ep_group.size())]
+            torch.distributed.all_gather(parts, g.contiguous(), group=ep_group)
+            local = model.cfg.n_routed_experts // ep_group.size()
+            prefix, rest = name.split(".experts.local_experts.")
+            j, tail = rest.split(".", 1)
+            for r, part in enumerate(parts):
+                grads[f"{prefix}.experts.local_experts.{r * local + int(j)}.{tail}"] = part
+            continue
+        grads[name] = g
+    return grads
+
+
+def main(rank, world, port, spec):
+    init_distributed(rank, world, init_method=f"tcp://127.0.0.1:{port}")
+    sizes = ParallelSizes(**spec["sizes"])
+    with parallel_context(sizes) as pg:
+        cfg = HFCheckpoint(spec["hf"]).config()
+        model = build_model(cfg, pg, sizes, kernel_backend="torch")
+        load_hf_checkpoint(model, spec["hf"])
+        if spec.get("export"):
+            export_hf_checkpoint(model, spec["export"], like=spec["hf"])
+        all_ids = torch.load(spec["ids"])
+        dp = pg.dp
+        ids = all_ids[dp.rank()::dp.size()]  # data parallel: each replica takes its share of the batch
+        out = model(ids[:, :-1], indexer_loss=spec.get("indexer_loss", "off"))
+        ce = F.cross_entropy(out.logits.flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
+        total = ce / all_ids[:, 1:].numel() + sum(out.indexer_losses) / dp.size()
+        total.backward()
+        allreduce_sequence_parallel_grads(model)
+        if dp.size() > 1:  # what megatron-core's DDP does for the non-expert parameters
+            for name, p in model.named_parameters():
+                if ".experts.local_experts." not in name and p.grad is not None:
+                    torch.distributed.all_reduce(p.grad, group=dp)
+        grads = full_grads(model)
+        loss = total.detach().clone()
+        torch.distributed.all_reduce(loss, group=dp)
+        if rank == 0:
+            torch.save({"loss": float(loss), "grads": grads}, spec["out"])
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))
