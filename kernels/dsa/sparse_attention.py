@@ -8,9 +8,13 @@ CPU strategy: per query chunk, gather the union U of the keys the chunk's querie
 query to its own selection. On a CPU a per-query gather moves S * D values per query and head
 and is memory-bound (about 4 GB/s here); the union costs C * U * D multiply-adds in GEMMs, which
 run an order of magnitude faster per value, and U is small when neighbouring queries select
-the same pools. U <= min(t, C * S), so a chunk's working set is [H, C, min(T, C * S)]: bounded
-by C^2 * S, never [T, T]. Backward recomputes the chunk's probabilities from the saved
-log-sum-exp and scatters dk, dv into the union's rows; no per-chunk graph is kept alive.
+the same pools. But when neighbouring queries select different pools (an untrained indexer),
+U approaches min(t, C * S) and the union's work grows with T. So a chunk whose union exceeds
+``GATHER_ABOVE`` times S keys instead gathers each query's own S keys ([C, S, H, D], split into
+sub-chunks of at most ``GATHER_ELEMENTS`` values): O(S) work per query whatever T is. Either
+way a chunk's working set is bounded by C^2 * S, never [T, T]. Backward recomputes the chunk's
+probabilities from the saved log-sum-exp and scatters dk, dv into the keys' rows; no per-chunk
+graph is kept alive.
 """
 
 from __future__ import annotations
@@ -18,6 +22,32 @@ from __future__ import annotations
 import torch
 
 from .indexer import compute_dtype
+
+
+GATHER_ABOVE = 2  # a union of more than GATHER_ABOVE * S keys: gather per query instead
+GATHER_ELEMENTS = 1 << 22  # values of one gathered [C, S, H, D] block
+
+
+def _own_keys(idx_CS):
+    """Each query's keys with repeats and -1 masked out: (safe index [C, S], valid [C, S])."""
+    srt, _ = idx_CS.sort(dim=1)
+    valid = srt >= 0
+    valid[:, 1:] &= srt[:, 1:] != srt[:, :-1]  # a key listed twice counts once
+    return srt.clamp_min(0), valid
+
+
+def _gather_probs(q_CHD, k_CSHD, valid_CS, scale, lse_HC=None):
+    """Like _probs, over each query's own keys: p [H, C, S], lse [H, C]."""
+    s_HCS = torch.einsum("chd,cshd->hcs", q_CHD, k_CSHD).mul_(scale).masked_fill_(~valid_CS, float("-inf"))
+    if lse_HC is None:
+        lse_HC = torch.logsumexp(s_HCS, dim=-1)
+    return torch.exp_(s_HCS.sub_(lse_HC.nan_to_num(neginf=0.0)[..., None])), lse_HC
+
+
+def _sub_chunks(t0: int, t1: int, S: int, H: int, D: int):
+    step = max(1, GATHER_ELEMENTS // max(1, S * H * D))
+    for a in range(t0, t1, step):
+        yield a, min(a + step, t1)
 
 
 def _union(idx_CS, T: int):
@@ -62,7 +92,15 @@ class SparseAttention(torch.autograd.Function):
         B, H, T, _ = q_BHTD.shape
         o_BHTD = torch.empty(B, H, T, v_BTHD.shape[-1], dtype=dt, device=q_BTHD.device)
         lse_BHT = torch.empty(B, H, T, dtype=dt, device=q_BTHD.device)
+        S, D = idx_BTS.shape[-1], q_BTHD.shape[-1]
         for b, t0, t1, keys_U, sel_CU in _chunks(idx_BTS, chunk):
+            if keys_U.shape[0] > GATHER_ABOVE * S:
+                for a, z in _sub_chunks(t0, t1, S, H, D):
+                    key_CS, valid_CS = _own_keys(idx_BTS[b, a:z])
+                    q_CHD = q_BTHD[b, a:z].to(dt)
+                    p_HCS, lse_BHT[b, :, a:z] = _gather_probs(q_CHD, k_BTHD[b][key_CS].to(dt), valid_CS, scale)
+                    o_BHTD[b, :, a:z] = torch.einsum("hcs,cshd->hcd", p_HCS, v_BTHD[b][key_CS].to(dt))
+                continue
             p_HCU, lse_BHT[b, :, t0:t1] = _probs(q_BHTD[b, :, t0:t1], k_BHTD[b][:, keys_U], sel_CU, scale)
             o_BHTD[b, :, t0:t1] = torch.matmul(p_HCU, v_BHTD[b][:, keys_U])
         o_BTHD = o_BHTD.transpose(1, 2).to(q_BTHD.dtype).contiguous()
@@ -97,7 +135,20 @@ def sparse_attention_backward(q_BTHD, k_BTHD, v_BTHD, idx_BTS, o_BTHD, lse_BTH, 
     dq_BHTD = torch.empty(q_BHTD.shape, dtype=dt, device=q_BTHD.device)
     dk_BTHD = torch.zeros(k_BTHD.shape, dtype=dt, device=q_BTHD.device)
     dv_BTHD = torch.zeros(v_BTHD.shape, dtype=dt, device=q_BTHD.device)
+    S, H, D = idx_BTS.shape[-1], q_BTHD.shape[2], q_BTHD.shape[-1]
     for b, t0, t1, keys_U, sel_CU in _chunks(idx_BTS, chunk):
+        if keys_U.shape[0] > GATHER_ABOVE * S:
+            for a, z in _sub_chunks(t0, t1, S, H, D):
+                key_CS, valid_CS = _own_keys(idx_BTS[b, a:z])
+                q_CHD, do_CHD = q_BTHD[b, a:z].to(dt), do_BTHD[b, a:z].to(dt)
+                k_CSHD, v_CSHD = k_BTHD[b][key_CS].to(dt), v_BTHD[b][key_CS].to(dt)
+                p_HCS, _ = _gather_probs(q_CHD, k_CSHD, valid_CS, scale, lse_BHT[b, :, a:z])
+                ds_HCS = p_HCS * (torch.einsum("chd,cshd->hcs", do_CHD, v_CSHD) - delta_BHT[b, :, a:z, None])
+                dq_BHTD[b, :, a:z] = torch.einsum("hcs,cshd->hcd", ds_HCS, k_CSHD).mul_(scale)
+                rows = key_CS.flatten()
+                dk_BTHD[b].index_add_(0, rows, torch.einsum("hcs,chd->cshd", ds_HCS, q_CHD).flatten(0, 1), alpha=scale)
+                dv_BTHD[b].index_add_(0, rows, torch.einsum("hcs,chd->cshd", p_HCS, do_CHD).flatten(0, 1))
+            continue
         q_HCD, do_HCD = q_BHTD[b, :, t0:t1], do_BHTD[b, :, t0:t1]
         k_HUD, v_HUD = k_BHTD[b][:, keys_U], v_BHTD[b][:, keys_U]
         p_HCU, _ = _probs(q_HCD, k_HUD, sel_CU, scale, lse_BHT[b, :, t0:t1])
