@@ -134,11 +134,9 @@ def _run_worker(role: str, cfg: dict, timeout_s: float) -> dict:
 
 
 def _rss_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    from genome_lm_kernels.kda.bench import _rss_mib as rss_mib  # one reader of /proc/self/status
+
+    return rss_mib(field)
 
 
 def _reset_peak() -> None:

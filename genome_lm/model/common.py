@@ -153,6 +153,20 @@ class HyperConnection(nn.Module):
         return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + comb.to(dtype).transpose(-1, -2) @ streams
 
 
+def column_linear(options: BuildOptions, tf_config, tp_group, n_in: int, n_out: int):
+    """A column-parallel projection (output features split over tensor-parallel ranks), no bias."""
+    return options.spec_provider().column_parallel_linear()(
+        n_in, n_out, config=tf_config, init_method=tf_config.init_method, bias=False, gather_output=False,
+        skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None, tp_group=tp_group)
+
+
+def row_linear(options: BuildOptions, tf_config, tp_group, n_in: int, n_out: int):
+    """A row-parallel output projection (input features split, result summed over ranks), no bias."""
+    return options.spec_provider().row_parallel_linear()(
+        n_in, n_out, config=tf_config, init_method=tf_config.output_layer_init_method, bias=False,
+        input_is_parallel=True, skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None, tp_group=tp_group)
+
+
 def replicated_linear(in_features: int, out_features: int, cfg: ModelConfig, dtype: torch.dtype) -> nn.Linear:
     """A small projection every tensor-parallel rank holds whole (its inputs are replicated)."""
     layer = nn.Linear(in_features, out_features, bias=False, dtype=dtype)

@@ -26,7 +26,7 @@ from torch import nn
 
 from genome_lm_kernels import dsa as dsa_ops
 
-from .common import BuildOptions, RMSNorm, replicated_linear
+from .common import BuildOptions, RMSNorm, column_linear, replicated_linear, row_linear
 from .config import SHARED, ModelConfig
 
 IndexerLossMode = Literal["off", "dense", "sparse"]
@@ -64,7 +64,6 @@ class Indexer(nn.Module):
 class DSAAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tf_config, options: BuildOptions, tp_group):
         super().__init__()
-        provider = options.spec_provider()
         tp = 1 if tp_group is None else tp_group.size()
         if cfg.num_attention_heads % tp:
             raise ValueError(f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by tensor parallel {tp}")
@@ -75,9 +74,7 @@ class DSAAttention(nn.Module):
         H = cfg.num_attention_heads
 
         def column(n_in: int, n_out: int):
-            return provider.column_parallel_linear()(
-                n_in, n_out, config=tf_config, init_method=tf_config.init_method, bias=False,
-                gather_output=False, skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None, tp_group=tp_group)
+            return column_linear(options, tf_config, tp_group, n_in, n_out)
 
         self.q_a_proj = replicated_linear(cfg.hidden_size, cfg.q_lora_rank, cfg, dtype)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
@@ -85,10 +82,7 @@ class DSAAttention(nn.Module):
         self.kv_a_proj_with_mqa = replicated_linear(cfg.hidden_size, cfg.kv_lora_rank, cfg, dtype)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype)
         self.kv_b_proj = column(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
-        self.o_proj = provider.row_parallel_linear()(
-            H * cfg.v_head_dim, cfg.hidden_size, config=tf_config, init_method=tf_config.output_layer_init_method,
-            bias=False, input_is_parallel=True, skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None,
-            tp_group=tp_group)
+        self.o_proj = row_linear(options, tf_config, tp_group, H * cfg.v_head_dim, cfg.hidden_size)
         self.indexer = None if cfg.indexer_types[layer_idx] == SHARED else Indexer(cfg, dtype)
 
     def forward(self, x: torch.Tensor, shared_idx: torch.Tensor | None = None,

@@ -20,7 +20,7 @@ from torch import nn
 
 from genome_lm_kernels.kda import kda
 
-from .common import BuildOptions, RMSNorm, replicated_linear, tp_shared
+from .common import BuildOptions, column_linear, replicated_linear, row_linear, tp_shared
 from .config import ModelConfig
 
 
@@ -36,7 +36,6 @@ class KDAState:
 class KDAAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, tf_config, options: BuildOptions, tp_group):
         super().__init__()
-        provider = options.spec_provider()
         tp = 1 if tp_group is None else tp_group.size()
         if cfg.linear_num_heads % tp:
             raise ValueError(f"linear_num_heads ({cfg.linear_num_heads}) is not divisible by tensor parallel {tp}")
@@ -47,9 +46,7 @@ class KDAAttention(nn.Module):
         dtype = options.dtype
 
         def column(n_in: int, n_out: int):
-            return provider.column_parallel_linear()(
-                n_in, n_out, config=tf_config, init_method=tf_config.init_method, bias=False,
-                gather_output=False, skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None, tp_group=tp_group)
+            return column_linear(options, tf_config, tp_group, n_in, n_out)
 
         self.q_proj, self.k_proj, self.v_proj = column(cfg.hidden_size, width), column(cfg.hidden_size, width), \
             column(cfg.hidden_size, width)
@@ -73,9 +70,7 @@ class KDAAttention(nn.Module):
 
         for param, dim in ((self.conv_weight, 1), (self.dt_bias, 0), (self.A_log, 0)):
             set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
-        self.o_proj = provider.row_parallel_linear()(
-            width, cfg.hidden_size, config=tf_config, init_method=tf_config.output_layer_init_method, bias=False,
-            input_is_parallel=True, skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None, tp_group=tp_group)
+        self.o_proj = row_linear(options, tf_config, tp_group, width, cfg.hidden_size)
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """Per-channel log-decay g <= 0, [S, B, H_local, K] fp32."""

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from genome_lm_kernels.kda import kda
 from genome_lm_kernels.kda import triton as kda_triton_module
 
 from .conftest import DEVICE, assert_rel_close, rel_err
+from .test_kda import make_inputs
 
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
@@ -26,25 +26,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def make_inputs(B, T, H, K, V, generator, *, with_state=True, normalised_k=True, decay=5.0, dtype=torch.float32):
-    """Random KDA inputs: g = -decay * sigmoid(x) (glm5_next's safe gate), beta = sigmoid(x); k
-    unit-norm unless the op's own l2norm is used."""
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator).to(DEVICE)
-
-    k = randn(B, T, H, K)
-    x = dict(
-        q=randn(B, T, H, K),
-        k=F.normalize(k, dim=-1) if normalised_k else k,
-        v=randn(B, T, H, V),
-        g=-decay * torch.sigmoid(randn(B, T, H, K)),
-        beta=torch.sigmoid(randn(B, T, H)),
-        initial_state=randn(B, H, K, V) if with_state else None,
-    )
-    return {n: (t.to(dtype).requires_grad_() if t is not None else None) for n, t in x.items()}
 
 
 def gradients(x, backend, use_qk_l2norm, w_o, w_S):
