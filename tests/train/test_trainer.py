@@ -165,3 +165,9 @@ def test_pretrained_checkpoint_with_its_own_vocabulary(small_dataset, tmp_path):
                                global_weight=weight).lm for b in batches)
     assert result.history[0].lm_loss == pytest.approx(float(total), rel=1e-5)
     assert abs(float(unmapped) - float(total)) > 1e-3
+
+
+def test_sequence_length_warmup(small_dataset, tmp_path):
+    cfg = _config(small_dataset, tmp_path / "w", steps=3, extra=["data.seq_len_warmup=[[0, 128], [2, 256]]"])
+    result = train(cfg, progress=False)
+    assert [m.tokens for m in result.history] == [2 * 128, 2 * 128, 2 * 256]
