@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import uuid
 import time
 from pathlib import Path
 
@@ -248,10 +249,14 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_ray_cluster_output_is_byte_identical(tmp_path, rng):
+def test_ray_cluster_output_is_byte_identical(tmp_path, rng, monkeypatch):
     """Start a real local Ray cluster with `ray start --head`, run the tasks on it."""
     ray_bin = Path(sys.executable).with_name("ray")
     port = _free_port()
+    # Ray >= 2.5x starts clusters with token authentication on; give the cluster and this driver one token
+    # explicitly so the test does not depend on whatever ~/.ray/auth_token holds.
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", uuid.uuid4().hex)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     subprocess.run([str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
