@@ -15,6 +15,14 @@ the loss trains only the indexer and the language-model loss never reaches it. M
 Tensor parallel splits the attention heads (q_b, kv_b column-parallel, o row-parallel); the
 low-rank down projections, their norms and the indexer are replicated. The indexer loss needs
 every head's scores, so each rank gathers the (detached) q and k of all heads for it.
+
+Context parallel (``genome_lm.engine.context_parallel``): x holds this rank's zigzag tokens. The
+projections run on them; q, k, v go through a head-wise all-to-all so that attention runs over
+the whole sequence for heads / cp of the heads, and back. The indexer needs every key: each
+rank gathers its (detached, small) inputs over CP and selects for the whole sequence, which the
+attention then uses. The indexer loss is likewise computed for the whole sequence on every CP
+rank and divided by cp, so that summing losses and gradients over CP (as data-parallel
+reduction does) gives the single-process values.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from torch import nn
 
 from genome_lm_kernels import dsa as dsa_ops
 
+from genome_lm.engine.context_parallel import gather_sequence, group_size, heads_per_rank, heads_to_seq, seq_to_heads
+
 from .common import BuildOptions, RMSNorm, column_linear, replicated_linear, row_linear
 from .config import SHARED, ModelConfig
 
@@ -34,7 +44,7 @@ IndexerLossMode = Literal["off", "dense", "sparse"]
 
 class DSAOutput(NamedTuple):
     out: torch.Tensor  # [S, B, hidden]
-    idx: torch.Tensor  # [B, S, index_topk + index_kpool - 1] selected tokens, -1 = empty
+    idx: torch.Tensor  # [B, T, index_topk + index_kpool - 1] selected tokens of the whole sequence, -1 = empty
     indexer_loss: torch.Tensor | None
 
 
@@ -62,12 +72,11 @@ class Indexer(nn.Module):
 
 
 class DSAAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, tf_config, options: BuildOptions, tp_group):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tf_config, options: BuildOptions, tp_group, cp_group=None):
         super().__init__()
-        tp = 1 if tp_group is None else tp_group.size()
-        if cfg.num_attention_heads % tp:
-            raise ValueError(f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by tensor parallel {tp}")
-        self.cfg, self.backend, self.tp_group = cfg, options.kernel_backend, tp_group
+        tp = group_size(tp_group)
+        heads_per_rank(cfg.num_attention_heads, tp, group_size(cp_group), "num_attention_heads")
+        self.cfg, self.backend, self.tp_group, self.cp_group = cfg, options.kernel_backend, tp_group, cp_group
         self.heads = cfg.num_attention_heads // tp
         self.scale = cfg.qk_head_dim**-0.5
         dtype = options.dtype
@@ -87,9 +96,10 @@ class DSAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, shared_idx: torch.Tensor | None = None,
                 indexer_loss: IndexerLossMode = "off") -> DSAOutput:
-        """x [S, B, hidden]; ``shared_idx`` is the previous full layer's selection for a shared layer."""
+        """x [S, B, hidden] (S: this CP rank's tokens); ``shared_idx`` is the previous full layer's
+        selection for a shared layer."""
         S, B, _ = x.shape
-        cfg = self.cfg
+        cfg, cp = self.cfg, self.cp_group
         x_BSD = x.transpose(0, 1)
         q_resid = self.q_a_layernorm(self.q_a_proj(x_BSD))
         q = self.q_b_proj(q_resid.transpose(0, 1))[0].transpose(0, 1).unflatten(-1, (self.heads, cfg.qk_head_dim))
@@ -104,17 +114,21 @@ class DSAAttention(nn.Module):
             idx = shared_idx
         else:
             # the indexer sees a detached input: its loss trains it alone, the LM loss never does
-            q_i, k_i, w_i, gate_i = self.indexer.inputs(x_BSD.detach(), q_resid.detach())
+            q_i, k_i, w_i, gate_i = self.indexer.inputs(gather_sequence(x_BSD.detach(), cp, dim=1),
+                                                        gather_sequence(q_resid.detach(), cp, dim=1))
             idx, _ = dsa_ops.select_tokens(q_i, k_i, w_i, gate_i, self.indexer.index_kpool_compress_ape,
                                            kpool=cfg.index_kpool, topk=cfg.index_topk, backend=self.backend)
             if indexer_loss != "off":
-                q_all, k_all = self._all_heads(q.detach()), self._all_heads(k.detach())
+                q_all = self._all_heads(gather_sequence(q.detach(), cp, dim=1))
+                k_all = self._all_heads(gather_sequence(k.detach(), cp, dim=1))
                 loss = dsa_ops.indexer_loss(
                     q_i, k_i, w_i, q_all, k_all, idx if indexer_loss == "sparse" else None,
                     gate_BTD=gate_i, ape_KD=self.indexer.index_kpool_compress_ape, kpool=cfg.index_kpool,
-                    scale=self.scale, backend=self.backend)
-        o, _ = dsa_ops.sparse_attention(q, k.contiguous(), v.contiguous(), idx, scale=self.scale,
-                                        backend=self.backend)
+                    scale=self.scale, backend=self.backend) / group_size(cp)
+        # context parallel: whole sequence, this CP rank's heads (identity without CP)
+        q, k, v = (seq_to_heads(t, cp, seq_dim=1, head_dim=2) for t in (q, k.contiguous(), v.contiguous()))
+        o, _ = dsa_ops.sparse_attention(q, k, v, idx, scale=self.scale, backend=self.backend)
+        o = heads_to_seq(o, cp, seq_dim=1, head_dim=2)
         out = self.o_proj(o.reshape(B, S, -1).transpose(0, 1))[0]
         return DSAOutput(out, idx, loss)
 

@@ -7,6 +7,12 @@ projection row-parallel; the rank-``head_dim`` first projections of the decay an
 gate are small and replicated. megatron-core has no KDA; this layer plugs into the stack the
 way its gated delta net does, with linear layers from the spec provider.
 
+Context parallel (``genome_lm.engine.context_parallel``): x holds this rank's zigzag tokens.
+Projections, decay, beta and the output gate and norm are per token and run on them; the
+recurrence and the short convolution need the true previous tokens, so an all-to-all hands each
+rank the whole sequence for heads / cp of its heads (the conv uses those heads' channels of its
+weight) and a second one brings the output back.
+
 Shapes: x [S, B, hidden] in, [S, B, hidden] out; inside, heads are [B, S, H_local, head_dim].
 """
 
@@ -19,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from genome_lm_kernels.kda import kda
+
+from genome_lm.engine.context_parallel import group_size, head_slice, heads_per_rank, heads_to_seq, seq_to_heads
 
 from .common import BuildOptions, column_linear, replicated_linear, row_linear, tp_shared
 from .config import ModelConfig
@@ -34,12 +42,11 @@ class KDAState:
 
 
 class KDAAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tf_config, options: BuildOptions, tp_group):
+    def __init__(self, cfg: ModelConfig, tf_config, options: BuildOptions, tp_group, cp_group=None):
         super().__init__()
-        tp = 1 if tp_group is None else tp_group.size()
-        if cfg.linear_num_heads % tp:
-            raise ValueError(f"linear_num_heads ({cfg.linear_num_heads}) is not divisible by tensor parallel {tp}")
-        self.cfg, self.backend, self.tp_group = cfg, options.kernel_backend, tp_group
+        tp, cp = group_size(tp_group), group_size(cp_group)
+        heads_per_rank(cfg.linear_num_heads, tp, cp, "linear_num_heads")
+        self.cfg, self.backend, self.tp_group, self.cp_group = cfg, options.kernel_backend, tp_group, cp_group
         H, K = cfg.linear_num_heads, cfg.linear_head_dim
         self.heads, self.head_dim = H // tp, K
         width = H * K
@@ -81,32 +88,43 @@ class KDAAttention(nn.Module):
             return self.cfg.linear_lower_bound * torch.sigmoid(rate * f)
         return -rate * F.softplus(f, threshold=20.0)
 
-    def short_conv(self, qkv: torch.Tensor, conv_state: torch.Tensor | None):
-        """Causal depthwise conv + SiLU. qkv [S, B, 3, W] -> same shape, and the new conv state."""
+    def short_conv(self, qkv: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.Tensor):
+        """Causal depthwise conv + SiLU. qkv [S, B, 3, W] -> same shape, and the new conv state.
+        weight [3, W, kernel]: the channels of qkv."""
         S, B, _, W = qkv.shape
-        ksize = self.conv_weight.shape[-1]
+        ksize = weight.shape[-1]
         x = qkv.permute(1, 2, 3, 0).reshape(B, 3 * W, S).to(torch.float32)
         if conv_state is None:
             x = F.pad(x, (ksize - 1, 0))
         else:
             x = torch.cat([conv_state.reshape(B, 3 * W, ksize - 1).to(torch.float32), x], dim=-1)
         new_state = x[..., -(ksize - 1):].reshape(B, 3, W, ksize - 1) if ksize > 1 else x[..., :0]
-        out = F.silu(F.conv1d(x, self.conv_weight.reshape(3 * W, 1, ksize), groups=3 * W))
+        out = F.silu(F.conv1d(x, weight.reshape(3 * W, 1, ksize), groups=3 * W))
         return out.reshape(B, 3, W, S).permute(3, 0, 1, 2).to(qkv.dtype), new_state
 
     def forward(self, x: torch.Tensor, state: KDAState | None = None, *, return_state: bool = False):
         """x [S, B, hidden] -> out [S, B, hidden] (and the carried state if ``return_state``)."""
         S, B, _ = x.shape
         H, K = self.heads, self.head_dim
-        qkv = torch.stack([self.q_proj(x)[0], self.k_proj(x)[0], self.v_proj(x)[0]], dim=2)
-        qkv, conv_state = self.short_conv(qkv, None if state is None else state.conv)
-        q, k, v = (t.reshape(S, B, H, K).transpose(0, 1) for t in qkv.unbind(2))
-        g = self.decay(x).transpose(0, 1)
-        beta = torch.sigmoid(self.b_proj(x)[0].float()).transpose(0, 1)
-        o, final = kda(q, k, v, g, beta, initial_state=None if state is None else state.recurrent,
+        cp = self.cp_group
+        if (state is not None or return_state) and group_size(cp) > 1:
+            raise ValueError("streaming with a carried KDA state is not supported under context parallel")
+        qkv = torch.stack([self.q_proj(x)[0], self.k_proj(x)[0], self.v_proj(x)[0]], dim=2)  # [S, B, 3, H*K]
+        g = self.decay(x)  # [S, B, H, K]
+        beta = torch.sigmoid(self.b_proj(x)[0].float())  # [S, B, H]
+        # context parallel: whole sequence, this CP rank's heads (identity without CP)
+        qkv = seq_to_heads(qkv.unflatten(-1, (H, K)), cp, seq_dim=0, head_dim=3).flatten(-2)
+        g = seq_to_heads(g, cp, seq_dim=0, head_dim=2)
+        beta = seq_to_heads(beta, cp, seq_dim=0, head_dim=2)
+        conv_weight = self.conv_weight[:, head_slice(self.conv_weight.shape[1], cp)]
+        qkv, conv_state = self.short_conv(qkv, None if state is None else state.conv, conv_weight)
+        T, Hc = qkv.shape[0], qkv.shape[-1] // K
+        q, k, v = (t.reshape(T, B, Hc, K).transpose(0, 1) for t in qkv.unbind(2))
+        o, final = kda(q, k, v, g.transpose(0, 1), beta.transpose(0, 1),
+                       initial_state=None if state is None else state.recurrent,
                        output_final_state=return_state, use_qk_l2norm=True, backend=self.backend)
+        o = heads_to_seq(o.transpose(0, 1), cp, seq_dim=0, head_dim=2).float()  # [S, B, H, K]
         gate = self.g_b_proj(self.g_a_proj(x))[0].reshape(S, B, H, K).float()
-        o = o.transpose(0, 1).float()  # [S, B, H, K]
         weight = tp_shared(self.o_norm_weight, self.tp_group).float()
         o = weight * (o * torch.rsqrt(o.square().mean(-1, keepdim=True) + self.cfg.rms_norm_eps))
         o = (o * torch.sigmoid(gate)).to(x.dtype).reshape(S, B, H * K)

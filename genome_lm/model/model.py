@@ -8,7 +8,9 @@ Dense MLP layers are megatron-core's ``MLP``, MoE layers its ``MoELayer`` (sigmo
 expert bias, top-k scaling, shared expert, token dispatcher, expert parallel); linear layers
 come from megatron-core's spec provider (local torch on CPU, Transformer Engine on GPU).
 Process groups arrive explicitly as a ``ProcessGroupCollection``; nothing here reads
-megatron-core's globals.
+megatron-core's globals. Under context parallel the model takes and returns this CP rank's
+zigzag part of each sequence (``genome_lm.engine.context_parallel.zigzag_split``); only the KDA
+and DSA layers exchange tokens.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.dtype)
         if self.is_kda:
-            self.self_attention = KDAAttention(cfg, tf_config, options, pg.tp)
+            self.self_attention = KDAAttention(cfg, tf_config, options, pg.tp, pg.cp)
         else:
-            self.self_attention = DSAAttention(cfg, layer_idx, tf_config, options, pg.tp)
+            self.self_attention = DSAAttention(cfg, layer_idx, tf_config, options, pg.tp, pg.cp)
         provider = options.spec_provider()
         if cfg.mlp_layer_types[layer_idx] == DENSE:
             from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -112,6 +114,10 @@ class GLM5Model(nn.Module):
 
     def hidden(self, input_ids: torch.Tensor, indexer_loss: IndexerLossMode = "off"):
         """Final hidden states [S, B, D] and the indexer losses."""
+        if self.pg.cp.size() > 1 and input_ids.shape[1] % 2:
+            raise ValueError(f"under context parallel each rank holds two equal zigzag chunks; got "
+                             f"{input_ids.shape[1]} local tokens (the sequence length must be divisible by "
+                             "2 * context parallel)")
         x = self.embedding(input_ids).transpose(0, 1)  # [S, B, D]
         streams = x.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
         idx, losses = None, []

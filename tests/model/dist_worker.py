@@ -1,10 +1,11 @@
 """One rank of a multi-process model check (run by test_parallel.py as a subprocess).
 
     python tests/model/dist_worker.py RANK WORLD PORT JSON
-JSON: {"hf": checkpoint dir, "sizes": {"tp": 2, ...}, "ids": path of a saved id tensor,
+JSON: {"hf": checkpoint dir, "sizes": {"tp": 2, "cp": 2, ...}, "ids": path of a saved id tensor,
        "indexer_loss": "off"|"dense"|"sparse", "out": result file (rank 0 writes it),
        "export": optional dir to export the loaded model to}
-Rank 0 writes {"loss": float, "grads": {name: full-size gradient}} with torch.save.
+Rank 0 writes {"loss": float, "logits": [B, T, V] in natural order, "grads": {name: full-size
+gradient}} with torch.save.
 """
 
 import json
@@ -16,6 +17,7 @@ os.environ["TORCHDYNAMO_DISABLE"] = "1"
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from genome_lm.engine.context_parallel import zigzag_merge, zigzag_split  # noqa: E402
 from genome_lm.engine.parallel import ParallelSizes, init_distributed, parallel_context  # noqa: E402
 from genome_lm.model.hf_checkpoint import (HFCheckpoint, _gather, _groups, export_hf_checkpoint,  # noqa: E402
                                            load_hf_checkpoint)
@@ -56,22 +58,30 @@ def main(rank, world, port, spec):
         if spec.get("export"):
             export_hf_checkpoint(model, spec["export"], like=spec["hf"])
         all_ids = torch.load(spec["ids"])
-        dp = pg.dp
+        dp, cp, dp_cp = pg.dp, pg.cp, pg.dp_cp
         ids = all_ids[dp.rank()::dp.size()]  # data parallel: each replica takes its share of the batch
-        out = model(ids[:, :-1], indexer_loss=spec.get("indexer_loss", "off"))
-        ce = F.cross_entropy(out.logits.flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
+        # context parallel: each rank takes its zigzag part of the inputs and of the labels
+        inputs, labels = (zigzag_split(t, cp.size(), cp.rank()) for t in (ids[:, :-1], ids[:, 1:]))
+        out = model(inputs, indexer_loss=spec.get("indexer_loss", "off"))
+        ce = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+        # the indexer losses are per sequence batch, already divided by cp under context parallel
         total = ce / all_ids[:, 1:].numel() + sum(out.indexer_losses) / dp.size()
         total.backward()
         allreduce_sequence_parallel_grads(model)
-        if dp.size() > 1:  # what megatron-core's DDP does for the non-expert parameters
+        if dp_cp.size() > 1:  # what megatron-core's DDP does for the non-expert parameters
             for name, p in model.named_parameters():
                 if ".experts.local_experts." not in name and p.grad is not None:
-                    torch.distributed.all_reduce(p.grad, group=dp)
+                    torch.distributed.all_reduce(p.grad, group=dp_cp)
         grads = full_grads(model)
         loss = total.detach().clone()
-        torch.distributed.all_reduce(loss, group=dp)
+        torch.distributed.all_reduce(loss, group=dp_cp)
+        logits = out.logits.detach().contiguous()
+        if cp.size() > 1:
+            parts = [torch.empty_like(logits) for _ in range(cp.size())]
+            torch.distributed.all_gather(parts, logits, group=cp)
+            logits = zigzag_merge(parts, dim=1)
         if rank == 0:
-            torch.save({"loss": float(loss), "grads": grads}, spec["out"])
+            torch.save({"loss": float(loss), "logits": logits, "grads": grads}, spec["out"])
 
 
 if __name__ == "__main__":

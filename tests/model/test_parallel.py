@@ -1,5 +1,5 @@
-"""Tensor and expert parallel over two gloo processes give the single-process loss and gradients,
-and a checkpoint loaded into a split model exports back bit for bit."""
+"""Tensor, expert and context parallel over two gloo processes give the single-process loss and
+gradients, and a checkpoint loaded into a split model exports back bit for bit."""
 
 import json
 import subprocess
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from genome_lm.engine.context_parallel import heads_per_rank, zigzag_merge, zigzag_split
 from genome_lm.engine.parallel import free_port
 from genome_lm.model.hf_checkpoint import HFCheckpoint
 
@@ -25,11 +26,13 @@ def setup(tmp_path_factory):
     ckpt = make_checkpoint(root / "hf", text=TEXT, seed=9)
     ids = torch.randint(4, 9, (2, 150), generator=torch.Generator().manual_seed(3))
     torch.save(ids, root / "ids.pt")
+    # context parallel needs T divisible by 2 * cp: 201 ids -> 200 inputs (not a multiple of 64)
+    torch.save(torch.randint(4, 9, (2, 201), generator=torch.Generator().manual_seed(4)), root / "ids-cp.pt")
     return root, ckpt
 
 
-def _run(root, ckpt, world, sizes, name, indexer_loss="off", export=None):
-    spec = {"hf": str(ckpt), "sizes": sizes, "ids": str(root / "ids.pt"), "out": str(root / f"{name}.pt"),
+def _run(root, ckpt, world, sizes, name, indexer_loss="off", export=None, ids="ids"):
+    spec = {"hf": str(ckpt), "sizes": sizes, "ids": str(root / f"{ids}.pt"), "out": str(root / f"{name}.pt"),
             "indexer_loss": indexer_loss, "export": str(export) if export else None}
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), json.dumps(spec)],
@@ -40,18 +43,81 @@ def _run(root, ckpt, world, sizes, name, indexer_loss="off", export=None):
     return torch.load(root / f"{name}.pt")
 
 
-@pytest.mark.parametrize("sizes,indexer_loss", [({"tp": 2}, "sparse"), ({"ep": 2}, "off"), ({"tp": 2, "etp": 2}, "dense")],
-                         ids=["tp2-sparse-indexer-loss", "ep2", "tp2-etp2-dense-indexer-loss"])
+def _one_process(root, ckpt, indexer_loss, ids="ids"):
+    """The single-process reference, computed once per (ids, indexer loss) in this module."""
+    out = root / f"one-{ids}-{indexer_loss}.pt"
+    if out.exists():
+        return torch.load(out)
+    return _run(root, ckpt, 1, {}, out.stem, indexer_loss, ids=ids)
+
+
+def _assert_same(one, two):
+    """Equal loss; every gradient equal relative to its largest entry; returns the errors."""
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6)
+    assert one["grads"].keys() == two["grads"].keys()
+    errs = {}
+    for key, g in one["grads"].items():
+        errs[key] = float((g - two["grads"][key]).abs().max() / g.abs().max().clamp_min(1e-8))
+        assert errs[key] < 1e-4, (key, errs[key])
+    return errs
+
+
+@pytest.mark.parametrize("sizes,indexer_loss", [
+    pytest.param({"tp": 2}, "sparse", id="tp2-sparse-indexer-loss"),
+    pytest.param({"ep": 2}, "off", id="ep2"),
+    pytest.param({"tp": 2, "etp": 2}, "dense", id="tp2-etp2-dense-indexer-loss"),
+])
 def test_split_model_matches_one_process(setup, sizes, indexer_loss):
     root, ckpt = setup
     name = "-".join(f"{k}{v}" for k, v in sizes.items())
-    one = _run(root, ckpt, 1, {}, f"one-{indexer_loss}", indexer_loss)
+    one = _one_process(root, ckpt, indexer_loss)
     two = _run(root, ckpt, 2, sizes, name, indexer_loss)
-    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6)
-    assert one["grads"].keys() == two["grads"].keys()
-    for key, g in one["grads"].items():
-        err = (g - two["grads"][key]).abs().max() / g.abs().max().clamp_min(1e-8)
-        assert err < 1e-4, (key, float(err))
+    _assert_same(one, two)
+
+
+@pytest.mark.parametrize("sizes,indexer_loss", [
+    pytest.param({"cp": 2}, "sparse", id="cp2-sparse-indexer-loss"),
+    pytest.param({"cp": 2}, "dense", id="cp2-dense-indexer-loss"),
+    pytest.param({"cp": 2, "ep": 2}, "off", id="cp2-ep2"),
+    pytest.param({"tp": 2, "cp": 2}, "sparse", id="tp2-cp2-sparse-indexer-loss"),  # 4 processes
+])
+def test_context_parallel_matches_one_process(setup, sizes, indexer_loss):
+    """Zigzag-split tokens in, zigzag-merged logits out: loss, logits and every gradient (after
+    the data+context parallel sum) equal one process's."""
+    root, ckpt = setup
+    name = "-".join(f"{k}{v}" for k, v in sizes.items()) + f"-{indexer_loss}"
+    one = _one_process(root, ckpt, indexer_loss, ids="ids-cp")
+    world = sizes.get("tp", 1) * sizes["cp"]
+    two = _run(root, ckpt, world, sizes, name, indexer_loss, ids="ids-cp")
+    torch.testing.assert_close(two["logits"], one["logits"], rtol=1e-5, atol=1e-6)
+    _assert_same(one, two)
+
+
+def test_context_parallel_shared_indexer_softplus_gate(setup, tmp_path):
+    """A DSA layer that reuses the previous layer's whole-sequence selection, the softplus decay
+    and a short convolution of 3, under CP 2."""
+    root, _ = setup
+    layers = ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"]
+    text = {**TEXT, "layer_types": layers, "indexer_types": ["full", "full", "shared", "full"],
+            "linear_lower_bound": None, "linear_conv_kernel_dim": 3}
+    ckpt = make_checkpoint(tmp_path / "hf", text=text, seed=11)
+    (tmp_path / "ids-cp.pt").write_bytes((root / "ids-cp.pt").read_bytes())
+    one = _one_process(tmp_path, ckpt, "sparse", ids="ids-cp")
+    two = _run(tmp_path, ckpt, 2, {"cp": 2}, "cp2", "sparse", ids="ids-cp")
+    torch.testing.assert_close(two["logits"], one["logits"], rtol=1e-5, atol=1e-6)
+    _assert_same(one, two)
+
+
+def test_zigzag_split_and_merge():
+    x = torch.arange(2 * 16).view(2, 16)
+    parts = [zigzag_split(x, 2, r) for r in range(2)]
+    assert parts[0][0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]  # chunks 0 and 3 of 4
+    assert parts[1][0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]  # chunks 1 and 2
+    assert torch.equal(zigzag_merge(parts), x)
+    with pytest.raises(ValueError, match="divisible by 2 \\* context parallel = 4"):
+        zigzag_split(torch.zeros(1, 150), 2, 0)
+    with pytest.raises(ValueError, match="tensor parallel x context parallel"):
+        heads_per_rank(6, 2, 2, "linear_num_heads")
 
 
 @pytest.mark.parametrize("sizes", [{"tp": 2}, {"ep": 2}], ids=["tp2", "ep2"])
