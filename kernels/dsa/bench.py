@@ -94,7 +94,7 @@ def bench(lengths=(8192, 32768, 131072), *, batch: int = 1, heads: int = 2, head
 
     A row is run only when it should fit: dense needs ``_dense_bytes`` below
     ``dense_memory_fraction`` of MemAvailable, and a path whose time predicted from the previous
-    length (T^2 for dense and the indexer, T * min(T, chunk * S) for the attention) exceeds ``max_seconds`` is
+    length (T^2 for dense and the indexer, T for the gathered attention) exceeds ``max_seconds`` is
     not run. Rows not run have ``skipped`` with the reason and ``extrapolated`` times.
     ``threads`` sets torch's intra-op threads for the run (restored after): on a machine shared
     with other work, 1 thread avoids OpenMP barrier stalls that can cost milliseconds per op."""
@@ -118,11 +118,10 @@ def _bench(lengths, batch, heads, head_dim, idx_heads, idx_dim, topk, kpool, chu
                       idx_heads=idx_heads, idx_dim=idx_dim, topk=topk, kpool=kpool, chunk=chunk)
         idx = None
         prev = last["sparse"]
-        # The indexer scores T^2 / kpool pairs; the torch attention scores each chunk against the
-        # union of its selections, at most min(T, chunk * S) keys.
-        span = lambda n: n * min(n, chunk * (topk + kpool - 1))  # noqa: E731
+        # The indexer scores T^2 / kpool pairs; the torch attention gathers each query's own
+        # S keys, so its time is linear in T.
         pred = None if prev is None else (prev["select_s"] * (T / prev["T"]) ** 2
-                                          + prev["attention_s"] * span(T) / span(prev["T"]))
+                                          + prev["attention_s"] * T / prev["T"])
         if pred is not None and pred > max_seconds:
             rows.append(dict(common, path="sparse", skipped=f"predicted {pred:.0f} s > max_seconds",
                              extrapolated=True, time_s=pred, peak_bytes=None, bytes_per_token=None))

@@ -12,8 +12,8 @@ Gradient: only the indexer tensors get one (q_idx, w_idx and the pooled keys, he
 and ape); the main q and k are detached here, and the caller detaches the hidden states that
 feed the indexer projections, as DeepSeek-V3.2 does, so the loss trains the indexer only.
 Memory per chunk: dense mode [B, H, chunk, T] attention probabilities and [B, chunk, Hi, N]
-indexer scores; sparse mode scores the chunk against the union of its selected keys (as
-``sparse_attention`` does). Backward recomputes everything per chunk (the target without
+indexer scores; sparse mode gathers each query's own selected keys (as ``sparse_attention``
+does), O(S) work per query. Backward recomputes everything per chunk (the target without
 gradient), so nothing of size [T, T] or [T, N] is ever held.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .indexer import compute_dtype, pool_keys, visible_pools
-from .sparse_attention import _probs, _union
+from .sparse_attention import gather_rows, gathered_probs, own_keys, queries_per_block
 
 
 def _target_and_candidates(q_BTHD, k_BTHD, idx_BTS, t0, t1, kpool, N, scale, dt):
@@ -51,14 +51,18 @@ def _target_and_candidates(q_BTHD, k_BTHD, idx_BTS, t0, t1, kpool, N, scale, dt)
 
 
 def _selected_probs(q_CHD, k_THD, idx_CS, scale, dt):
-    """Main attention over each query's selected keys, summed over heads, per slot: [C, S].
-    Scores the chunk against the union of its selections, like ``sparse_attention``."""
-    keys_U, sel_CU = _union(idx_CS, k_THD.shape[0])
-    if keys_U.shape[0] == 0:
-        return torch.zeros(idx_CS.shape, dtype=dt, device=idx_CS.device)
-    p_HCU, _ = _probs(q_CHD.transpose(0, 1), k_THD[keys_U].to(dt).transpose(0, 1), sel_CU, scale)
-    pos_CS = torch.searchsorted(keys_U, idx_CS.clamp_min(0)).clamp_max(keys_U.shape[0] - 1)
-    return p_HCU.sum(0).gather(1, pos_CS) * (idx_CS >= 0)
+    """Main attention over each query's selected keys, summed over heads, per slot: [C, S]
+    (0 on -1 and repeated slots). Gathers each query's own keys, like ``sparse_attention``,
+    in blocks of ``queries_per_block`` queries: O(S) work per query whatever T is."""
+    C, S = idx_CS.shape
+    H, D = k_THD.shape[1:]
+    p_CS = torch.empty(C, S, dtype=dt, device=idx_CS.device)
+    step = queries_per_block(C, S, H, D)
+    for a in range(0, C, step):
+        key_cS, valid_cS = own_keys(idx_CS[a : a + step])
+        p_cSH, _ = gathered_probs(q_CHD[a : a + step], gather_rows(k_THD, key_cS).to(dt), valid_cS, scale)
+        p_CS[a : a + step] = p_cSH.sum(-1)
+    return p_CS
 
 
 def _scores(q_BCHD, kp, w_BCH, pools_BCM, scale):
@@ -137,5 +141,5 @@ def indexer_loss(q_idx_BTHD, k_idx_BTD, w_BTH, q_BTHD, k_BTHD, idx_BTS=None, *, 
     # Pool keys in fp32 (not the input dtype, as selection does): a bf16 rounding of the keys
     # flips ReLUs and makes the gradient noisy; the gradient still flows back to bf16 leaves.
     kp_BND = pool_keys(k_idx_BTD.to(compute_dtype(k_idx_BTD.dtype)), gate_BTD, ape_KD, kpool=kpool)
-    return IndexerLoss.apply(q_idx_BTHD, kp_BND, w_BTH, q_BTHD.detach(), k_BTHD.detach(), idx_BTS,
+    return IndexerLoss.apply(q_idx_BTHD, kp_BND, w_BTH, q_BTHD.detach(), k_BTHD.detach().contiguous(), idx_BTS,
                              kpool, idx_scale, scale, chunk)

@@ -1,20 +1,27 @@
-"""Sparse attention over selected keys, torch path: gathered keys/values, query chunks.
+"""Sparse attention over selected keys, torch path: each query's own keys gathered, query chunks.
 
 Each query attends only to the keys listed in its row of ``idx`` (-1 = empty slot; indices
 are trusted to be causal; a key listed twice counts once, as in the dense-mask reference).
 
-CPU strategy: per query chunk, gather the union U of the keys the chunk's queries selected
-(once, not once per query), score the chunk against it with matrix products and mask each
-query to its own selection. On a CPU a per-query gather moves S * D values per query and head
-and is memory-bound (about 4 GB/s here); the union costs C * U * D multiply-adds in GEMMs, which
-run an order of magnitude faster per value, and U is small when neighbouring queries select
-the same pools. But when neighbouring queries select different pools (an untrained indexer),
-U approaches min(t, C * S) and the union's work grows with T. So a chunk whose union exceeds
-``GATHER_ABOVE`` times S keys instead gathers each query's own S keys ([C, S, H, D], split into
-sub-chunks of at most ``GATHER_ELEMENTS`` values): O(S) work per query whatever T is. Either
-way a chunk's working set is bounded by C^2 * S, never [T, T]. Backward recomputes the chunk's
-probabilities from the saved log-sum-exp and scatters dk, dv into the keys' rows; no per-chunk
-graph is kept alive.
+Per chunk of C queries the keys and values of every query's own S slots are gathered into
+[C, S, H, D] blocks (one ``index_select`` of [T, H * D] rows; -1 slots read row 0 and are
+masked), scored with broadcast products reduced over D, and softmax-ed over S. The work per
+query is O(S * H * D) whatever T is, and nothing per chunk is O(T): the time is linear in T.
+C is ``chunk``, lowered so that a gathered block holds at most ``GATHER_ELEMENTS`` values.
+
+Why gather and not score a chunk against the union of its selections with matrix products:
+when neighbouring queries select different pools (an untrained indexer) the union approaches
+min(t, C * S) keys, so its work per query grows with T (measured: 7,412 union keys per chunk
+at T = 32k for S = 259). On a CPU the gather is memory-bound; ``index_select`` on contiguous
+rows and broadcast-multiply-reduce (not ``einsum``, which permutes the block into a batched
+GEMM layout first) keep it at a few passes over the block.
+
+Repeated keys: a row whose valid slots are strictly ascending (``select_tokens``' layout:
+pools ascending, then the tail pool) cannot hold a repeat and is used as is; in a chunk with
+any other row, each repeat after a key's first slot is masked (found by a per-row sort).
+
+Backward recomputes the chunk's probabilities from the saved log-sum-exp, writes dq directly
+and accumulates dk, dv into [T, H * D] buffers with ``index_add_``; no per-chunk graph is kept.
 """
 
 from __future__ import annotations
@@ -24,62 +31,52 @@ import torch
 from .indexer import compute_dtype
 
 
-GATHER_ABOVE = 2  # a union of more than GATHER_ABOVE * S keys: gather per query instead
-GATHER_ELEMENTS = 1 << 22  # values of one gathered [C, S, H, D] block
+GATHER_ELEMENTS = 1 << 21  # values of one gathered [C, S, H, D] block (8 MiB in fp32)
 
 
-def _own_keys(idx_CS):
-    """Each query's keys with repeats and -1 masked out: (safe index [C, S], valid [C, S])."""
-    srt, _ = idx_CS.sort(dim=1)
-    valid = srt >= 0
-    valid[:, 1:] &= srt[:, 1:] != srt[:, :-1]  # a key listed twice counts once
-    return srt.clamp_min(0), valid
+def queries_per_block(chunk: int, S: int, H: int, D: int) -> int:
+    """Queries per chunk: ``chunk``, lowered so a gathered [C, S, H, D] block stays within
+    ``GATHER_ELEMENTS`` values; depends on S, H, D only, never on T."""
+    return max(1, min(chunk, GATHER_ELEMENTS // max(1, S * H * D)))
 
 
-def _gather_probs(q_CHD, k_CSHD, valid_CS, scale, lse_HC=None):
-    """Like _probs, over each query's own keys: p [H, C, S], lse [H, C]."""
-    s_HCS = torch.einsum("chd,cshd->hcs", q_CHD, k_CSHD).mul_(scale).masked_fill_(~valid_CS, float("-inf"))
-    if lse_HC is None:
-        lse_HC = torch.logsumexp(s_HCS, dim=-1)
-    return torch.exp_(s_HCS.sub_(lse_HC.nan_to_num(neginf=0.0)[..., None])), lse_HC
+def own_keys(idx_CS):
+    """Each query's slots, in their order, as (row index [C, S] with -1 -> 0, valid [C, S]
+    bool): -1 slots and every repeat of a key after its first occurrence are invalid.
+    O(C * S log S), never O(T)."""
+    nonneg = idx_CS >= 0
+    prev_max = idx_CS.cummax(dim=1).values[:, :-1]
+    if bool((~nonneg[:, 1:] | (idx_CS[:, 1:] > prev_max)).all()):  # valid slots ascending: no repeat
+        return idx_CS.clamp_min(0), nonneg
+    srt, perm = idx_CS.sort(dim=1, stable=True)
+    first = srt >= 0
+    first[:, 1:] &= srt[:, 1:] != srt[:, :-1]  # a key listed twice counts once
+    return idx_CS.clamp_min(0), torch.empty_like(first).scatter_(1, perm, first)
 
 
-def _sub_chunks(t0: int, t1: int, S: int, H: int, D: int):
-    step = max(1, GATHER_ELEMENTS // max(1, S * H * D))
-    for a in range(t0, t1, step):
-        yield a, min(a + step, t1)
+def gather_rows(x_TX, key_CS):
+    """x [T, ...] rows at key [C, S] -> [C, S, ...] (one contiguous index_select)."""
+    C, S = key_CS.shape
+    return x_TX.flatten(1).index_select(0, key_CS.flatten()).view(C, S, *x_TX.shape[1:])
 
 
-def _union(idx_CS, T: int):
-    """Keys selected by any query of the chunk, ascending: keys_U [U], and each query's
-    selection as a mask over them: sel_CU [C, U] bool."""
-    mark = torch.zeros(T + 1, dtype=torch.bool, device=idx_CS.device)
-    slot_CS = torch.where(idx_CS >= 0, idx_CS, T)
-    mark[slot_CS] = True
-    mark[T] = False
-    keys_U = mark.nonzero().squeeze(1)
-    pos = torch.cumsum(mark, 0) - 1  # position of a key in keys_U
-    U = keys_U.shape[0]
-    sel_CU = torch.zeros(idx_CS.shape[0], U + 1, dtype=torch.bool, device=idx_CS.device)
-    sel_CU.scatter_(1, torch.where(idx_CS >= 0, pos[slot_CS], U), True)
-    return keys_U, sel_CU[:, :U]
+def gathered_probs(q_CHD, k_CSHD, valid_CS, scale, lse_CH=None):
+    """Probabilities of each query over its own slots, p [C, S, H] (0 on invalid slots), and
+    lse [C, H] (-inf for a query without any valid slot; recomputed unless given)."""
+    s_CSH = (k_CSHD * q_CHD[:, None]).sum(-1).mul_(scale).masked_fill_(~valid_CS[..., None], float("-inf"))
+    if lse_CH is None:
+        lse_CH = torch.logsumexp(s_CSH, dim=1)
+    return torch.exp_(s_CSH.sub_(lse_CH.nan_to_num(neginf=0.0)[:, None])), lse_CH
 
 
-def _probs(q_HCD, k_HUD, sel_CU, scale, lse_HC=None):
-    """p [H, C, U] over the selected keys (0 elsewhere) and lse [H, C] (-inf: no key)."""
-    s_HCU = torch.matmul(q_HCD, k_HUD.transpose(1, 2)).mul_(scale).masked_fill_(~sel_CU, float("-inf"))
-    if lse_HC is None:
-        lse_HC = torch.logsumexp(s_HCU, dim=-1)
-    return torch.exp_(s_HCU.sub_(lse_HC.nan_to_num(neginf=0.0)[..., None])), lse_HC
-
-
-def _chunks(idx_BTS, chunk: int):
-    """(b, t0, t1, keys_U, sel_CU) for each query chunk of each sequence."""
-    B, T, _ = idx_BTS.shape
+def _blocks(idx_BTS, chunk: int, H: int, D: int):
+    """(b, t0, t1, key_CS, valid_CS) for each block of queries of each sequence."""
+    B, T, S = idx_BTS.shape
+    C = queries_per_block(chunk, S, H, D)
     for b in range(B):
-        for t0 in range(0, T, chunk):
-            t1 = min(t0 + chunk, T)
-            yield (b, t0, t1, *_union(idx_BTS[b, t0:t1], T))
+        for t0 in range(0, T, C):
+            t1 = min(t0 + C, T)
+            yield (b, t0, t1, *own_keys(idx_BTS[b, t0:t1]))
 
 
 class SparseAttention(torch.autograd.Function):
@@ -88,23 +85,17 @@ class SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale: float, chunk: int):
         dt = compute_dtype(q_BTHD.dtype)
-        q_BHTD, k_BHTD, v_BHTD = (x.transpose(1, 2).to(dt) for x in (q_BTHD, k_BTHD, v_BTHD))
-        B, H, T, _ = q_BHTD.shape
-        o_BHTD = torch.empty(B, H, T, v_BTHD.shape[-1], dtype=dt, device=q_BTHD.device)
-        lse_BHT = torch.empty(B, H, T, dtype=dt, device=q_BTHD.device)
-        S, D = idx_BTS.shape[-1], q_BTHD.shape[-1]
-        for b, t0, t1, keys_U, sel_CU in _chunks(idx_BTS, chunk):
-            if keys_U.shape[0] > GATHER_ABOVE * S:
-                for a, z in _sub_chunks(t0, t1, S, H, D):
-                    key_CS, valid_CS = _own_keys(idx_BTS[b, a:z])
-                    q_CHD = q_BTHD[b, a:z].to(dt)
-                    p_HCS, lse_BHT[b, :, a:z] = _gather_probs(q_CHD, k_BTHD[b][key_CS].to(dt), valid_CS, scale)
-                    o_BHTD[b, :, a:z] = torch.einsum("hcs,cshd->hcd", p_HCS, v_BTHD[b][key_CS].to(dt))
-                continue
-            p_HCU, lse_BHT[b, :, t0:t1] = _probs(q_BHTD[b, :, t0:t1], k_BHTD[b][:, keys_U], sel_CU, scale)
-            o_BHTD[b, :, t0:t1] = torch.matmul(p_HCU, v_BHTD[b][:, keys_U])
-        o_BTHD = o_BHTD.transpose(1, 2).to(q_BTHD.dtype).contiguous()
-        lse_BTH = lse_BHT.transpose(1, 2).contiguous()
+        B, T, H, D = q_BTHD.shape
+        Dv = v_BTHD.shape[-1]
+        kc_BTHD, vc_BTHD = k_BTHD.contiguous(), v_BTHD.contiguous()  # rows gathered as [H * D] vectors
+        o_BTHD = torch.empty(B, T, H, Dv, dtype=dt, device=q_BTHD.device)
+        lse_BTH = torch.empty(B, T, H, dtype=dt, device=q_BTHD.device)
+        for b, t0, t1, key_CS, valid_CS in _blocks(idx_BTS, chunk, H, max(D, Dv)):
+            k_CSHD = gather_rows(kc_BTHD[b], key_CS).to(dt)
+            p_CSH, lse_BTH[b, t0:t1] = gathered_probs(q_BTHD[b, t0:t1].to(dt), k_CSHD, valid_CS, scale)
+            del k_CSHD
+            o_BTHD[b, t0:t1] = (p_CSH[..., None] * gather_rows(vc_BTHD[b], key_CS).to(dt)).sum(1)
+        o_BTHD = o_BTHD.to(q_BTHD.dtype)
         ctx.save_for_backward(q_BTHD, k_BTHD, v_BTHD, idx_BTS, o_BTHD, lse_BTH)
         ctx.scale, ctx.chunk = scale, chunk
         ctx.mark_non_differentiable(idx_BTS)
@@ -120,7 +111,7 @@ class SparseAttention(torch.autograd.Function):
 
 def sparse_attention_backward(q_BTHD, k_BTHD, v_BTHD, idx_BTS, o_BTHD, lse_BTH, do_BTHD, dlse_BTH,
                               scale: float, chunk: int):
-    """Gradients (dq, dk, dv) of the sparse attention, one query chunk at a time.
+    """Gradients (dq, dk, dv) of the sparse attention, one block of queries at a time.
 
     With p = softmax(s) over the selected keys, D = rowsum(do * o) - dlse:
         ds = p * (do . v - D);  dq = scale ds k;  dk[key] += scale ds q;  dv[key] += p do."""
@@ -130,34 +121,26 @@ def sparse_attention_backward(q_BTHD, k_BTHD, v_BTHD, idx_BTS, o_BTHD, lse_BTH, 
     delta_BTH = (do_BTHD.to(dt) * o_BTHD.to(dt)).sum(-1)
     if dlse_BTH is not None:
         delta_BTH = delta_BTH - dlse_BTH.to(dt).nan_to_num(0.0)
-    q_BHTD, k_BHTD, v_BHTD, do_BHTD = (x.transpose(1, 2).to(dt) for x in (q_BTHD, k_BTHD, v_BTHD, do_BTHD))
-    delta_BHT, lse_BHT = delta_BTH.transpose(1, 2), lse_BTH.transpose(1, 2).to(dt)
-    dq_BHTD = torch.empty(q_BHTD.shape, dtype=dt, device=q_BTHD.device)
-    dk_BTHD = torch.zeros(k_BTHD.shape, dtype=dt, device=q_BTHD.device)
-    dv_BTHD = torch.zeros(v_BTHD.shape, dtype=dt, device=q_BTHD.device)
-    S, H, D = idx_BTS.shape[-1], q_BTHD.shape[2], q_BTHD.shape[-1]
-    for b, t0, t1, keys_U, sel_CU in _chunks(idx_BTS, chunk):
-        if keys_U.shape[0] > GATHER_ABOVE * S:
-            for a, z in _sub_chunks(t0, t1, S, H, D):
-                key_CS, valid_CS = _own_keys(idx_BTS[b, a:z])
-                q_CHD, do_CHD = q_BTHD[b, a:z].to(dt), do_BTHD[b, a:z].to(dt)
-                k_CSHD, v_CSHD = k_BTHD[b][key_CS].to(dt), v_BTHD[b][key_CS].to(dt)
-                p_HCS, _ = _gather_probs(q_CHD, k_CSHD, valid_CS, scale, lse_BHT[b, :, a:z])
-                ds_HCS = p_HCS * (torch.einsum("chd,cshd->hcs", do_CHD, v_CSHD) - delta_BHT[b, :, a:z, None])
-                dq_BHTD[b, :, a:z] = torch.einsum("hcs,cshd->hcd", ds_HCS, k_CSHD).mul_(scale)
-                rows = key_CS.flatten()
-                dk_BTHD[b].index_add_(0, rows, torch.einsum("hcs,chd->cshd", ds_HCS, q_CHD).flatten(0, 1), alpha=scale)
-                dv_BTHD[b].index_add_(0, rows, torch.einsum("hcs,chd->cshd", p_HCS, do_CHD).flatten(0, 1))
-            continue
-        q_HCD, do_HCD = q_BHTD[b, :, t0:t1], do_BHTD[b, :, t0:t1]
-        k_HUD, v_HUD = k_BHTD[b][:, keys_U], v_BHTD[b][:, keys_U]
-        p_HCU, _ = _probs(q_HCD, k_HUD, sel_CU, scale, lse_BHT[b, :, t0:t1])
-        ds_HCU = p_HCU * (torch.matmul(do_HCD, v_HUD.transpose(1, 2)) - delta_BHT[b, :, t0:t1, None])
-        dq_BHTD[b, :, t0:t1] = torch.matmul(ds_HCU, k_HUD).mul_(scale)
-        dk_BTHD[b].index_add_(0, keys_U, torch.matmul(ds_HCU.transpose(1, 2), q_HCD).transpose(0, 1), alpha=scale)
-        dv_BTHD[b].index_add_(0, keys_U, torch.matmul(p_HCU.transpose(1, 2), do_HCD).transpose(0, 1))
-    return (dq_BHTD.transpose(1, 2).to(q_BTHD.dtype).contiguous(), dk_BTHD.to(k_BTHD.dtype),
-            dv_BTHD.to(v_BTHD.dtype))
+    B, T, H, D = q_BTHD.shape
+    Dv = v_BTHD.shape[-1]
+    lse_BTH = lse_BTH.to(dt)
+    kc_BTHD, vc_BTHD = k_BTHD.contiguous(), v_BTHD.contiguous()
+    dq_BTHD = torch.empty(q_BTHD.shape, dtype=dt, device=q_BTHD.device)
+    dk_BTX = torch.zeros(B, T, H * D, dtype=dt, device=q_BTHD.device)
+    dv_BTX = torch.zeros(B, T, H * Dv, dtype=dt, device=q_BTHD.device)
+    for b, t0, t1, key_CS, valid_CS in _blocks(idx_BTS, chunk, H, max(D, Dv)):
+        rows = key_CS.flatten()
+        q_CHD, do_CHD = q_BTHD[b, t0:t1].to(dt), do_BTHD[b, t0:t1].to(dt)
+        k_CSHD = gather_rows(kc_BTHD[b], key_CS).to(dt)
+        p_CSH, _ = gathered_probs(q_CHD, k_CSHD, valid_CS, scale, lse_BTH[b, t0:t1])
+        dp_CSH = (gather_rows(vc_BTHD[b], key_CS).to(dt) * do_CHD[:, None]).sum(-1)
+        ds_CSH = dp_CSH.sub_(delta_BTH[b, t0:t1, None]).mul_(p_CSH)
+        dq_BTHD[b, t0:t1] = (ds_CSH[..., None] * k_CSHD).sum(1).mul_(scale)
+        del k_CSHD
+        dk_BTX[b].index_add_(0, rows, (ds_CSH[..., None] * q_CHD[:, None]).flatten(0, 1).flatten(1), alpha=scale)
+        dv_BTX[b].index_add_(0, rows, (p_CSH[..., None] * do_CHD[:, None]).flatten(0, 1).flatten(1))
+    return (dq_BTHD.to(q_BTHD.dtype), dk_BTX.view(k_BTHD.shape).to(k_BTHD.dtype),
+            dv_BTX.view(v_BTHD.shape).to(v_BTHD.dtype))
 
 
 def sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, *, scale: float, chunk: int = 64):
