@@ -37,6 +37,8 @@ def heads_per_rank(n_heads: int, tp: int, cp: int, what: str) -> int:
 def zigzag_split(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
     """The part of a full sequence that CP rank ``rank`` holds: chunks rank and 2*cp-1-rank of
     ``dim`` (tokens [B, T] -> [B, T / cp] with the default dim). Without CP, x itself."""
+    if not 0 <= rank < cp:
+        raise ValueError(f"context parallel rank {rank} outside 0..{cp - 1}")
     if cp == 1:
         return x
     T = x.shape[dim]
@@ -47,13 +49,27 @@ def zigzag_split(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Ten
     return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim)
 
 
+def pad_for_cp(x: torch.Tensor, cp: int, value, dim: int = 1) -> torch.Tensor:
+    """``x`` padded with ``value`` at the end of ``dim`` to the next multiple of 2 * cp, so that
+    ``zigzag_split`` can cut it. The model is causal, so trailing padding changes nothing before
+    it; the caller gives padded positions no label and no loss weight."""
+    extra = -x.shape[dim] % (2 * cp)
+    if cp == 1 or extra == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, x.new_full(shape, value)], dim)
+
+
 def zigzag_merge(parts: list[torch.Tensor] | tuple[torch.Tensor, ...], dim: int = 1) -> torch.Tensor:
     """Inverse of ``zigzag_split``: the parts of CP ranks 0..cp-1 -> the sequence in natural order."""
     cp = len(parts)
+    lengths = {part.shape[dim] for part in parts}
+    if cp == 0 or len(lengths) != 1 or min(lengths) % 2:
+        raise ValueError(f"zigzag parts must be one per rank, of one even length; got lengths "
+                         f"{[part.shape[dim] for part in parts]}")
     chunks: list[torch.Tensor | None] = [None] * (2 * cp)
     for r, part in enumerate(parts):
-        if part.shape[dim] % 2:
-            raise ValueError(f"a zigzag part holds two equal chunks; got length {part.shape[dim]}")
         chunks[r], chunks[2 * cp - 1 - r] = part.chunk(2, dim)
     return torch.cat(chunks, dim)  # type: ignore[arg-type]
 

@@ -95,9 +95,11 @@ class DSAAttention(nn.Module):
         self.indexer = None if cfg.indexer_types[layer_idx] == SHARED else Indexer(cfg, dtype)
 
     def forward(self, x: torch.Tensor, shared_idx: torch.Tensor | None = None,
-                indexer_loss: IndexerLossMode = "off") -> DSAOutput:
+                indexer_loss: IndexerLossMode = "off", indexer_tokens: int | None = None) -> DSAOutput:
         """x [S, B, hidden] (S: this CP rank's tokens); ``shared_idx`` is the previous full layer's
-        selection for a shared layer."""
+        selection for a shared layer. The indexer loss covers the first ``indexer_tokens`` positions
+        of the whole sequence (all when None): the trainer pads sequences for context parallel,
+        and causality makes the loss of the leading positions independent of the padding."""
         S, B, _ = x.shape
         cfg, cp = self.cfg, self.cp_group
         x_BSD = x.transpose(0, 1)
@@ -121,9 +123,11 @@ class DSAAttention(nn.Module):
             if indexer_loss != "off":
                 q_all = self._all_heads(gather_sequence(q.detach(), cp, dim=1))
                 k_all = self._all_heads(gather_sequence(k.detach(), cp, dim=1))
+                n = slice(None, indexer_tokens)
                 loss = dsa_ops.indexer_loss(
-                    q_i, k_i, w_i, q_all, k_all, idx if indexer_loss == "sparse" else None,
-                    gate_BTD=gate_i, ape_KD=self.indexer.index_kpool_compress_ape, kpool=cfg.index_kpool,
+                    q_i[:, n], k_i[:, n], w_i[:, n], q_all[:, n], k_all[:, n],
+                    idx[:, n] if indexer_loss == "sparse" else None,
+                    gate_BTD=gate_i[:, n], ape_KD=self.indexer.index_kpool_compress_ape, kpool=cfg.index_kpool,
                     scale=self.scale, backend=self.backend) / group_size(cp)
         # context parallel: whole sequence, this CP rank's heads (identity without CP)
         q, k, v = (seq_to_heads(t, cp, seq_dim=1, head_dim=2) for t in (q, k.contiguous(), v.contiguous()))

@@ -67,7 +67,8 @@ class DecoderLayer(nn.Module):
             self.mlp = builder(config=moe_config, layer_number=layer_idx + 1, pg_collection=pg)
         self.tp_group = pg.tp
 
-    def forward(self, streams: torch.Tensor, idx: torch.Tensor | None, indexer_loss: IndexerLossMode):
+    def forward(self, streams: torch.Tensor, idx: torch.Tensor | None, indexer_loss: IndexerLossMode,
+                indexer_tokens: int | None = None):
         """streams [S, B, N, D] -> (streams, selection for a following shared layer, indexer loss)."""
         post, comb, x = self.attn_hc(streams)
         x = self.input_layernorm(x)
@@ -75,7 +76,7 @@ class DecoderLayer(nn.Module):
         if self.is_kda:
             out = self.self_attention(x)
         else:
-            out, idx, loss = self.self_attention(x, idx, indexer_loss)
+            out, idx, loss = self.self_attention(x, idx, indexer_loss, indexer_tokens)
         streams = HyperConnection.merge(post, comb, out, streams)
         post, comb, x = self.ffn_hc(streams)
         x = self.post_attention_layernorm(x)
@@ -112,8 +113,9 @@ class GLM5Model(nn.Module):
             cfg.hidden_size, cfg.vocab_size, config=tf_config, init_method=tf_config.init_method, bias=False,
             gather_output=False, skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None, tp_group=pg.tp)
 
-    def hidden(self, input_ids: torch.Tensor, indexer_loss: IndexerLossMode = "off"):
-        """Final hidden states [S, B, D] and the indexer losses."""
+    def hidden(self, input_ids: torch.Tensor, indexer_loss: IndexerLossMode = "off", indexer_tokens: int | None = None):
+        """Final hidden states [S, B, D] and the indexer losses (over the first ``indexer_tokens``
+        positions of each whole sequence when given: the rest is padding)."""
         if self.pg.cp.size() > 1 and input_ids.shape[1] % 2:
             raise ValueError(f"under context parallel each rank holds two equal zigzag chunks; got "
                              f"{input_ids.shape[1]} local tokens (the sequence length must be divisible by "
@@ -122,14 +124,14 @@ class GLM5Model(nn.Module):
         streams = x.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
         idx, losses = None, []
         for layer in self.layers:
-            streams, idx, loss = layer(streams, idx, indexer_loss)
+            streams, idx, loss = layer(streams, idx, indexer_loss, indexer_tokens)
             if loss is not None:
                 losses.append(loss)
         return self.final_norm(streams.mean(dim=2)), losses
 
     def forward(self, input_ids: torch.Tensor, *, gather_logits: bool = True,
-                indexer_loss: IndexerLossMode = "off") -> ModelOutput:
-        h, losses = self.hidden(input_ids, indexer_loss)
+                indexer_loss: IndexerLossMode = "off", indexer_tokens: int | None = None) -> ModelOutput:
+        h, losses = self.hidden(input_ids, indexer_loss, indexer_tokens)
         logits = self.output_layer(h)[0]  # [S, B, V / tp]
         if gather_logits and self.pg.tp.size() > 1:
             from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region

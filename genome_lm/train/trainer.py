@@ -223,8 +223,7 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
         if cfg.train.global_batch_size % (dp_size * cfg.train.micro_batch_size):
             raise GenomeLMError(f"global_batch_size {cfg.train.global_batch_size} is not a multiple of "
                                 f"micro_batch_size x data-parallel size ({cfg.train.micro_batch_size} x {dp_size})")
-        if p.cp > 1:
-            raise GenomeLMError("context parallel training is not wired into the trainer yet (parallel.cp must be 1)")
+        cp, cp_rank = pg.cp.size(), pg.cp.rank()
         torch.manual_seed(cfg.train.seed)
         model = build(cfg, pg, sizes)
         apply_memory(model, cfg.memory)
@@ -267,13 +266,16 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
 
             for step in range(start, steps):
                 t0 = time.perf_counter()
-                loader.set_seq_len(_seq_len(cfg, step))
+                seq_len = _seq_len(cfg, step)
+                loader.set_seq_len(seq_len)
                 mode = "dense" if step < cfg.train.indexer_dense_steps else cfg.train.indexer_loss
                 lr = learning_rate(step, cfg.train)
                 optimizer.set_lr(lr)
                 ddp.zero_grad_buffer()
                 optimizer.zero_grad()
-                micro = [loader.next_batch() for _ in range(per_rank // cfg.train.micro_batch_size)]
+                # every CP rank of a data-parallel rank reads the same batches and keeps its zigzag part
+                micro = [_cp_part(loader.next_batch(), cp, cp_rank)
+                         for _ in range(per_rank // cfg.train.micro_batch_size)]
                 weight = global_sum(sum(b.loss_weight.sum() for b in micro), dp_cp)
                 lm_sum = torch.zeros(())
                 idx_sum = torch.zeros(())
@@ -282,10 +284,12 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
                     if to_model is not None:  # bases -> the checkpoint's single-letter tokens
                         batch.tokens, batch.labels = to_model[batch.tokens], to_model[batch.labels.clamp_min(0)]
                     with offload_saved_tensors(cfg.memory.offload_activations, cfg.memory.offload_pinned):
-                        outp = ddp(batch.tokens.to(_device()), gather_logits=False, indexer_loss=mode)
+                        outp = ddp(batch.tokens.to(_device()), gather_logits=False, indexer_loss=mode,
+                                   indexer_tokens=seq_len if cp > 1 else None)
                         parts = lm_loss(outp.logits, batch.labels.to(_device()), batch.loss_weight.to(_device()),
                                         global_weight=weight, indexer_losses=outp.indexer_losses,
-                                        indexer_coeff=cfg.train.indexer_loss_coeff / (dp_cp.size() * len(micro)),
+                                        # the model already divides each CP rank's indexer loss by cp
+                                        indexer_coeff=cfg.train.indexer_loss_coeff / (dp_size * len(micro)),
                                         tp_group=pg.tp)
                         parts.total.backward()
                     lm_sum += parts.lm_sum.float().cpu()
@@ -296,7 +300,7 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
                 allreduce_sequence_parallel_grads(model)
                 finalize_model_grads([ddp], pg_collection=pg)
                 lm = float(global_sum(lm_sum, dp_cp) / weight)
-                idx = float(global_sum(idx_sum, dp_cp)) / dp_cp.size()
+                idx = float(global_sum(idx_sum, dp_cp)) / dp_size
                 stepped, norm = optimizer.step() if math.isfinite(lm) else (False, float("nan"))
                 tokens_all = int(global_sum(torch.tensor(float(tokens)), dp_cp)) // max(1, pg.tp.size())
                 metrics = StepMetrics(step + 1, lm + cfg.train.indexer_loss_coeff * idx, lm, idx, lr, norm,
@@ -329,6 +333,25 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
             _log_curve(tracker, result, out, rank)
             result.tracking = tracker.location
         return result
+
+
+def _cp_part(batch, cp: int, rank: int):
+    """This context-parallel rank's zigzag part of a batch. A length that 2 * cp does not divide
+    is padded at the end (PAD inputs, no label, weight 0); the model is causal, so the padding
+    changes no real position's loss. Padded tokens do pass through the MoE router and count in
+    its expert-load statistics."""
+    if cp == 1:
+        return batch
+    from dataclasses import replace
+
+    from genome_lm.data.loader import IGNORE, PAD
+    from genome_lm.engine.context_parallel import pad_for_cp, zigzag_split
+
+    def part(x, value):
+        return zigzag_split(pad_for_cp(x, cp, value), cp, rank)
+
+    return replace(batch, tokens=part(batch.tokens, PAD), labels=part(batch.labels, IGNORE),
+                   loss_weight=part(batch.loss_weight, 0.0))
 
 
 def _device() -> torch.device:

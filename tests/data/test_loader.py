@@ -1,5 +1,5 @@
 """The training/eval loader against an independent reading (megatron-core's IndexedDataset, the
-manifest and the FASTA), plus its order, resume, sharding and context-parallel helpers."""
+manifest and the FASTA), plus its order, resume and sharding."""
 
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from genome_lm.data.loader import (
     TrainLoader,
     eval_batches,
     reverse_complement,
-    zigzag_restore,
-    zigzag_slice,
 )
 from genome_lm.data.manifest import Manifest
 from genome_lm.data.prepare import PrepareRequest, prepare
@@ -310,30 +308,6 @@ def test_window_and_offset_map_back_to_the_genome(dataset):
                 chrom, pos = manifest.locate("train", int(batch.window[b]), int(offsets[b, i]))
                 base = code.get(records[chrom][pos] & ~32, 8)  # IUPAC codes are N
                 assert int(batch.tokens[b, i]) == (COMP[base] if batch.reverse[b] else base)
-
-
-@pytest.mark.parametrize("cp", [1, 2, 3, 4])
-def test_zigzag_round_trip(cp):
-    length = 2 * cp * 5
-    x = torch.randn(2, length, dtype=torch.float64) * torch.arange(1, length + 1)  # uneven values
-    parts = [zigzag_slice(x, r, cp) for r in range(cp)]
-    chunk = length // (2 * cp)
-    for r, part in enumerate(parts):
-        assert part.shape == (2, length // cp)
-        want = list(range(r * chunk, (r + 1) * chunk)) + list(range((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk))
-        assert torch.equal(part, x[:, want])
-    assert torch.equal(zigzag_restore(parts), x)
-    tokens = torch.arange(3 * length).view(3, length)
-    assert torch.equal(zigzag_restore([zigzag_slice(tokens, r, cp) for r in range(cp)]), tokens)
-
-
-def test_zigzag_rejects_lengths_not_divisible():
-    with pytest.raises(ValueError, match=r"sequence length 10 is not divisible by 2 \* cp_size = 4"):
-        zigzag_slice(torch.zeros(1, 10), 0, 2)
-    with pytest.raises(ValueError, match="cp_rank 2 outside cp_size 2"):
-        zigzag_slice(torch.zeros(1, 8), 2, 2)
-    with pytest.raises(ValueError, match="same even length"):
-        zigzag_restore([torch.zeros(1, 4), torch.zeros(1, 8)])
 
 
 def test_errors_name_the_path(dataset, tmp_path):
