@@ -20,8 +20,15 @@ Repeated keys: a row whose valid slots are strictly ascending (``select_tokens``
 pools ascending, then the tail pool) cannot hold a repeat and is used as is; in a chunk with
 any other row, each repeat after a key's first slot is masked (found by a per-row sort).
 
+Short prefixes: a block whose queries can see only t1 <= ``DENSE_KEYS_PER_SLOT`` * S keys is
+scored densely instead, [C, t1] per head with matrix products and a mask built from the slots
+(a repeat sets the same mask bit, so it counts once). Matrix products run at many times the
+rate of the gather, so for the first few thousand positions (all of a short sequence) this is
+faster; its work per query is bounded by DENSE_KEYS_PER_SLOT * S, so the time stays linear in T.
+
 Backward recomputes the chunk's probabilities from the saved log-sum-exp, writes dq directly
-and accumulates dk, dv into [T, H * D] buffers with ``index_add_``; no per-chunk graph is kept.
+and accumulates dk, dv into [T, H * D] buffers with ``index_add_`` (gathered blocks) or slices
+(dense blocks); no per-chunk graph is kept.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from .indexer import compute_dtype
 
 
 GATHER_ELEMENTS = 1 << 21  # values of one gathered [C, S, H, D] block (8 MiB in fp32)
+DENSE_KEYS_PER_SLOT = 8  # a block that sees at most this many keys per slot is scored densely
 
 
 def queries_per_block(chunk: int, S: int, H: int, D: int) -> int:
@@ -70,13 +78,39 @@ def gathered_probs(q_CHD, k_CSHD, valid_CS, scale, lse_CH=None):
 
 
 def _blocks(idx_BTS, chunk: int, H: int, D: int):
-    """(b, t0, t1, key_CS, valid_CS) for each block of queries of each sequence."""
+    """(b, t0, t1, key_CS, valid_CS) for each gathered block of queries of each sequence, and
+    (b, t0, t1, mask_CK, None) for a dense block (keys 0..t1-1)."""
     B, T, S = idx_BTS.shape
     C = queries_per_block(chunk, S, H, D)
     for b in range(B):
         for t0 in range(0, T, C):
             t1 = min(t0 + C, T)
-            yield (b, t0, t1, *own_keys(idx_BTS[b, t0:t1]))
+            if t1 <= DENSE_KEYS_PER_SLOT * S:
+                yield b, t0, t1, dense_mask(idx_BTS[b, t0:t1], t1), None
+            else:
+                yield (b, t0, t1, *own_keys(idx_BTS[b, t0:t1]))
+
+
+def dense_mask(idx_CS, n_keys: int):
+    """[C, n_keys] bool: key j is selected by query c (-1 slots select nothing; repeats once)."""
+    C = idx_CS.shape[0]
+    mask = torch.zeros(C, n_keys + 1, dtype=torch.bool, device=idx_CS.device)  # last column: -1 slots
+    mask.scatter_(1, torch.where(idx_CS >= 0, idx_CS, n_keys), True)
+    return mask[:, :n_keys]
+
+
+def dense_probs(q_HCD, kT_HDK, mask_CK, scale, lse_HC=None):
+    """Probabilities of each query over keys 0..K-1 under its mask, p [H, C, K], and lse [H, C]
+    (-inf for a query without any selected key)."""
+    s_HCK = torch.matmul(q_HCD, kT_HDK).mul_(scale).masked_fill_(~mask_CK, float("-inf"))
+    if lse_HC is None:
+        lse_HC = torch.logsumexp(s_HCK, dim=-1)
+    return torch.exp_(s_HCK.sub_(lse_HC.nan_to_num(neginf=0.0)[..., None])), lse_HC
+
+
+def _head_major(x_BTHD, b, dt):
+    """Sequence b as [H, T, D] contiguous, for per-head matrix products over slices of T."""
+    return x_BTHD[b].to(dt).transpose(0, 1).contiguous()
 
 
 class SparseAttention(torch.autograd.Function):
@@ -90,7 +124,17 @@ class SparseAttention(torch.autograd.Function):
         kc_BTHD, vc_BTHD = k_BTHD.contiguous(), v_BTHD.contiguous()  # rows gathered as [H * D] vectors
         o_BTHD = torch.empty(B, T, H, Dv, dtype=dt, device=q_BTHD.device)
         lse_BTH = torch.empty(B, T, H, dtype=dt, device=q_BTHD.device)
+        heads_major = {}  # per sequence, for dense blocks: q [H, T, D], k^T [H, D, T], v [H, T, Dv]
         for b, t0, t1, key_CS, valid_CS in _blocks(idx_BTS, chunk, H, max(D, Dv)):
+            if valid_CS is None:  # dense block: key_CS is the [C, t1] mask
+                if b not in heads_major:
+                    heads_major = {b: (_head_major(q_BTHD, b, dt), _head_major(k_BTHD, b, dt).transpose(1, 2),
+                                       _head_major(v_BTHD, b, dt))}
+                q_HTD, kT_HDT, v_HTD = heads_major[b]
+                p_HCK, lse_HC = dense_probs(q_HTD[:, t0:t1], kT_HDT[..., :t1], key_CS, scale)
+                lse_BTH[b, t0:t1] = lse_HC.T
+                o_BTHD[b, t0:t1] = torch.matmul(p_HCK, v_HTD[:, :t1]).transpose(0, 1)
+                continue
             k_CSHD = gather_rows(kc_BTHD[b], key_CS).to(dt)
             p_CSH, lse_BTH[b, t0:t1] = gathered_probs(q_BTHD[b, t0:t1].to(dt), k_CSHD, valid_CS, scale)
             del k_CSHD
@@ -128,9 +172,24 @@ def sparse_attention_backward(q_BTHD, k_BTHD, v_BTHD, idx_BTS, o_BTHD, lse_BTH, 
     dq_BTHD = torch.empty(q_BTHD.shape, dtype=dt, device=q_BTHD.device)
     dk_BTX = torch.zeros(B, T, H * D, dtype=dt, device=q_BTHD.device)
     dv_BTX = torch.zeros(B, T, H * Dv, dtype=dt, device=q_BTHD.device)
+    heads_major = {}  # per sequence, for dense blocks: inputs [H, T, D] and dk, dv accumulators
     for b, t0, t1, key_CS, valid_CS in _blocks(idx_BTS, chunk, H, max(D, Dv)):
-        rows = key_CS.flatten()
+        if valid_CS is None:  # dense block over keys 0..t1-1, key_CS is the mask
+            if b not in heads_major:
+                _flush_dense(heads_major, dk_BTX, dv_BTX)
+                heads_major = {b: [_head_major(x, b, dt) for x in (q_BTHD, k_BTHD, v_BTHD, do_BTHD)]
+                               + [q_BTHD.new_zeros(H, T, D, dtype=dt), q_BTHD.new_zeros(H, T, Dv, dtype=dt)]}
+            q_HTD, k_HTD, v_HTD, do_HTD, dk_HTD, dv_HTD = heads_major[b]
+            q_HCD, do_HCD = q_HTD[:, t0:t1], do_HTD[:, t0:t1]
+            p_HCK, _ = dense_probs(q_HCD, k_HTD[:, :t1].transpose(1, 2), key_CS, scale, lse_BTH[b, t0:t1].T)
+            ds_HCK = torch.matmul(do_HCD, v_HTD[:, :t1].transpose(1, 2)).sub_(delta_BTH[b, t0:t1].T[..., None])
+            ds_HCK.mul_(p_HCK)
+            dq_BTHD[b, t0:t1] = torch.matmul(ds_HCK, k_HTD[:, :t1]).transpose(0, 1).mul_(scale)
+            dk_HTD[:, :t1].baddbmm_(ds_HCK.transpose(1, 2), q_HCD, alpha=scale)
+            dv_HTD[:, :t1].baddbmm_(p_HCK.transpose(1, 2), do_HCD)
+            continue
         q_CHD, do_CHD = q_BTHD[b, t0:t1].to(dt), do_BTHD[b, t0:t1].to(dt)
+        rows = key_CS.flatten()
         k_CSHD = gather_rows(kc_BTHD[b], key_CS).to(dt)
         p_CSH, _ = gathered_probs(q_CHD, k_CSHD, valid_CS, scale, lse_BTH[b, t0:t1])
         dp_CSH = (gather_rows(vc_BTHD[b], key_CS).to(dt) * do_CHD[:, None]).sum(-1)
@@ -139,8 +198,16 @@ def sparse_attention_backward(q_BTHD, k_BTHD, v_BTHD, idx_BTS, o_BTHD, lse_BTH, 
         del k_CSHD
         dk_BTX[b].index_add_(0, rows, (ds_CSH[..., None] * q_CHD[:, None]).flatten(0, 1).flatten(1), alpha=scale)
         dv_BTX[b].index_add_(0, rows, (p_CSH[..., None] * do_CHD[:, None]).flatten(0, 1).flatten(1))
+    _flush_dense(heads_major, dk_BTX, dv_BTX)
     return (dq_BTHD.to(q_BTHD.dtype), dk_BTX.view(k_BTHD.shape).to(k_BTHD.dtype),
             dv_BTX.view(v_BTHD.shape).to(v_BTHD.dtype))
+
+
+def _flush_dense(heads_major, dk_BTX, dv_BTX):
+    """Add a sequence's dense-block dk, dv ([H, T, D]) into the [B, T, H * D] accumulators."""
+    for b, (*_, dk_HTD, dv_HTD) in heads_major.items():
+        dk_BTX[b] += dk_HTD.transpose(0, 1).flatten(1)
+        dv_BTX[b] += dv_HTD.transpose(0, 1).flatten(1)
 
 
 def sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, *, scale: float, chunk: int = 64):

@@ -45,8 +45,11 @@ def _run(backend, q, k, v, idx, chunk=16):
 
 @pytest.mark.parametrize("ascending", [False, True], ids=["repeats-sorted", "ascending-fast-path"])
 @pytest.mark.parametrize("sub_blocks", [False, True])
+@pytest.mark.parametrize("dense", [0, 3, 1000], ids=["gather-only", "dense-prefix", "dense-only"])
 @pytest.mark.parametrize("T,S", [(70, 7), (200, 16)])
-def test_gather_matches_reference(monkeypatch, nan_poison, ascending, sub_blocks, T, S):
+def test_gather_matches_reference(monkeypatch, nan_poison, ascending, sub_blocks, dense, T, S):
+    """Gathered blocks, dense blocks (keys 0..t1-1 under a mask) and a mix of both."""
+    monkeypatch.setattr(impl, "DENSE_KEYS_PER_SLOT", dense)
     if sub_blocks:  # 5 queries per gathered block instead of the 16 asked for
         monkeypatch.setattr(impl, "GATHER_ELEMENTS", 5 * S * 3 * 8)
     (q, k, v), idx = _inputs(T, S, ascending=ascending)
