@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from genome_lm.errors import GenomeLMError
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # packaged; ./configs links here
 
 
 class _Loader(yaml.SafeLoader):
