@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import uuid
 import zlib
 from pathlib import Path
 
@@ -15,6 +16,11 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_GENOMES = REPO.parent / "shared" / "data" / "genomes"
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+# Ray >= 2.5x turns token authentication on for the clusters it starts and caches the token in
+# each process: every cluster and driver of the test session shares one token, set before any
+# test starts Ray, whatever ~/.ray/auth_token holds.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", uuid.uuid4().hex)
 
 import torch  # noqa: E402
 

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import uuid
 import time
 from pathlib import Path
 
@@ -249,14 +248,11 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_ray_cluster_output_is_byte_identical(tmp_path, rng, monkeypatch):
+def test_ray_cluster_output_is_byte_identical(tmp_path, rng):
     """Start a real local Ray cluster with `ray start --head`, run the tasks on it."""
     ray_bin = Path(sys.executable).with_name("ray")
     port = _free_port()
-    # Ray >= 2.5x starts clusters with token authentication on; give the cluster and this driver one token
-    # explicitly so the test does not depend on whatever ~/.ray/auth_token holds.
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    monkeypatch.setenv("RAY_AUTH_TOKEN", uuid.uuid4().hex)
+    # the cluster gets the session's auth token (RAY_AUTH_TOKEN, tests/conftest.py) through env
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     subprocess.run([str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
