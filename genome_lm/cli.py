@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -414,7 +415,8 @@ def finetune(
                 result = train(cfg, resume=resume, progress=not quiet, tracking_uri=tracking_uri)
     except GenomeLMError as exc:
         _fail(exc)
-    _print_training(result)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 reports
+        _print_training(result)
 
 
 def _print_training(result) -> None:

@@ -51,13 +51,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(rank: int = 0, world_size: int = 1, *, init_method: str | None = None) -> None:
-    """Start the default process group (gloo on CPU, nccl on GPU) unless one exists."""
+def init_distributed(rank: int | None = None, world_size: int | None = None, *,
+                     init_method: str | None = None) -> None:
+    """Start the default process group (gloo on CPU, nccl on GPU) unless one exists. Under
+    torchrun (MASTER_ADDR, RANK, WORLD_SIZE in the environment) rank and size come from there."""
     if dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if init_method is None and "MASTER_ADDR" in os.environ:
         init_method = "env://"
+        rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    rank, world_size = rank or 0, world_size or 1
     if init_method is None:
         if world_size != 1:
             raise ValueError("a multi-process group needs init_method or MASTER_ADDR/MASTER_PORT")
