@@ -58,3 +58,26 @@ def test_same_loss_and_gradients(pg, name):
     for key, ga in grads_a.items():
         err = (ga - grads_b[key]).abs().max() / ga.abs().max().clamp_min(1e-8)
         assert err < 1e-4, (key, err.item())
+
+
+def _tensors_with_history(model):
+    """(path, tensor) for tensors with autograd history that modules (or plain objects they hold,
+    such as megatron-core's token dispatcher) keep as attributes after a step."""
+    found = []
+    for name, module in model.named_modules():
+        for key, value in vars(module).items():
+            holders = [(key, value)] + ([(f"{key}.{k}", v) for k, v in vars(value).items()]
+                                        if hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, type))
+                                        else [])
+            found += [(f"{name}.{k}", v) for k, v in holders if torch.is_tensor(v) and v.grad_fn is not None]
+    return found
+
+
+def test_full_recompute_keeps_no_graph_after_the_step(pg):
+    """A module attribute with autograd history kept after a recomputed layer's backward holds
+    the recomputed graph (about one layer of activations per layer): none may remain."""
+    model = build_model(get_preset("tiny"), pg, ParallelSizes(), kernel_backend="torch")
+    apply_memory(model, MemoryConfig(recompute="full"))
+    ids = torch.randint(4, 9, (1, 129))
+    _step(model, ids, torch.ones(1, 128))
+    assert _tensors_with_history(model) == []
