@@ -456,6 +456,13 @@ def export(
     console.print(f"wrote {path}", highlight=False)
 
 
+# hardware planner (issue 7): genome_lm/plan/commands.py
+from genome_lm.plan import commands as _plan_commands  # noqa: E402
+
+app.command("plan")(_plan_commands.plan)
+bench_app.command("sweep")(_plan_commands.bench_sweep)
+
+
 def quiet_megatron_import_ctx():
     from genome_lm.engine import quiet_megatron_import
 

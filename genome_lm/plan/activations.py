@@ -1,0 +1,216 @@
+"""Bytes that one training step keeps per token, per piece of one decoder layer.
+
+Each function returns bytes per *local* token (a token of this rank's part of the sequence,
+``seq_len / cp``) for one piece of the stack, read off the code that runs: which tensors autograd
+saves for backward (``saved_*``) and which gradients and buffers exist only while a piece runs
+backward (``backward_*``). Widths come from ``ModelConfig`` and the split from ``Shard``; nothing
+here knows a model size. ``tests/plan/test_activations.py`` counts the tensors the real tiny
+model saves (saved-tensor hooks, deduplicated by storage) and compares them with these sums.
+
+Notation: ``a`` is the activation dtype's size (2 for bf16, 4 for fp32), ``h`` the heads on this
+rank. ``fp32_copy(w)`` is the fp32 copy that ``.float()`` makes of a w-wide activation, which is
+free when activations are already fp32.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from genome_lm.model import common
+from genome_lm.model.config import ModelConfig
+
+F32, I64 = 4, 8
+KDA_CHUNK = 64  # kernels/kda/chunked.py CHUNK: one entering state per 64 tokens
+
+
+@dataclass(frozen=True)
+class Shard:
+    """How one rank sees the work: dtype size, parallel split, kernel path, indexer loss."""
+
+    a: int = 4  # activation bytes (bf16 2, fp32 4)
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    backend: str = "torch"  # "torch" (CPU) or "triton" (GPU) kernels for KDA
+    indexer_loss: bool = True
+    moe_imbalance: float = 4.0  # busiest expert-parallel rank's tokens over the mean (ep > 1)
+
+    def fp32_copy(self, width: float) -> float:
+        return 0.0 if self.a == F32 else width * F32
+
+
+# ------------------------------------------------------------------------------------ pieces
+def saved_hyper_connection(cfg: ModelConfig, s: Shard) -> float:
+    """One mHC (``common.HyperConnection``): its input streams, the fp32 flattened streams and
+    their normalised copy (the linear's input), the mixing logits, the gate sigmoids and the
+    Sinkhorn's saved tensors (its input only with the recomputing ``_Sinkhorn``; every
+    iteration's quotient and divisor with autograd through the loop)."""
+    n, D = cfg.hc_mult, cfg.hidden_size
+    if hasattr(common, "sinkhorn"):
+        sinkhorn = n * n * F32
+    else:
+        sinkhorn = n * n * F32 + (2 * cfg.hc_sinkhorn_iters - 1) * (n * n + n) * F32
+    return (n * D * s.a + s.fp32_copy(n * D) + F32 + n * D * F32 + (2 + n) * n * F32 + 3 * n * F32
+            + sinkhorn)
+
+
+def saved_merge(cfg: ModelConfig, s: Shard) -> float:
+    """``HyperConnection.merge``: post, block output and comb in the streams' dtype."""
+    n = cfg.hc_mult
+    return (n + cfg.hidden_size + n * n) * s.a
+
+
+def saved_rmsnorm(width: int, s: Shard) -> float:
+    """``common.RMSNorm``: the input in fp32 (itself, or its fp32 copy), 1/rms, the normalised
+    value before the weight."""
+    return width * F32 + F32 + width * s.a
+
+
+def saved_kda(cfg: ModelConfig, s: Shard) -> float:
+    """``model.kda.KDAAttention`` with its kernel (torch chunked on CPU, Triton on GPU)."""
+    h, K, D, c = cfg.linear_num_heads // s.tp, cfg.linear_head_dim, cfg.hidden_size, cfg.linear_conv_kernel_dim
+    V = K
+    W = h * K
+    projections = D * s.a + K * s.a + W * F32 + W * F32 + h * F32  # x, f_a out, decay logits + sigmoid, beta
+    # padded input, conv out; l2norm keeps q, k in fp32: the SiLU output itself when fp32, else
+    # fp32 copies of q and k
+    conv = 3 * W * F32 * 2 + (3 * W * F32 if s.a == F32 else 2 * W * F32)
+    l2norm = 2 * h * F32
+    if s.backend == "triton":  # the Triton function saves its inputs: l2-normalised q, k and g (v, beta shared)
+        kernel = 3 * W * F32
+    else:  # chunked.py: checkpointed chunk inputs (q, k, v, G in fp64, beta), W and e^{G_last-G} k
+        # (read by the state loop), deltas and their stack, entering states and their stack,
+        # e^G q, M (stored with A)
+        per_head = ((2 * K + V) * F32 + K * I64 + F32 + 2 * K * F32 + 2 * V * F32 + 2 * K * V * F32 / KDA_CHUNK
+                    + K * F32 + 2 * KDA_CHUNK * F32)
+        kernel = h * per_head
+    output = W * F32 + h * F32 + 3 * W * F32 + K * s.a + W * s.a  # o fp32, 1/rms, normed, gated, sigmoid, g_a, o_proj in
+    return projections + conv + l2norm + kernel + output
+
+
+def saved_dsa(cfg: ModelConfig, s: Shard, own_indexer: bool) -> float:
+    """``model.dsa.DSAAttention``: MLA projections and norms, the sparse attention's q, k, v, o,
+    lse and the selection; the indexer and its loss inputs (over the whole sequence on every
+    CP rank, so they count ``cp`` times per local token)."""
+    h, H = cfg.num_attention_heads // s.tp, cfg.num_attention_heads
+    D, Dqk, Dv = cfg.hidden_size, cfg.qk_head_dim, cfg.v_head_dim
+    rq, rkv = cfg.q_lora_rank, cfg.kv_lora_rank
+    slots = cfg.index_topk + cfg.index_kpool - 1
+    mla = D * s.a + saved_rmsnorm(rq, s) + rq * s.a + saved_rmsnorm(rkv, s) + rkv * s.a
+    attention = (2 * h * Dqk + 2 * h * Dv) * s.a + h * F32 + slots * I64 * s.cp
+    if s.cp > 1:
+        attention += h * Dv * s.a  # the output back in sequence order
+    indexer = 0.0
+    if own_indexer and s.indexer_loss:
+        Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+        per_token = (Di * s.a + 2 * F32 + 2 * Di * F32 + Hi * Di * s.a + Di * F32 / cfg.index_kpool + Hi * F32
+                     + H * Dqk * s.a)  # ... + the contiguous copy of every head's k for the loss
+        if s.cp > 1:
+            per_token += (D + rq) * s.a  # the gathered (detached) inputs
+        if s.tp * s.cp > 1:
+            per_token += H * Dqk * s.a  # every head's q, gathered
+        indexer = per_token * s.cp
+    return mla + attention + indexer
+
+
+def saved_dense_mlp(cfg: ModelConfig, s: Shard) -> float:
+    """megatron-core's ``MLP`` with the clamped SwiGLU: fc1 input and output, clamped gate, its
+    SiLU, clamped up, their product (fc2's input)."""
+    return cfg.hidden_size * s.a + 6 * (cfg.intermediate_size / s.tp) * s.a
+
+
+def moe_tokens(s: Shard) -> float:
+    """MoE tokens per local token: under TP the MoE runs sequence-parallel (1/tp of them)."""
+    return 1 / s.tp
+
+
+def expert_copies(cfg: ModelConfig, s: Shard) -> float:
+    """Routed token copies an expert rank processes per local token: top-k copies, gathered over
+    expert-tensor-parallel ranks, times the load imbalance of the busiest expert-parallel rank."""
+    imbalance = s.moe_imbalance if s.ep > 1 else 1.0
+    return moe_tokens(s) * cfg.num_experts_per_tok * s.etp * imbalance
+
+
+def saved_moe(cfg: ModelConfig, s: Shard) -> float:
+    """megatron-core's ``MoELayer``: input, router (fp32 logits, top-k, routing map, probs), the
+    shared expert (an MLP), and per routed copy the permuted input, the expert's SwiGLU
+    activations and its probability."""
+    D, E, k = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    I, Is = cfg.moe_intermediate_size / s.etp, cfg.shared_expert_size / s.tp
+    router = E * F32 + k * I64 + F32 + k * F32 + k * I64 + E + E * F32
+    shared = 6 * Is * s.a
+    per_copy = D * s.a + 7 * I * s.a + F32
+    # the shared expert runs on the whole local sequence (its linears gather the sequence-parallel
+    # slices and save only their own slice)
+    return (D * s.a + router) * moe_tokens(s) + shared + per_copy * expert_copies(cfg, s)
+
+
+def saved_head(cfg: ModelConfig, s: Shard) -> float:
+    """Final norm, output layer input and the cross-entropy's fp32 softmax over this rank's
+    vocabulary shard."""
+    D = cfg.hidden_size
+    return saved_rmsnorm(D, s) + D * s.a + cfg.vocab_size / s.tp * F32 + I64 + F32
+
+
+def head_transient(cfg: ModelConfig, s: Shard) -> float:
+    """Logits, their fp32 copy and their gradient, alive around the loss."""
+    V = cfg.vocab_size / s.tp
+    return V * s.a + s.fp32_copy(V) + V * F32
+
+
+def layer_input(cfg: ModelConfig, s: Shard) -> float:
+    """What full recompute keeps of a layer: its input streams."""
+    return cfg.hc_mult * cfg.hidden_size * s.a
+
+
+# --------------------------------------------------------------------------- backward buffers
+def backward_attention(cfg: ModelConfig, s: Shard, kda: bool) -> float:
+    """Gradient buffers of the attention kernels while they run backward."""
+    if kda:
+        W = cfg.linear_num_heads // s.tp * cfg.linear_head_dim
+        # dq, dk, dv, dg in the chunk layout and their padded copies, d(conv input); Triton
+        # also writes the state entering each chunk
+        states = W * cfg.linear_head_dim * F32 / KDA_CHUNK if s.backend == "triton" else 0.0
+        return 8 * W * F32 + 3 * W * F32 + states
+    h = cfg.num_attention_heads // s.tp
+    Dqk, Dv = cfg.qk_head_dim, cfg.v_head_dim
+    grads = h * (2 * Dqk + Dv) * F32 + h * F32  # dq, dk, dv fp32 accumulators, delta
+    if s.indexer_loss:
+        grads += (cfg.index_n_heads * (cfg.index_head_dim + 1) + cfg.index_head_dim) * F32 * s.cp
+    return grads
+
+
+def backward_mlp(cfg: ModelConfig, s: Shard, moe: bool) -> float:
+    if not moe:
+        return 3 * (cfg.intermediate_size / s.tp) * s.a
+    return 3 * (cfg.moe_intermediate_size / s.etp) * s.a * expert_copies(cfg, s)
+
+
+def backward_streams(cfg: ModelConfig, s: Shard) -> float:
+    """Gradients of the streams flowing through a layer (in, out, through the mHC merge) and the
+    mHC's fp32 flattened gradient."""
+    n, D = cfg.hc_mult, cfg.hidden_size
+    return 3 * n * D * s.a + 2 * n * D * F32
+
+
+def backward_fixed(cfg: ModelConfig, s: Shard, kda: bool) -> float:
+    """Bytes of the torch kernels' working blocks, whatever the length: KDA prepares (and, in
+    backward, recomputes) ``GROUP`` chunks at a time, the pairwise decays being the largest
+    temporaries; DSA scores blocks of queries whose gathered keys hold at most
+    ``GATHER_ELEMENTS`` values (keys, values and two products of that size in backward). The
+    Triton kernels keep theirs in on-chip memory."""
+    if s.backend != "torch":
+        return 0.0
+    if kda:
+        chunked = importlib.import_module("genome_lm_kernels.kda.chunked")
+        rows = chunked.GROUP * chunked.CHUNK  # (token, head) rows of one group
+        K, nsub = cfg.linear_head_dim, chunked.CHUNK // chunked.SUB
+        return rows * (2 * chunked.CHUNK + 3 * nsub * K + 4 * K) * F32
+    sparse = importlib.import_module("genome_lm_kernels.dsa.sparse_attention")
+    h = cfg.num_attention_heads // (s.tp * s.cp)
+    slots = cfg.index_topk + cfg.index_kpool - 1
+    width = max(cfg.qk_head_dim, cfg.v_head_dim)
+    queries = sparse.queries_per_block(64, slots, h, width)
+    return 4 * queries * slots * h * width * F32

@@ -1,0 +1,111 @@
+"""The ``genome-lm plan`` and ``genome-lm bench sweep`` commands (registered in ``genome_lm.cli``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from genome_lm.errors import GenomeLMError
+
+console = Console()
+
+
+def _size(text: str | None) -> int | None:
+    if text is None:
+        return None
+    from genome_lm.cli import parse_size
+
+    return parse_size(text)
+
+
+def plan(
+    config: Annotated[str, typer.Option(help="A config in configs/ (e.g. glm-5.3-flash-1m-64xb200) or a YAML path.")],
+    seq_len: Annotated[Optional[str], typer.Option(help="Tokens per sequence: 524288, 512k or 1M (default: the config's).")] = None,
+    tp: Annotated[Optional[int], typer.Option(help="Tensor parallel size.")] = None,
+    cp: Annotated[Optional[int], typer.Option(help="Context parallel size.")] = None,
+    ep: Annotated[Optional[int], typer.Option(help="Expert parallel size.")] = None,
+    etp: Annotated[Optional[int], typer.Option(help="Expert tensor parallel size.")] = None,
+    recompute: Annotated[Optional[str], typer.Option(help="none, selective or full.")] = None,
+    offload: Annotated[Optional[bool], typer.Option("--offload/--no-offload", help="Offload saved activations to host memory.")] = None,
+    optimizer_offload: Annotated[Optional[bool], typer.Option("--optimizer-offload/--no-optimizer-offload", help="Optimizer state in host memory.")] = None,
+    moe_chunks: Annotated[Optional[int], typer.Option(help="MoE layers in this many chunks.")] = None,
+    gpu: Annotated[str, typer.Option(help="B200 (180 GB), H200 (141 GB) or H100 (80 GB).")] = "B200",
+    gpu_mem: Annotated[Optional[float], typer.Option(help="GPU memory in GB (overrides --gpu).")] = None,
+    gpus: Annotated[Optional[int], typer.Option(help="GPUs in the run (default: tp x cp x global batch / micro batch).")] = None,
+    gpus_per_node: Annotated[int, typer.Option(help="GPUs per node, for host memory per node.")] = 8,
+    moe_imbalance: Annotated[float, typer.Option(help="Busiest expert-parallel rank's tokens over the mean (4 on real genome data).")] = 4.0,
+    headroom: Annotated[float, typer.Option(help="Fraction of GPU memory kept free (CUDA context, NCCL, fragmentation).")] = 0.05,
+    device: Annotated[str, typer.Option(help="gpu, or cpu for the torch path (offload moves nothing there).")] = "gpu",
+    sweep: Annotated[bool, typer.Option("--sweep", help="The table over sequence lengths 32k to 1M.")] = False,
+    published: Annotated[bool, typer.Option("--published", help="The published run's figures next to the plan's.")] = False,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config field: section.field=value.")] = None,
+) -> None:
+    """Size the hardware before a run: memory per GPU (parameters, gradients, optimizer state,
+    activations per layer type, what recompute and offload save) and host memory per node, from
+    the same config the trainer reads. Flags a plan that does not fit the GPU and names the
+    cheapest change that fits."""
+    from genome_lm.config import load_config
+
+    from .hardware import gpu_memory
+    from .memory_model import Hardware, estimate
+    from .report import print_plan, published_table, sweep_table
+
+    try:
+        if device not in ("gpu", "cpu"):
+            raise GenomeLMError(f"--device {device}: expected gpu or cpu")
+        if recompute not in (None, "none", "selective", "full"):
+            raise GenomeLMError(f"--recompute {recompute}: expected none, selective or full")
+        if moe_imbalance < 1:
+            raise GenomeLMError(f"--moe-imbalance {moe_imbalance}: the busiest rank has at least the mean (>= 1)")
+        if not 0 <= headroom < 1:
+            raise GenomeLMError(f"--headroom {headroom}: expected a fraction in [0, 1)")
+        name, mem_bytes = gpu_memory(gpu, gpu_mem)
+        hw = Hardware(gpu_name=name, gpu_bytes=mem_bytes, gpus=gpus, gpus_per_node=gpus_per_node, device=device,
+                      moe_imbalance=moe_imbalance, headroom=headroom)
+        if published:
+            console.print(published_table(hw))
+            console.print("Differences over 20% are explained in docs/plan.md.")
+            return
+        fields = {"data.seq_len": _size(seq_len), "parallel.tp": tp, "parallel.cp": cp, "parallel.ep": ep,
+                  "parallel.etp": etp, "memory.recompute": recompute, "memory.offload_activations": offload,
+                  "memory.optimizer_offload": optimizer_offload, "memory.moe_chunks": moe_chunks}
+        options = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items() if v is not None]
+        run = load_config(config, [*(set_ or []), *options])  # validated like the trainer's config
+        if sweep:
+            console.print(sweep_table(run, hw))
+            return
+        print_plan(estimate(run, hw), hw, console)
+    except GenomeLMError as exc:
+        from genome_lm.cli import _fail
+
+        _fail(exc)
+
+
+def bench_sweep(
+    lengths: Annotated[str, typer.Option(help="Comma-separated sequence lengths (k, M suffixes).")] = "4k,8k,16k,32k",
+    settings: Annotated[str, typer.Option(help="Comma-separated memory settings: plain, selective, recompute, moe-chunks.")] = "plain,selective,recompute",
+    threads: Annotated[int, typer.Option(help="torch threads per measured step.")] = 2,
+    out: Annotated[Path, typer.Option(help="Folder for sweep.json and sweep.png.")] = Path("runs/bench-sweep"),
+) -> None:
+    """Throughput and peak memory of one training step of the tiny model on this CPU, per
+    sequence length and memory setting, next to the planner's prediction; writes a JSON table
+    and a PNG (tokens/s and peak memory against length, one line per setting)."""
+    from .sweep import SETTINGS, plot, run_sweep, sweep_rows_table
+
+    try:
+        names = [s.strip() for s in settings.split(",") if s.strip()]
+        unknown = sorted(set(names) - set(SETTINGS))
+        if unknown:
+            raise GenomeLMError(f"--settings: unknown {', '.join(unknown)} (known: {', '.join(SETTINGS)})")
+        sizes = [_size(x) for x in lengths.split(",") if x.strip()]
+        rows = run_sweep(names, sizes, threads, out, progress=console)
+        console.print(sweep_rows_table(rows))
+        png = plot(rows, out / "sweep.png")
+        console.print(f"wrote {out / 'sweep.json'} and {png}", highlight=False)
+    except GenomeLMError as exc:
+        from genome_lm.cli import _fail
+
+        _fail(exc)

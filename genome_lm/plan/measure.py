@@ -1,0 +1,98 @@
+"""Measured peak memory and time of one training step of a model on this CPU, for checking the
+planner (``tests/plan``) and for ``genome-lm bench sweep``.
+
+One forward + backward of ``RunConfig``'s model (random weights, random DNA tokens) with its
+memory switches applied, in a fresh Python process, so that nothing an earlier measurement
+allocated is counted. Peak: the process's resident-set high-water mark (``/proc`` VmHWM, reset
+after the model is built) minus the resident set at that point, i.e. what the step added.
+
+glibc's malloc keeps freed blocks below its mmap threshold for reuse, and raises that threshold
+(up to 32 MiB) each time a larger block is freed, so a freed tensor often stays resident and
+the high-water mark tracks the allocator's history rather than the tensors alive at once. The
+worker therefore runs with ``MALLOC_MMAP_THRESHOLD_=65536``: every tensor over 64 KiB is its own
+mapping, returned to the system when freed, so the resident set follows the live tensors, the
+quantity ``torch.cuda.max_memory_allocated`` reports on a GPU and the planner predicts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+MMAP_THRESHOLD = "65536"
+
+
+@dataclass
+class Measured:
+    seq_len: int
+    seconds: float
+    peak_bytes: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.seq_len / self.seconds
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _worker(spec: dict) -> dict:
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    import torch
+
+    from genome_lm.config import RunConfig
+    from genome_lm.engine.parallel import ParallelSizes, parallel_context
+    from genome_lm.model.model import build_model
+    from genome_lm.plan.memory_model import model_config
+    from genome_lm.train.loss import lm_loss
+    from genome_lm.train.memory import apply_memory, offload_saved_tensors
+
+    torch.set_num_threads(spec["threads"])
+    run = RunConfig.model_validate_json(spec["run"])
+    T = run.data.seq_len
+    with parallel_context() as pg:
+        torch.manual_seed(run.train.seed)
+        dtype = torch.bfloat16 if run.model.dtype == "bf16" else torch.float32
+        model = build_model(model_config(run), pg, ParallelSizes(), kernel_backend="torch", dtype=dtype,
+                            device="cpu")
+        apply_memory(model, run.memory)
+        ids = torch.randint(4, 8, (run.train.micro_batch_size, T + 1))
+        weights = torch.ones(run.train.micro_batch_size, T)
+        mode = run.train.indexer_loss
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the high-water mark to the current resident set
+        base = _status("VmRSS")
+        t0 = time.perf_counter()
+        with offload_saved_tensors(run.memory.offload_activations, pinned=False):
+            out = model(ids[:, :-1], indexer_loss=mode)
+            parts = lm_loss(out.logits, ids[:, 1:], weights, global_weight=weights.sum(),
+                            indexer_losses=out.indexer_losses)
+            parts.total.backward()
+        seconds = time.perf_counter() - t0
+        peak = _status("VmHWM") - base
+    return {"seq_len": T, "seconds": seconds, "peak_bytes": peak}
+
+
+def measure_step(run, threads: int = 1, timeout: float = 600) -> Measured:
+    """Run one step of ``run`` (a ``RunConfig``) in a fresh process; see the module docstring."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "TORCHDYNAMO_DISABLE": "1",
+           "PYTHONWARNINGS": "ignore"}
+    spec = json.dumps({"run": run.model_dump_json(), "threads": threads})
+    proc = subprocess.run([sys.executable, "-m", "genome_lm.plan.measure", spec], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"measurement failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr else proc.returncode}")
+    return Measured(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+if __name__ == "__main__":
+    print(json.dumps(_worker(json.loads(sys.argv[1]))))

@@ -1,0 +1,330 @@
+"""Memory of one training step per GPU (and per node of host memory), from a ``RunConfig``.
+
+    plan = estimate(run_config, Hardware(...))
+
+The model sizes come from the config the trainer builds (``model.preset`` or the checkpoint's
+config.json, exactly as ``train.trainer.build`` reads them); the bytes per token of each piece
+from ``plan.activations``. The step's peak is the largest of
+
+    forward end / loss:   static + sum over layers of what they keep + the loss head
+    backward of layer i:  static + what layers 0..i keep + layer i's saved tensors (recomputed
+                          under recompute, brought back under offload) + its backward buffers
+
+where a layer keeps everything it saves (no recompute), its input streams (full recompute) or
+everything but the recomputed modules (selective); with offload on a GPU what layers keep goes
+to host memory instead. Static memory: parameters, the fp32 gradient buffer of megatron-core
+DDP, and the optimizer (fp32 master copy when parameters are bf16, Adam's two moments), sharded
+over data parallel by the distributed optimizer on GPU and moved to host by optimizer offload.
+
+Not modelled: the memory allocator's fragmentation and the CUDA context and communication
+buffers (``Hardware.headroom`` leaves room for them), pipeline parallel (not supported).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from genome_lm.config import RunConfig
+from genome_lm.errors import GenomeLMError
+from genome_lm.model.config import DENSE, FULL, LINEAR, ModelConfig
+
+from . import activations as act
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Where the run goes. ``device`` "gpu" (bf16 kernels, Triton) or "cpu" (the torch path,
+    where offload moves nothing: host memory is the device's)."""
+
+    gpu_name: str = "B200"
+    gpu_bytes: float = 180e9
+    gpus: int | None = None  # None: tp * cp * (global batch / micro batch), one micro-batch per rank
+    gpus_per_node: int = 8
+    device: str = "gpu"
+    moe_imbalance: float = 4.0
+    headroom: float = 0.05  # of GPU memory kept for the CUDA context, NCCL buffers, fragmentation
+
+
+@dataclass
+class Item:
+    name: str
+    bytes: float
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    """Per-GPU device memory items, per-GPU host items, and the step's peak."""
+
+    run: RunConfig
+    model: ModelConfig
+    hw: Hardware
+    gpus: int
+    tokens: int  # tokens of this rank's part of each micro-batch
+    params_local: float
+    device: list[Item] = field(default_factory=list)  # static + activation peak parts
+    activations: list[Item] = field(default_factory=list)  # per layer type, saved (before offload)
+    savings: list[Item] = field(default_factory=list)  # what the memory switches save, at the peak
+    host: list[Item] = field(default_factory=list)  # per GPU
+    peak_where: str = ""
+    offloaded_per_token: float = 0.0
+
+    @property
+    def peak(self) -> float:
+        return sum(i.bytes for i in self.device)
+
+    @property
+    def host_per_gpu(self) -> float:
+        return sum(i.bytes for i in self.host)
+
+    @property
+    def host_per_node(self) -> float:
+        return self.host_per_gpu * min(self.gpus, self.hw.gpus_per_node)
+
+    @property
+    def usable(self) -> float:
+        return self.hw.gpu_bytes * (1 - self.hw.headroom)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.usable
+
+
+def model_config(run: RunConfig) -> ModelConfig:
+    """The ModelConfig the trainer would build: the checkpoint's config.json when it is there."""
+    from genome_lm.model import get_preset
+
+    ckpt = run.model.checkpoint
+    if ckpt and (Path(ckpt) / "config.json").exists():
+        return ModelConfig.from_hf(Path(ckpt) / "config.json")
+    try:
+        return get_preset(run.model.preset)
+    except ValueError as exc:
+        raise GenomeLMError(str(exc)) from None
+
+
+# --------------------------------------------------------------------------------- parameters
+def parameter_split(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters by how they are sharded: "replicated" (every TP rank holds them: low-rank
+    projections, norms, mHC, indexer, routers), "tensor" (split over TP: heads, MLPs, the shared
+    expert, embedding and output layer), "expert" (split over EP x ETP)."""
+    D, n = cfg.hidden_size, cfg.hc_mult
+    H, K = cfg.linear_num_heads, cfg.linear_head_dim
+    W = H * K
+    kda_tp = 3 * D * W + 3 * W * cfg.linear_conv_kernel_dim + 2 * K * W + H + W + D * H + W * D
+    kda_rep = 2 * D * K + K
+    Hq, rq, rkv = cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+    mla_tp = rq * Hq * cfg.qk_head_dim + rkv * Hq * (cfg.qk_nope_head_dim + cfg.v_head_dim) + Hq * cfg.v_head_dim * D
+    mla_rep = D * rq + rq + D * rkv + rkv
+    Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+    indexer = rq * Hi * Di + D * Di + 2 * Di + D * Hi + cfg.index_kpool * Di + Di * D
+    mhc = 2 * ((2 + n) * n * (n * D) + (2 + n) * n + 3)
+    out = {"replicated": D, "tensor": cfg.vocab_size * D * (1 if cfg.tie_word_embeddings else 2), "expert": 0}
+    for i in range(cfg.num_hidden_layers):
+        out["replicated"] += 2 * D + mhc
+        if cfg.layer_types[i] == LINEAR:
+            out["tensor"] += kda_tp
+            out["replicated"] += kda_rep
+        else:
+            out["tensor"] += mla_tp
+            out["replicated"] += mla_rep + (indexer if cfg.indexer_types[i] == FULL else 0)
+        if cfg.mlp_layer_types[i] == DENSE:
+            out["tensor"] += 3 * D * cfg.intermediate_size
+        else:
+            out["expert"] += cfg.n_routed_experts * 3 * D * cfg.moe_intermediate_size
+            out["tensor"] += 3 * D * cfg.shared_expert_size
+            out["replicated"] += cfg.n_routed_experts * (D + 1)  # router weight and expert bias
+    return out
+
+
+# ------------------------------------------------------------------------------------ layers
+@dataclass(frozen=True)
+class LayerBytes:
+    """Bytes per local token of one decoder layer."""
+
+    kind: str  # "KDA" or "DSA"
+    mlp: str  # "dense" or "MoE"
+    attention: float
+    mlp_saved: float
+    rest: float  # mHC, norms, merges
+    input: float
+    backward: float
+    backward_fixed: float  # bytes, whatever the length
+
+    @property
+    def saved(self) -> float:
+        return self.attention + self.mlp_saved + self.rest
+
+
+def layer_bytes(cfg: ModelConfig, s: act.Shard) -> list[LayerBytes]:
+    layers = []
+    rest = 2 * act.saved_hyper_connection(cfg, s) + 2 * act.saved_rmsnorm(cfg.hidden_size, s) + \
+        2 * act.saved_merge(cfg, s)
+    for i in range(cfg.num_hidden_layers):
+        kda = cfg.layer_types[i] == LINEAR
+        moe = cfg.mlp_layer_types[i] != DENSE
+        attention = act.saved_kda(cfg, s) if kda else act.saved_dsa(cfg, s, cfg.indexer_types[i] == FULL)
+        mlp = act.saved_moe(cfg, s) if moe else act.saved_dense_mlp(cfg, s)
+        backward = act.backward_streams(cfg, s) + max(act.backward_attention(cfg, s, kda), act.backward_mlp(cfg, s, moe))
+        layers.append(LayerBytes("KDA" if kda else "DSA", "MoE" if moe else "dense", attention, mlp, rest,
+                                 act.layer_input(cfg, s), backward, act.backward_fixed(cfg, s, kda)))
+    return layers
+
+
+def kept(layer: LayerBytes, memory, cfg: ModelConfig, s: act.Shard) -> float:
+    """What a layer keeps between its forward and its backward, per local token."""
+    if memory.recompute == "full":
+        return layer.input
+    if memory.recompute == "selective":
+        keep = layer.saved
+        block_input = cfg.hidden_size * s.a  # a recomputed module's input (the norm's output) stays
+        if "attention" in memory.recompute_modules:
+            keep += block_input - layer.attention
+        if ("mlp" in memory.recompute_modules and layer.mlp == "dense") or \
+                ("moe" in memory.recompute_modules and layer.mlp == "MoE"):
+            keep += block_input - layer.mlp_saved
+        return keep
+    return layer.saved
+
+
+def pinned_size(nbytes: float) -> float:
+    """The CUDA caching host allocator hands out pinned blocks rounded up to a power of two."""
+    if nbytes <= 0:
+        return 0.0
+    return float(1 << (int(nbytes) - 1).bit_length())
+
+
+# ------------------------------------------------------------------------------------ estimate
+def shard_for(run: RunConfig, hw: Hardware) -> act.Shard:
+    a = 2 if run.model.dtype == "bf16" else 4
+    backend = run.model.kernel_backend
+    if backend == "auto":
+        backend = "triton" if hw.device == "gpu" else "torch"
+    p = run.parallel
+    return act.Shard(a=a, tp=p.tp, cp=p.cp, ep=p.ep, etp=p.etp, backend=backend,
+                     indexer_loss=run.train.indexer_loss != "off", moe_imbalance=hw.moe_imbalance)
+
+
+def world_size(run: RunConfig, hw: Hardware) -> int:
+    p = run.parallel
+    gpus = hw.gpus or p.tp * p.cp * p.pp * (run.train.global_batch_size // run.train.micro_batch_size)
+    if gpus % (p.tp * p.cp * p.pp):
+        raise GenomeLMError(f"--gpus {gpus} is not a multiple of tp x cp x pp = {p.tp * p.cp * p.pp}")
+    if gpus % (p.ep * p.etp):
+        raise GenomeLMError(f"--gpus {gpus} is not a multiple of ep x etp = {p.ep * p.etp}")
+    return gpus
+
+
+def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
+    cfg = model_config(run)
+    p, mem = run.parallel, run.memory
+    if cfg.n_routed_experts % p.ep:
+        raise GenomeLMError(f"parallel.ep = {p.ep} does not divide the {cfg.n_routed_experts} experts")
+    for name, heads in (("linear_num_heads", cfg.linear_num_heads), ("num_attention_heads", cfg.num_attention_heads)):
+        if heads % (p.tp * p.cp):
+            raise GenomeLMError(f"tp x cp = {p.tp * p.cp} does not divide the model's {heads} {name}")
+    if run.data.seq_len % p.cp:
+        raise GenomeLMError(f"data.seq_len {run.data.seq_len} is not a multiple of parallel.cp = {p.cp}")
+    gpus = world_size(run, hw)
+    s = shard_for(run, hw)
+    T = run.data.seq_len // p.cp * run.train.micro_batch_size
+    on_gpu = hw.device == "gpu"
+
+    # static: parameters, gradients, optimizer
+    split = parameter_split(cfg)
+    local = split["replicated"] + split["tensor"] / p.tp + split["expert"] / (p.ep * p.etp)
+    dense_local = split["replicated"] + split["tensor"] / p.tp
+    expert_local = split["expert"] / (p.ep * p.etp)
+    dp_dense = gpus // (p.tp * p.pp)  # megatron-core shards dense state over data x context parallel
+    dp_expert = gpus // (p.ep * p.etp * p.pp)
+    distributed = on_gpu
+    shard_params = dense_local / dp_dense + expert_local / dp_expert if distributed else local
+    master = 4 if s.a == 2 else 0
+    optimizer = shard_params * (master + 8)
+    plan = Plan(run, cfg, hw, gpus, T, local)
+    plan.device.append(Item("parameters", local * s.a, f"{local / 1e9:.2f}B on this GPU"))
+    plan.device.append(Item("gradients (fp32 buffer)", local * 4, "megatron-core DDP, grad_reduce_in_fp32"))
+    if mem.optimizer_offload and on_gpu:
+        plan.device.append(Item("optimizer state", 0.0, "offloaded to host"))
+        plan.host.append(Item("optimizer state + fp32 gradient shard", optimizer + shard_params * 4,
+                              "optimizer CPU offload"))
+    else:
+        note = f"sharded over {dp_dense} (dense) / {dp_expert} (expert) ranks" if distributed else "torch AdamW"
+        plan.device.append(Item("optimizer state", optimizer, note))
+
+    # activations
+    layers = layer_bytes(cfg, s)
+    keeps = [kept(layer, mem, cfg, s) for layer in layers]
+    offload = mem.offload_activations and on_gpu
+    head = act.saved_head(cfg, s)
+    head_peak = head + act.head_transient(cfg, s)
+    on_device = [0.0 if offload else k for k in keeps]
+    candidates = [(sum(on_device) * T + head_peak * T, "loss (end of forward)")]
+    # recompute_nested (full recompute with the attention and MLP blocks checkpointed inside each
+    # layer): a layer's backward holds the mHC/norm tensors, the blocks' inputs and one block
+    nested = mem.recompute == "full" and getattr(mem, "recompute_nested", False)
+    for i, layer in enumerate(layers):
+        if nested:
+            here = layer.rest + 2 * cfg.hidden_size * s.a + max(layer.attention, layer.mlp_saved) + layer.backward
+        else:
+            here = layer.saved + layer.backward
+        if offload:  # the layer's tensors come back (or are recomputed) one layer at a time
+            live = here
+        else:
+            live = sum(on_device[:i + 1]) - on_device[i] + here
+        candidates.append((live * T + layer.backward_fixed, f"backward of layer {i} ({layer.kind}, {layer.mlp})"))
+    act_peak, where = max(candidates, key=lambda c: c[0])
+    plan.peak_where = where
+    plan.device.append(Item("activations at the peak", act_peak, where))
+
+    # per layer type, saved (before recompute / offload)
+    for kind in ("KDA", "DSA"):
+        for mlp in ("dense", "MoE"):
+            group = [lay for lay in layers if lay.kind == kind and lay.mlp == mlp]
+            if group:
+                lay = group[0]
+                plan.activations.append(Item(f"{len(group)} x {kind} + {mlp}", lay.saved * T,
+                                             f"attention {lay.attention * T / GiB:.2f} GiB, {mlp} "
+                                             f"{lay.mlp_saved * T / GiB:.2f} GiB, mHC/norms {lay.rest * T / GiB:.2f} "
+                                             f"GiB, backward buffers {lay.backward * T / GiB:.2f} GiB per layer"))
+    plan.activations.append(Item("loss head", head_peak * T, f"vocabulary {cfg.vocab_size} / tp {p.tp}"))
+
+    # what the switches save (each against the same run without it): device peak, host memory
+    def saving(name: str, **without) -> None:
+        other = estimate(with_changes(run, memory=without), hw)
+        plan.savings.append(Item(name, other.peak - plan.peak,
+                                 f"host {(other.host_per_gpu - plan.host_per_gpu) / GiB:+,.2f} GiB per GPU"))
+
+    if mem.moe_chunks > 1:
+        plan.savings.append(Item(f"MoE in {mem.moe_chunks} chunks", 0.0,
+                                 "forward dispatch buffers only: a recomputed or saved layer keeps every chunk"))
+    if mem.dsa_query_chunk:
+        plan.savings.append(Item(f"DSA query chunk {mem.dsa_query_chunk}", 0.0,
+                                 "not applied by the trainer yet (the kernels already work in 64-query blocks)"))
+
+    if offload:
+        per_layer = [k * T for k in keeps]
+        host = sum(pinned_size(b) for b in per_layer) if mem.offload_pinned else sum(per_layer)
+        plan.offloaded_per_token = sum(keeps)
+        note = "pinned: blocks rounded up to powers of two" if mem.offload_pinned else "pageable"
+        plan.host.append(Item("offloaded activations", host, note))
+    if mem.recompute != "none":
+        saving(f"recompute {mem.recompute}", recompute="none")
+    if offload:
+        saving("activation offload", offload_activations=False)
+    if mem.optimizer_offload and on_gpu:
+        saving("optimizer offload", optimizer_offload=False)
+    return plan
+
+
+def with_changes(run: RunConfig, **sections) -> RunConfig:
+    """``run`` with fields changed per section: with_changes(run, parallel={"cp": 2})."""
+    update = {name: getattr(run, name).model_copy(update=fields) for name, fields in sections.items()}
+    return run.model_copy(update=update)
+
+
+__all__ = ["Hardware", "Plan", "Item", "estimate", "parameter_split", "model_config", "with_changes", "GiB",
+           "pinned_size"]

@@ -1,0 +1,176 @@
+"""Tables for ``genome-lm plan``: the per-GPU budget, the fit check and the cheapest change that
+fits, the sweep over sequence lengths, and the published-run comparison."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.table import Table
+
+from genome_lm.config import RunConfig
+
+from .memory_model import GiB, Hardware, Plan, estimate, with_changes
+
+SWEEP_LENGTHS = [32768 * 2**i for i in range(6)]  # 32k .. 1M
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:,.2f}"
+
+
+def length_label(n: int) -> str:
+    if n % (1 << 20) == 0:
+        return f"{n >> 20}M"
+    if n % (1 << 10) == 0:
+        return f"{n >> 10}k"
+    return str(n)
+
+
+def budget_table(plan: Plan) -> Table:
+    run, p = plan.run, plan.run.parallel
+    title = (f"{run.model.preset} at {length_label(run.data.seq_len)} tokens on {plan.gpus} x {plan.hw.gpu_name}: "
+             f"tp {p.tp}, cp {p.cp}, ep {p.ep}, etp {p.etp}; recompute {run.memory.recompute}, "
+             f"offload {'on' if run.memory.offload_activations else 'off'}, "
+             f"optimizer offload {'on' if run.memory.optimizer_offload else 'off'}")
+    table = Table(title=title, title_justify="left")
+    table.add_column("per GPU", style="bold")
+    table.add_column("GiB", justify="right")
+    table.add_column("note")
+    for item in plan.device:
+        table.add_row(item.name, gib(item.bytes), item.note)
+    table.add_row("peak", gib(plan.peak), f"of {gib(plan.usable)} usable ({plan.hw.headroom:.0%} kept free)",
+                  style="bold green" if plan.fits else "bold red")
+    table.add_section()
+    table.add_row("[italic]activations saved per layer, before recompute/offload[/italic]", "", "")
+    for item in plan.activations:
+        table.add_row(item.name, gib(item.bytes), item.note)
+    if plan.savings:
+        table.add_section()
+        for item in plan.savings:
+            table.add_row(f"saved by {item.name}", gib(item.bytes), item.note)
+    if plan.host:
+        table.add_section()
+        for item in plan.host:
+            table.add_row(f"host: {item.name}", gib(item.bytes), item.note)
+        table.add_row("host per GPU", gib(plan.host_per_gpu), "")
+        table.add_row("host per node", gib(plan.host_per_node), f"{min(plan.gpus, plan.hw.gpus_per_node)} GPUs per node")
+    return table
+
+
+@dataclass
+class Suggestion:
+    change: str
+    plan: Plan
+
+
+# Changes in order of what they cost in step time (cheapest first); each maps a run to a changed run.
+def _ladder(run: RunConfig):
+    mem = run.memory
+    steps = []
+    if not mem.optimizer_offload:
+        steps.append(("optimizer offload", {"memory": {"optimizer_offload": True}}))
+    if mem.recompute == "none":
+        steps.append(("selective recompute of attention", {"memory": {"recompute": "selective",
+                                                                       "recompute_modules": ["attention"]}}))
+    if mem.recompute != "full":
+        steps.append(("full recompute", {"memory": {"recompute": "full"}}))
+    if not mem.offload_activations:
+        steps.append(("activation offload", {"memory": {"offload_activations": True}}))
+    cp = run.parallel.cp
+    for factor in (2, 4, 8):
+        steps.append((f"context parallel {cp * factor}", {"parallel": {"cp": cp * factor}}))
+    return steps
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = {k: dict(v) for k, v in a.items()}
+    for k, v in b.items():
+        out.setdefault(k, {}).update(v)
+    return out
+
+
+def suggest(run: RunConfig, hw: Hardware) -> Suggestion | None:
+    """The cheapest single change that fits, else the shortest run of changes along the ladder.
+    More context parallel keeps the data-parallel size, so it multiplies the GPUs."""
+    ladder = _ladder(run)
+
+    def try_(changes: dict) -> Plan | None:
+        from genome_lm.errors import GenomeLMError
+
+        try:
+            changed = with_changes(run, **changes)
+            scale = changed.parallel.cp // run.parallel.cp
+            gpus = hw.gpus * scale if hw.gpus else None
+            plan = estimate(changed, Hardware(**{**hw.__dict__, "gpus": gpus}))
+        except GenomeLMError:
+            return None
+        return plan if plan.fits else None
+
+    for name, changes in ladder:
+        plan = try_(changes)
+        if plan:
+            return Suggestion(name, plan)
+    total: dict = {}
+    names = []
+    for name, changes in ladder:
+        if name.startswith("context parallel"):
+            total = _merge(total, changes)
+            names = [n for n in names if not n.startswith("context parallel")]
+        else:
+            total = _merge(total, changes)
+        if name == "full recompute":  # replaces the selective step
+            names = [n for n in names if not n.startswith("selective")]
+        names.append(name)
+        plan = try_(total)
+        if plan:
+            return Suggestion(" + ".join(names), plan)
+    return None
+
+
+def fit_line(plan: Plan, hw: Hardware) -> str:
+    if plan.fits:
+        return (f"[green]fits[/green]: peak {gib(plan.peak)} GiB of {gib(plan.usable)} GiB usable on a "
+                f"{hw.gpu_name}; host {gib(plan.host_per_node)} GiB per node")
+    line = (f"[red]does not fit[/red]: peak {gib(plan.peak)} GiB > {gib(plan.usable)} GiB usable on a "
+            f"{hw.gpu_name} ({plan.peak_where})")
+    s = suggest(plan.run, hw)
+    if s is None:
+        return line + "\nno change along recompute, offload and context parallel up to 8x fits"
+    return (line + f"\ncheapest change that fits: [bold]{s.change}[/bold] -> peak {gib(s.plan.peak)} GiB on "
+            f"{s.plan.gpus} GPUs, host {gib(s.plan.host_per_node)} GiB per node")
+
+
+def sweep_table(run: RunConfig, hw: Hardware, lengths=SWEEP_LENGTHS) -> Table:
+    table = Table(title=f"{run.model.preset}, {hw.gpu_name}: per-GPU peak over sequence lengths", title_justify="left")
+    for col in ("length", "tokens/GPU", "peak GiB", "activations GiB", "where", "host/GPU GiB", "host/node GiB", "fits"):
+        table.add_column(col, justify="right" if col not in ("where",) else "left")
+    for n in lengths:
+        plan = estimate(with_changes(run, data={"seq_len": n}), hw)
+        acts = next(i.bytes for i in plan.device if i.name.startswith("activations"))
+        table.add_row(length_label(n), f"{plan.tokens:,}", gib(plan.peak), gib(acts), plan.peak_where,
+                      gib(plan.host_per_gpu), gib(plan.host_per_node),
+                      "[green]yes[/green]" if plan.fits else "[red]no[/red]")
+    return table
+
+
+def published_table(hw: Hardware) -> Table:
+    from .published import UNITS, compare
+
+    table = Table(title="GLM-5.3-Flash on 64 x B200: published figures next to the plan", title_justify="left")
+    for col in ("figure", "config (changes)", "published", "plan", "plan / published", "source"):
+        table.add_column(col, justify="right" if col in ("published", "plan", "plan / published") else "left")
+    for fig, planned in compare(hw):
+        unit = UNITS[fig.unit]
+        ratio = planned / fig.value
+        changes = ", ".join(f"{k}={v}" for sec in fig.changes.values() for k, v in sec.items())
+        table.add_row(fig.figure, fig.config + (f" ({changes})" if changes else ""),
+                      f"{fig.value / unit:,.1f} {fig.unit}", f"{planned / unit:,.1f} {fig.unit}",
+                      f"[{'green' if 0.8 <= ratio <= 1.2 else 'yellow'}]x{ratio:.2f}[/]", fig.source)
+    return table
+
+
+def print_plan(plan: Plan, hw: Hardware, console: Console | None = None) -> None:
+    console = console or Console()
+    console.print(budget_table(plan))
+    console.print(fit_line(plan, hw))

@@ -1,0 +1,40 @@
+"""The planner's peak for one training step of the tiny model against the measured peak on this
+CPU (resident-set high-water mark in a fresh process, see ``genome_lm.plan.measure``): within
+15% at several lengths, with each memory technique on and off."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from genome_lm.config import load_config
+from genome_lm.plan.measure import measure_step
+from genome_lm.plan.memory_model import with_changes
+from genome_lm.plan.sweep import predicted_step
+
+CASES = [
+    (4096, "plain", {}),
+    (8192, "plain", {}),
+    (4096, "full recompute", {"recompute": "full"}),
+    (8192, "full recompute", {"recompute": "full"}),
+    (4096, "selective attention", {"recompute": "selective", "recompute_modules": ["attention"]}),
+    (4096, "selective mlp+moe", {"recompute": "selective", "recompute_modules": ["mlp", "moe"]}),
+    (4096, "moe chunks + offload", {"moe_chunks": 4, "offload_activations": True}),
+]
+
+
+@pytest.mark.slow
+def test_predicted_peak_within_15_percent_of_measured():
+    base = load_config("demo-cpu", ["train.global_batch_size=1"])
+    runs = [with_changes(base, data={"seq_len": T}, memory=mem) for T, _, mem in CASES]
+    with ThreadPoolExecutor(2) as pool:  # each measurement is its own process
+        measured = list(pool.map(measure_step, runs))
+    report = []
+    for (T, name, _), run, got in zip(CASES, runs, measured):
+        want = predicted_step(run)
+        report.append(f"{name} T={T}: predicted {want / 2**20:.0f} MiB, measured {got.peak_bytes / 2**20:.0f} MiB, "
+                      f"x{want / got.peak_bytes:.2f}")
+    print("\n".join(report))
+    for line, (T, name, _), run, got in zip(report, CASES, runs, measured):
+        assert predicted_step(run) == pytest.approx(got.peak_bytes, rel=0.15), line
+    # the techniques do what the plan says: full recompute roughly halves the 8k peak or better
+    assert measured[3].peak_bytes < 0.5 * measured[1].peak_bytes

@@ -1,0 +1,115 @@
+"""`genome-lm plan`: tables, fit check and suggestion, sweep, published comparison, bad input."""
+
+import pytest
+from typer.testing import CliRunner
+
+from genome_lm.cli import app
+from genome_lm.config import load_config
+from genome_lm.plan.memory_model import GiB, Hardware, estimate, pinned_size, with_changes
+from genome_lm.plan.published import compare
+from genome_lm.plan.report import suggest
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, ["plan", *args], env={"COLUMNS": "200"})
+
+
+def test_plan_prints_the_budget_and_the_verdict():
+    result = invoke("--config", "glm-5.3-flash-1m-64xb200")
+    assert result.exit_code == 0, result.output
+    for text in ("parameters", "gradients", "optimizer state", "activations at the peak", "KDA + MoE",
+                 "DSA + MoE", "host: offloaded activations", "host per node", "saved by activation offload"):
+        assert text in result.output
+    assert "fit" in result.output
+
+
+def test_cpu_demo_fits_and_options_override_the_config():
+    result = invoke("--config", "demo-cpu", "--gpu", "H100", "--seq-len", "64k", "--recompute", "full")
+    assert result.exit_code == 0, result.output
+    assert "64k tokens" in result.output and "recompute full" in result.output and "fits" in result.output
+
+
+def test_sweep_has_one_row_per_length():
+    result = invoke("--config", "glm-5.3-flash-512k-64xb200", "--sweep")
+    assert result.exit_code == 0, result.output
+    for label in ("32k", "64k", "128k", "256k", "512k", "1M"):
+        assert f"│ {label:>6} │" in result.output
+
+
+def test_published_comparison_lists_every_figure():
+    result = invoke("--config", "demo-cpu", "--published")
+    assert result.exit_code == 0, result.output
+    assert result.output.count("x") >= 6 and "180.0 GB" in result.output
+    rows = compare(Hardware())
+    assert len(rows) == 6 and all(planned > 0 for _, planned in rows)
+    per_token = next(planned for fig, planned in rows if "per token" in fig.figure)
+    assert per_token == pytest.approx(1.4 * 2**20, rel=0.05)  # 45 layers x 4 streams x 4096 x bf16
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpu", "A100"], "unknown GPU"),
+    (["--gpu-mem", "-3"], "must be positive"),
+    (["--tp", "3"], "does not divide"),
+    (["--recompute", "some"], "expected none, selective or full"),
+    (["--tp", "0"], "parallel.tp"),
+    (["--seq-len", "12x"], "not a size"),
+])
+def test_bad_input_is_one_line_and_nonzero(args, message):
+    result = invoke("--config", "demo-cpu", *args)
+    assert result.exit_code != 0
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_unknown_config_names_the_shipped_ones():
+    result = invoke("--config", "nope")
+    assert result.exit_code == 1 and "shipped:" in result.output
+
+
+def test_a_plan_that_does_not_fit_gets_a_change_that_fits():
+    run = with_changes(load_config("demo-cpu"), data={"seq_len": 1 << 20})
+    small = Hardware(gpu_name="40 GB", gpu_bytes=40e9)
+    plan = estimate(run, small)
+    assert not plan.fits
+    s = suggest(run, small)
+    assert s is not None and s.plan.fits and s.plan.peak < plan.peak
+
+
+def test_switches_lower_the_device_peak_and_offload_fills_host_memory():
+    run = with_changes(load_config("glm-5.3-flash-4layer-1gpu"), memory={"recompute": "none", "offload_activations": False})
+    plain = estimate(run, Hardware())
+    full = estimate(with_changes(run, memory={"recompute": "full"}), Hardware())
+    offload = estimate(with_changes(run, memory={"recompute": "full", "offload_activations": True}), Hardware())
+    assert full.peak < plain.peak and offload.peak <= full.peak
+    assert offload.host_per_gpu > full.host_per_gpu
+    # pinned blocks round each layer's offloaded input up to a power of two
+    assert pinned_size(3 * GiB) == 4 * GiB and pinned_size(4 * GiB) == 4 * GiB and pinned_size(0) == 0
+
+
+def test_context_parallel_divides_the_activations():
+    run = with_changes(load_config("glm-5.3-flash-512k-64xb200"), memory={"offload_activations": False})
+    one = estimate(run, Hardware())
+    two = estimate(with_changes(run, parallel={"cp": 2}), Hardware(gpus=128))
+    act = [next(i.bytes for i in p.device if i.name.startswith("activations")) for p in (one, two)]
+    assert 0.4 < act[1] / act[0] < 0.75  # the DSA indexer's inputs are gathered over CP, the rest halves
+
+
+@pytest.mark.slow
+def test_bench_sweep_writes_table_json_and_png(tmp_path):
+    import json
+
+    result = runner.invoke(app, ["bench", "sweep", "--lengths", "1k,2k", "--settings", "plain,recompute",
+                                 "--threads", "1", "--out", str(tmp_path)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "sweep.json").read_text())
+    assert [(r["setting"], r["seq_len"]) for r in rows] == [("plain", 1024), ("plain", 2048), ("recompute", 1024),
+                                                             ("recompute", 2048)]
+    assert all(r["peak_bytes"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_sweep_rejects_an_unknown_setting(tmp_path):
+    result = runner.invoke(app, ["bench", "sweep", "--settings", "plain,fast", "--out", str(tmp_path)])
+    assert result.exit_code == 1 and "unknown fast" in result.output
