@@ -75,6 +75,10 @@ class MemoryConfig(Section):
     recompute: Literal["none", "selective", "full"] = "none"
     recompute_modules: list[Literal["attention", "mlp", "moe"]] = Field(
         default_factory=lambda: ["attention"], description="Modules recomputed when recompute = selective.")
+    recompute_nested: bool = Field(False, description="With recompute = full, also recompute the attention and MLP/MoE "
+                                                      "blocks inside each layer, so that a layer's backward holds one "
+                                                      "block's activations at a time (lower peak, one more forward of "
+                                                      "each block).")
     offload_activations: bool = Field(False, description="Keep saved activations in host memory between forward and backward.")
     offload_pinned: bool = Field(True, description="Pinned host memory for offload (faster copies, rounded to powers of two).")
     optimizer_offload: bool = Field(False, description="Keep optimizer state in host memory (megatron-core's CPU offload).")

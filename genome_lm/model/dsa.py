@@ -77,6 +77,8 @@ class DSAAttention(nn.Module):
         tp = group_size(tp_group)
         heads_per_rank(cfg.num_attention_heads, tp, group_size(cp_group), "num_attention_heads")
         self.cfg, self.backend, self.tp_group, self.cp_group = cfg, options.kernel_backend, tp_group, cp_group
+        # queries per block in the indexer, the sparse attention and the indexer loss (memory.dsa_query_chunk)
+        self.query_chunk = 64
         self.heads = cfg.num_attention_heads // tp
         self.scale = cfg.qk_head_dim**-0.5
         dtype = options.dtype
@@ -119,7 +121,8 @@ class DSAAttention(nn.Module):
             q_i, k_i, w_i, gate_i = self.indexer.inputs(gather_sequence(x_BSD.detach(), cp, dim=1),
                                                         gather_sequence(q_resid.detach(), cp, dim=1))
             idx, _ = dsa_ops.select_tokens(q_i, k_i, w_i, gate_i, self.indexer.index_kpool_compress_ape,
-                                           kpool=cfg.index_kpool, topk=cfg.index_topk, backend=self.backend)
+                                           kpool=cfg.index_kpool, topk=cfg.index_topk, backend=self.backend,
+                                           chunk=self.query_chunk)
             if indexer_loss != "off":
                 q_all = self._all_heads(gather_sequence(q.detach(), cp, dim=1))
                 k_all = self._all_heads(gather_sequence(k.detach(), cp, dim=1))
@@ -128,10 +131,11 @@ class DSAAttention(nn.Module):
                     q_i[:, n], k_i[:, n], w_i[:, n], q_all[:, n], k_all[:, n],
                     idx[:, n] if indexer_loss == "sparse" else None,
                     gate_BTD=gate_i[:, n], ape_KD=self.indexer.index_kpool_compress_ape, kpool=cfg.index_kpool,
-                    scale=self.scale, backend=self.backend) / group_size(cp)
+                    scale=self.scale, backend=self.backend, chunk=self.query_chunk) / group_size(cp)
         # context parallel: whole sequence, this CP rank's heads (identity without CP)
         q, k, v = (seq_to_heads(t, cp, seq_dim=1, head_dim=2) for t in (q, k.contiguous(), v.contiguous()))
-        o, _ = dsa_ops.sparse_attention(q, k, v, idx, scale=self.scale, backend=self.backend)
+        o, _ = dsa_ops.sparse_attention(q, k, v, idx, scale=self.scale, backend=self.backend,
+                                        chunk=self.query_chunk)
         o = heads_to_seq(o, cp, seq_dim=1, head_dim=2)
         out = self.o_proj(o.reshape(B, S, -1).transpose(0, 1))[0]
         return DSAOutput(out, idx, loss)

@@ -1,9 +1,12 @@
 """The memory techniques, each a config switch applied to a built model from outside.
 
 - recompute: "full" re-runs each decoder layer in the backward pass instead of keeping its
-  activations (only the layer input is saved); "selective" does that for the chosen submodules
-  (attention, mlp/moe). torch.utils.checkpoint, non-reentrant, so RNG state and the DSA
+  activations (only the layer input is saved); with ``recompute_nested`` its attention and
+  MLP/MoE blocks are checkpointed inside it as well, so the layer's backward holds one block's
+  activations at a time; "selective" recomputes the chosen submodules (attention, mlp/moe). torch.utils.checkpoint, non-reentrant, so RNG state and the DSA
   selection handed between layers are reproduced exactly.
+- DSA query chunks: each DSA layer's indexer, sparse attention and indexer loss take
+  ``dsa_query_chunk`` queries per block (the kernels' default is 64).
 - MoE in chunks: the tokens go through each MoE layer ``moe_chunks`` at a time, so the dispatch
   buffers and expert activations of only one chunk exist at once (the published run used 64
   chunks at 512k).
@@ -59,11 +62,16 @@ def _is_moe(module: nn.Module) -> bool:
     return isinstance(module, MoELayer)
 
 
-def apply_recompute(model, mode: str, modules=("attention",)) -> None:
+def apply_recompute(model, mode: str, modules=("attention",), nested: bool = False) -> None:
+    """``nested`` (with "full"): the attention and MLP/MoE blocks are checkpointed inside each
+    recomputed layer too, so the layer's backward recomputes and holds one block at a time."""
     if mode == "none":
         return
     for layer in model.layers:
         if mode == "full":
+            if nested:
+                recompute(layer.self_attention)
+                recompute(layer.mlp)
             recompute(layer)
             continue
         if "attention" in modules:
@@ -97,7 +105,20 @@ def release_host_cache() -> None:
         torch._C._host_emptyCache()
 
 
+def apply_dsa_query_chunk(model, chunk: int | None) -> None:
+    """Queries per block through each DSA layer's indexer, sparse attention and indexer loss:
+    bounds their per-block transients ([chunk, T / kpool] indexer scores, gathered keys)."""
+    if chunk is None:
+        return
+    from genome_lm.model.dsa import DSAAttention
+
+    for layer in model.layers:
+        if isinstance(layer.self_attention, DSAAttention):
+            layer.self_attention.query_chunk = chunk
+
+
 def apply_memory(model, memory) -> None:
     """Apply a ``config.MemoryConfig`` (chunking first, so recompute wraps the chunked MoE)."""
+    apply_dsa_query_chunk(model, memory.dsa_query_chunk)
     apply_moe_chunks(model, memory.moe_chunks)
-    apply_recompute(model, memory.recompute, tuple(memory.recompute_modules))
+    apply_recompute(model, memory.recompute, tuple(memory.recompute_modules), memory.recompute_nested)

@@ -29,11 +29,13 @@ def _step(model, ids, weights, offload=False):
 
 SETTINGS = {
     "recompute-full": dict(recompute="full"),
+    "recompute-full-nested": dict(recompute="full", recompute_nested=True),
     "recompute-attention": dict(recompute="selective", recompute_modules=["attention"]),
     "recompute-mlp-moe": dict(recompute="selective", recompute_modules=["mlp", "moe"]),
     "moe-chunks-3": dict(moe_chunks=3),
+    "dsa-query-chunk-7": dict(dsa_query_chunk=7),
     "offload": dict(offload_activations=True),
-    "all": dict(recompute="full", moe_chunks=4, offload_activations=True),
+    "all": dict(recompute="full", recompute_nested=True, moe_chunks=4, dsa_query_chunk=64, offload_activations=True),
 }
 
 
@@ -48,6 +50,8 @@ def test_same_loss_and_gradients(pg, name):
     memory = MemoryConfig(**{k: v for k, v in settings.items() if k != "offload_activations"})
     apply_memory(other, memory)
     assert set(dict(other.named_parameters())) == set(dict(plain.named_parameters()))  # names unchanged
+    if memory.dsa_query_chunk:
+        assert {layer.self_attention.query_chunk for layer in other.layers if not layer.is_kda} == {memory.dsa_query_chunk}
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(4, 9, (2, 201), generator=g)
     weights = torch.rand(2, 200, generator=g)
