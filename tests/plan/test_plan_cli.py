@@ -113,3 +113,15 @@ def test_bench_sweep_writes_table_json_and_png(tmp_path):
 def test_bench_sweep_rejects_an_unknown_setting(tmp_path):
     result = runner.invoke(app, ["bench", "sweep", "--settings", "plain,fast", "--out", str(tmp_path)])
     assert result.exit_code == 1 and "unknown fast" in result.output
+
+
+def test_docs_table_matches_the_published_comparison():
+    """docs/plan.md quotes the comparison; it must say what the code computes."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "plan.md").read_text()
+    section = text.split("## Against the published run")[1].split("\n## ")[0]
+    cells = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| ")]
+    ratios = [float(c[-1].strip()[1:]) for c in cells if c[-1].strip().startswith("x")]
+    computed = [round(planned / fig.value, 2) for fig, planned in compare(Hardware())]
+    assert ratios == computed

@@ -1,0 +1,108 @@
+"""On one GPU: the planner's peak for the GLM-5.3-Flash 4-layer slice next to
+``torch.cuda.max_memory_allocated`` for one forward+backward step, at 32k-128k tokens.
+
+    .venv/bin/python benchmarks/gpu_plan_check.py                       # 32k,64k,128k, the shipped config
+    .venv/bin/python benchmarks/gpu_plan_check.py --lengths 32k --set memory.offload_activations=false
+
+The model is built with random weights (``configs/glm-5.3-flash-4layer-1gpu.yaml`` without its
+checkpoint), bf16, Triton kernels, the config's memory switches applied as the trainer applies
+them. Measured: the allocator's peak during the step minus what was allocated before it (the
+parameters); planned: the plan's activation peak plus the gradients, which this script keeps
+as plain bf16 ``.grad`` tensors (2 bytes per parameter, where the trainer's megatron-core DDP
+keeps an fp32 buffer). Not a test: it needs a GPU with about 80 GB free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def step_peak(run, T: int) -> dict:
+    import torch
+
+    from genome_lm.engine.parallel import ParallelSizes, parallel_context
+    from genome_lm.model.model import build_model
+    from genome_lm.plan.memory_model import model_config
+    from genome_lm.train.loss import lm_loss
+    from genome_lm.train.memory import apply_memory, offload_saved_tensors, release_host_cache
+
+    impl = run.model.transformer_impl
+    if impl == "auto":
+        try:
+            import transformer_engine  # noqa: F401
+            impl = "transformer_engine"
+        except ImportError:
+            impl = "local"
+    with parallel_context() as pg:
+        torch.manual_seed(0)
+        model = build_model(model_config(run), pg, ParallelSizes(), transformer_impl=impl, kernel_backend="auto",
+                            dtype=torch.bfloat16, device="cuda")
+        apply_memory(model, run.memory)
+        ids = torch.randint(4, 8, (1, T + 1), device="cuda")
+        weights = torch.ones(1, T, device="cuda")
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with offload_saved_tensors(run.memory.offload_activations, run.memory.offload_pinned):
+            out = model(ids[:, :-1], indexer_loss=run.train.indexer_loss)
+            parts = lm_loss(out.logits, ids[:, 1:], weights, global_weight=weights.sum(),
+                            indexer_losses=out.indexer_losses)
+            parts.total.backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        release_host_cache()
+        del model, out, parts
+        torch.cuda.empty_cache()
+    return {"seq_len": T, "measured_bytes": peak}
+
+
+def planned(run) -> float:
+    from genome_lm.plan.memory_model import Hardware, estimate
+
+    plan = estimate(run, Hardware(device="gpu"))
+    activations = next(i.bytes for i in plan.device if i.name.startswith("activations"))
+    return activations + plan.params_local * 2  # bf16 .grad
+
+
+def main() -> None:
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    from genome_lm.cli import parse_size
+    from genome_lm.config import load_config
+    from genome_lm.plan.memory_model import with_changes
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="glm-5.3-flash-4layer-1gpu")
+    ap.add_argument("--lengths", default="32k,64k,128k")
+    ap.add_argument("--set", action="append", default=[], help="section.field=value, as for finetune")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    base = load_config(a.config, ["model.checkpoint=null", *a.set])
+    rows = []
+    for T in (parse_size(x) for x in a.lengths.split(",")):
+        import torch
+
+        run = with_changes(base, data={"seq_len": T})
+        want = planned(run)
+        try:
+            row = {**step_peak(run, T), "planned_bytes": want}
+        except torch.cuda.OutOfMemoryError:  # the plan said so when planned > free memory
+            free = torch.cuda.mem_get_info()[1]
+            rows.append({"seq_len": T, "planned_bytes": want, "measured_bytes": None})
+            print(f"T={T:>8,}: planned {want / 2**30:7.2f} GiB, measured: out of memory "
+                  f"({free / 2**30:.0f} GiB GPU)", flush=True)
+            torch.cuda.empty_cache()
+            continue
+        row["ratio"] = row["planned_bytes"] / row["measured_bytes"]
+        rows.append(row)
+        print(f"T={T:>8,}: planned {row['planned_bytes'] / 2**30:7.2f} GiB, measured "
+              f"{row['measured_bytes'] / 2**30:7.2f} GiB (max_memory_allocated), plan/measured x{row['ratio']:.2f}",
+              flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
