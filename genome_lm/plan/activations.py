@@ -36,6 +36,7 @@ class Shard:
     backend: str = "torch"  # "torch" (CPU) or "triton" (GPU) kernels for KDA
     indexer_loss: bool = True
     moe_imbalance: float = 4.0  # busiest expert-parallel rank's tokens over the mean (ep > 1)
+    query_chunk: int | None = None  # memory.dsa_query_chunk
 
     def fp32_copy(self, width: float) -> float:
         return 0.0 if self.a == F32 else width * F32
@@ -195,6 +196,9 @@ def backward_streams(cfg: ModelConfig, s: Shard) -> float:
     return 3 * n * D * s.a + 2 * n * D * F32
 
 
+DSA_DEFAULT_CHUNK = 64  # model.dsa.DSAAttention.query_chunk unless memory.dsa_query_chunk sets it
+
+
 def backward_fixed(cfg: ModelConfig, s: Shard, kda: bool) -> float:
     """Bytes of the torch kernels' working blocks, whatever the length: KDA prepares (and, in
     backward, recomputes) ``GROUP`` chunks at a time, the pairwise decays being the largest
@@ -212,5 +216,28 @@ def backward_fixed(cfg: ModelConfig, s: Shard, kda: bool) -> float:
     h = cfg.num_attention_heads // (s.tp * s.cp)
     slots = cfg.index_topk + cfg.index_kpool - 1
     width = max(cfg.qk_head_dim, cfg.v_head_dim)
-    queries = sparse.queries_per_block(64, slots, h, width)
+    queries = sparse.queries_per_block(DSA_DEFAULT_CHUNK if s.query_chunk is None else s.query_chunk,
+                                       slots, h, width)
     return 4 * queries * slots * h * width * F32
+
+
+def indexer_blocks(cfg: ModelConfig, s: Shard, seq_len: int, batch: int) -> tuple[float, float]:
+    """(forward, backward) bytes of one query block of the DSA indexer (both backends run these
+    in torch), over the whole sequence on every CP rank, ``query_chunk`` queries at a time:
+
+    - forward, selection (``kernels/dsa/indexer.py``): at ``pick_pools``' peak the [chunk,
+      T / kpool] fp32 pool scores, four bool masks and two int64 tensors (a running count and
+      the slots), 24 bytes per query and pool;
+    - forward and backward, the sparse indexer loss (``kernels/dsa/loss.py``): per query its
+      candidate pool keys [topk / kpool, Di] and the [Hi, topk / kpool] scores with their ReLU
+      and weighting, fp32; backward holds their gradients as well.
+    """
+    chunk = DSA_DEFAULT_CHUNK if s.query_chunk is None else s.query_chunk
+    chunk = min(chunk, seq_len)
+    pools = seq_len // cfg.index_kpool
+    selection = chunk * pools * (F32 + 4 + 2 * I64)
+    loss = 0.0
+    if s.indexer_loss:
+        M = min(cfg.index_topk // cfg.index_kpool, pools)
+        loss = chunk * (M * cfg.index_head_dim + 3 * cfg.index_n_heads * M + cfg.index_topk) * F32
+    return batch * max(selection, loss), batch * 2 * loss

@@ -152,14 +152,21 @@ class LayerBytes:
     rest: float  # mHC, norms, merges
     input: float
     backward: float
-    backward_fixed: float  # bytes, whatever the length
+    backward_fixed: float  # bytes of fixed-size working blocks in backward
+    forward_fixed: float  # ... in forward (and in a recompute of the layer)
 
     @property
     def saved(self) -> float:
         return self.attention + self.mlp_saved + self.rest
 
+    @property
+    def partial(self) -> float:
+        """Saved by the time the attention block has run: the first mHC and norm, the attention."""
+        return self.rest / 2 + self.attention
 
-def layer_bytes(cfg: ModelConfig, s: act.Shard) -> list[LayerBytes]:
+
+def layer_bytes(cfg: ModelConfig, s: act.Shard, seq_len: int = 0, batch: int = 1) -> list[LayerBytes]:
+    """Per layer; ``seq_len`` (the whole sequence) sizes the DSA indexer's query blocks."""
     layers = []
     rest = 2 * act.saved_hyper_connection(cfg, s) + 2 * act.saved_rmsnorm(cfg.hidden_size, s) + \
         2 * act.saved_merge(cfg, s)
@@ -169,8 +176,12 @@ def layer_bytes(cfg: ModelConfig, s: act.Shard) -> list[LayerBytes]:
         attention = act.saved_kda(cfg, s) if kda else act.saved_dsa(cfg, s, cfg.indexer_types[i] == FULL)
         mlp = act.saved_moe(cfg, s) if moe else act.saved_dense_mlp(cfg, s)
         backward = act.backward_streams(cfg, s) + max(act.backward_attention(cfg, s, kda), act.backward_mlp(cfg, s, moe))
+        fixed, forward_fixed = act.backward_fixed(cfg, s, kda), 0.0
+        if not kda and cfg.indexer_types[i] == FULL:
+            forward_fixed, loss_backward = act.indexer_blocks(cfg, s, seq_len, batch)
+            fixed += loss_backward
         layers.append(LayerBytes("KDA" if kda else "DSA", "MoE" if moe else "dense", attention, mlp, rest,
-                                 act.layer_input(cfg, s), backward, act.backward_fixed(cfg, s, kda)))
+                                 act.layer_input(cfg, s), backward, fixed, forward_fixed))
     return layers
 
 
@@ -205,7 +216,8 @@ def shard_for(run: RunConfig, hw: Hardware) -> act.Shard:
         backend = "triton" if hw.device == "gpu" else "torch"
     p = run.parallel
     return act.Shard(a=a, tp=p.tp, cp=p.cp, ep=p.ep, etp=p.etp, backend=backend,
-                     indexer_loss=run.train.indexer_loss != "off", moe_imbalance=hw.moe_imbalance)
+                     indexer_loss=run.train.indexer_loss != "off", moe_imbalance=hw.moe_imbalance,
+                     query_chunk=run.memory.dsa_query_chunk)
 
 
 def world_size(run: RunConfig, hw: Hardware) -> int:
@@ -256,19 +268,34 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
         plan.device.append(Item("optimizer state", optimizer, note))
 
     # activations
-    layers = layer_bytes(cfg, s)
+    layers = layer_bytes(cfg, s, run.data.seq_len, run.train.micro_batch_size)
     keeps = [kept(layer, mem, cfg, s) for layer in layers]
     offload = mem.offload_activations and on_gpu
     head = act.saved_head(cfg, s)
     head_peak = head + act.head_transient(cfg, s)
     on_device = [0.0 if offload else k for k in keeps]
     candidates = [(sum(on_device) * T + head_peak * T, "loss (end of forward)")]
+    # recompute of layer i's attention in backward runs the forward's working blocks again
+    recomputes_attention = mem.recompute == "full" or (mem.recompute == "selective"
+                                                        and "attention" in mem.recompute_modules)
+    for i, layer in enumerate(layers):
+        if layer.forward_fixed:
+            before = 0.0 if offload else sum(on_device[:i])
+            candidates.append(((before + layer.partial) * T + layer.forward_fixed,
+                               f"forward of layer {i} ({layer.kind} indexer blocks)"))
+            if recomputes_attention:
+                grads = act.layer_input(cfg, s)  # the layer's output gradient is waiting
+                candidates.append(((before + (0.0 if offload else on_device[i]) + grads + layer.partial) * T
+                                   + layer.forward_fixed, f"recompute of layer {i} ({layer.kind} indexer blocks)"))
     # recompute_nested (full recompute with the attention and MLP blocks checkpointed inside each
-    # layer): a layer's backward holds the mHC/norm tensors, the blocks' inputs and one block
+    # layer): a layer's backward holds its mHC/norm tensors, the blocks' inputs and one block at a
+    # time; backward reaches the attention after the MLP half's mHC tensors are gone
     nested = mem.recompute == "full" and getattr(mem, "recompute_nested", False)
+    block_input = cfg.hidden_size * s.a
     for i, layer in enumerate(layers):
         if nested:
-            here = layer.rest + 2 * cfg.hidden_size * s.a + max(layer.attention, layer.mlp_saved) + layer.backward
+            here = max(layer.rest + 2 * block_input + layer.mlp_saved,
+                       layer.rest / 2 + block_input + layer.attention) + layer.backward
         else:
             here = layer.saved + layer.backward
         if offload:  # the layer's tensors come back (or are recomputed) one layer at a time
@@ -301,9 +328,6 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
     if mem.moe_chunks > 1:
         plan.savings.append(Item(f"MoE in {mem.moe_chunks} chunks", 0.0,
                                  "forward dispatch buffers only: a recomputed or saved layer keeps every chunk"))
-    if mem.dsa_query_chunk:
-        plan.savings.append(Item(f"DSA query chunk {mem.dsa_query_chunk}", 0.0,
-                                 "not applied by the trainer yet (the kernels already work in 64-query blocks)"))
 
     if offload:
         per_layer = [k * T for k in keeps]
@@ -317,6 +341,8 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
         saving("activation offload", offload_activations=False)
     if mem.optimizer_offload and on_gpu:
         saving("optimizer offload", optimizer_offload=False)
+    if mem.dsa_query_chunk:  # against the model's default of 64 queries per block
+        saving(f"DSA query chunk {mem.dsa_query_chunk} (vs {act.DSA_DEFAULT_CHUNK})", dsa_query_chunk=None)
     return plan
 
 

@@ -68,6 +68,8 @@ class Suggestion:
 def _ladder(run: RunConfig):
     mem = run.memory
     steps = []
+    if mem.dsa_query_chunk and mem.dsa_query_chunk > 1024:  # the indexer's [chunk, T / kpool] blocks
+        steps.append(("DSA query chunk 1024", {"memory": {"dsa_query_chunk": 1024}}))
     if not mem.optimizer_offload:
         steps.append(("optimizer offload", {"memory": {"optimizer_offload": True}}))
     if mem.recompute == "none":
@@ -75,6 +77,8 @@ def _ladder(run: RunConfig):
                                                                        "recompute_modules": ["attention"]}}))
     if mem.recompute != "full":
         steps.append(("full recompute", {"memory": {"recompute": "full"}}))
+    if not getattr(mem, "recompute_nested", True):
+        steps.append(("nested recompute", {"memory": {"recompute": "full", "recompute_nested": True}}))
     if not mem.offload_activations:
         steps.append(("activation offload", {"memory": {"offload_activations": True}}))
     cp = run.parallel.cp

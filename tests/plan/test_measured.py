@@ -19,6 +19,8 @@ CASES = [
     (4096, "selective attention", {"recompute": "selective", "recompute_modules": ["attention"]}),
     (4096, "selective mlp+moe", {"recompute": "selective", "recompute_modules": ["mlp", "moe"]}),
     (4096, "moe chunks + offload", {"moe_chunks": 4, "offload_activations": True}),
+    (8192, "DSA query chunk 8192 + full recompute", {"dsa_query_chunk": 8192, "recompute": "full"}),
+    (8192, "nested full recompute", {"recompute": "full", "recompute_nested": True}),
 ]
 
 
