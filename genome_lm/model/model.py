@@ -69,12 +69,16 @@ class DecoderLayer(nn.Module):
         self.tp_group = pg.tp
 
     def forward(self, streams: torch.Tensor, idx: torch.Tensor | None, indexer_loss: IndexerLossMode,
-                indexer_tokens: int | None = None):
-        """streams [S, B, N, D] -> (streams, selection for a following shared layer, indexer loss)."""
+                indexer_tokens: int | None = None, cache=None):
+        """streams [S, B, N, D] -> (streams, selection for a following shared layer, indexer loss).
+        ``cache`` (``prefill.KDACache`` / ``DSACache``): streaming evaluation, these S tokens follow
+        the ones the cache holds."""
         post, comb, x = self.attn_hc(streams)
         x = self.input_layernorm(x)
         loss = None
-        if self.is_kda:
+        if cache is not None:
+            out, idx = cache.attend(self.self_attention, x, idx)
+        elif self.is_kda:
             out = self.self_attention(x)
         else:
             out, idx, loss = self.self_attention(x, idx, indexer_loss, indexer_tokens)
@@ -126,9 +130,11 @@ class GLM5Model(nn.Module):
             cfg.hidden_size, cfg.vocab_size, config=tf_config, init_method=tf_config.init_method, bias=False,
             gather_output=False, skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None, tp_group=pg.tp)
 
-    def hidden(self, input_ids: torch.Tensor, indexer_loss: IndexerLossMode = "off", indexer_tokens: int | None = None):
+    def hidden(self, input_ids: torch.Tensor, indexer_loss: IndexerLossMode = "off", indexer_tokens: int | None = None,
+               caches: list | None = None):
         """Final hidden states [S, B, D] and the indexer losses (over the first ``indexer_tokens``
-        positions of each whole sequence when given: the rest is padding)."""
+        positions of each whole sequence when given: the rest is padding). ``caches``: one per
+        layer, for chunked prefill (``genome_lm.model.prefill``)."""
         if self.pg.cp.size() > 1 and input_ids.shape[1] % 2:
             raise ValueError(f"under context parallel each rank holds two equal zigzag chunks; got "
                              f"{input_ids.shape[1]} local tokens (the sequence length must be divisible by "
@@ -136,15 +142,16 @@ class GLM5Model(nn.Module):
         x = self.embedding(input_ids).transpose(0, 1)  # [S, B, D]
         streams = x.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
         idx, losses = None, []
-        for layer in self.layers:
-            streams, idx, loss = layer(streams, idx, indexer_loss, indexer_tokens)
+        for i, layer in enumerate(self.layers):
+            streams, idx, loss = layer(streams, idx, indexer_loss, indexer_tokens, None if caches is None else caches[i])
             if loss is not None:
                 losses.append(loss)
         return self.final_norm(streams.mean(dim=2)), losses
 
     def forward(self, input_ids: torch.Tensor, *, gather_logits: bool = True,
-                indexer_loss: IndexerLossMode = "off", indexer_tokens: int | None = None) -> ModelOutput:
-        h, losses = self.hidden(input_ids, indexer_loss, indexer_tokens)
+                indexer_loss: IndexerLossMode = "off", indexer_tokens: int | None = None,
+                caches: list | None = None) -> ModelOutput:
+        h, losses = self.hidden(input_ids, indexer_loss, indexer_tokens, caches)
         logits = self.output_layer(h)[0]  # [S, B, V / tp]
         if gather_logits and self.pg.tp.size() > 1:
             from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
