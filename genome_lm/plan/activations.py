@@ -145,7 +145,10 @@ def saved_moe(cfg: ModelConfig, s: Shard) -> float:
     per_copy = D * s.a + 7 * I * s.a + F32
     # the shared expert runs on the whole local sequence (its linears gather the sequence-parallel
     # slices and save only their own slice)
-    return (D * s.a + router) * moe_tokens(s) + shared + per_copy * expert_copies(cfg, s)
+    # under TP the sequence-parallel slice of the input is held twice (the scattered slice and
+    # the copy the MoE layer routes)
+    inputs = D * s.a * (2 if s.tp > 1 else 1)
+    return (inputs + router) * moe_tokens(s) + shared + per_copy * expert_copies(cfg, s)
 
 
 def saved_head(cfg: ModelConfig, s: Shard) -> float:

@@ -238,11 +238,11 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
     for name, heads in (("linear_num_heads", cfg.linear_num_heads), ("num_attention_heads", cfg.num_attention_heads)):
         if heads % (p.tp * p.cp):
             raise GenomeLMError(f"tp x cp = {p.tp * p.cp} does not divide the model's {heads} {name}")
-    if run.data.seq_len % p.cp:
-        raise GenomeLMError(f"data.seq_len {run.data.seq_len} is not a multiple of parallel.cp = {p.cp}")
     gpus = world_size(run, hw)
     s = shard_for(run, hw)
-    T = run.data.seq_len // p.cp * run.train.micro_batch_size
+    # under CP the trainer pads a sequence to a multiple of 2 x cp (two zigzag chunks per rank)
+    padded = -(-run.data.seq_len // (2 * p.cp)) * 2 * p.cp if p.cp > 1 else run.data.seq_len
+    T = padded // p.cp * run.train.micro_batch_size
     on_gpu = hw.device == "gpu"
 
     # static: parameters, gradients, optimizer

@@ -18,6 +18,7 @@ SETTINGS: dict[str, dict] = {
     "plain": {},
     "selective": {"recompute": "selective", "recompute_modules": ["attention"]},
     "recompute": {"recompute": "full"},
+    "nested": {"recompute": "full", "recompute_nested": True},
     "moe-chunks": {"moe_chunks": 4},
 }
 

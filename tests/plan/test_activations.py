@@ -2,8 +2,6 @@
 for backward (saved-tensor hooks during one forward, each storage counted once, parameters
 left out)."""
 
-from collections import defaultdict
-
 import pytest
 import torch
 
@@ -11,40 +9,9 @@ from genome_lm.model import PRESETS
 from genome_lm.plan import activations as act
 from genome_lm.plan.memory_model import layer_bytes
 
+from .saved import saved_by_piece
+
 T = 1024
-
-
-def saved_by_piece(model, dtype):
-    """Bytes saved during one forward, by (layer, piece): attention, mlp, rest (mHC, norms,
-    merges); plus "head" (final norm, output layer, loss)."""
-    from genome_lm.train.loss import lm_loss
-
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    where, seen, counts = ["head"], set(), defaultdict(int)
-    hooks = []
-    for i, layer in enumerate(model.layers):
-        for name, piece in (("attention", layer.self_attention), ("mlp", layer.mlp)):
-            hooks.append(piece.register_forward_pre_hook(lambda m, a, k=(i, name): where.append(k)))
-            hooks.append(piece.register_forward_hook(lambda m, a, o: where.pop() and None))
-        hooks.append(layer.register_forward_pre_hook(lambda m, a, k=(i, "rest"): where.append(k)))
-        hooks.append(layer.register_forward_hook(lambda m, a, o: where.pop() and None))
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in seen and ptr not in params:
-            seen.add(ptr)
-            counts[where[-1]] += t.untyped_storage().nbytes()
-        return t
-
-    torch.manual_seed(0)
-    ids = torch.randint(4, 8, (1, T + 1))
-    weights = torch.ones(1, T)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(ids[:, :-1], indexer_loss="sparse")
-        lm_loss(out.logits, ids[:, 1:], weights, global_weight=weights.sum(), indexer_losses=out.indexer_losses)
-    for h in hooks:
-        h.remove()
-    return counts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -54,7 +21,8 @@ def test_saved_bytes_per_piece_match_the_model(pg, dtype):
 
     cfg = PRESETS["tiny"]
     model = build_model(cfg, pg, ParallelSizes(), kernel_backend="torch", dtype=dtype)
-    counts = saved_by_piece(model, dtype)
+    torch.manual_seed(0)
+    counts = saved_by_piece(model, torch.randint(4, 8, (1, T + 1)))
     planned = layer_bytes(cfg, act.Shard(a=dtype.itemsize))
     for i, layer in enumerate(planned):
         for piece, want in (("attention", layer.attention), ("mlp", layer.mlp_saved), ("rest", layer.rest)):
@@ -62,3 +30,32 @@ def test_saved_bytes_per_piece_match_the_model(pg, dtype):
             assert got == pytest.approx(want, rel=0.03), f"layer {i} {layer.kind}/{layer.mlp} {piece}"
     head = counts["head"] / T
     assert head == pytest.approx(act.saved_head(cfg, act.Shard(a=dtype.itemsize)), rel=0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes", [{"tp": 2}, {"cp": 2}], ids=["tp2", "cp2"])
+def test_split_model_saves_what_the_plan_says(tmp_path, sizes):
+    """Two gloo processes: rank 0's saved bytes per piece against the plan for that split (heads
+    and MoE tokens / tp; tokens / cp with the DSA indexer and selection over the whole sequence)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from genome_lm.engine.parallel import free_port
+
+    worker = Path(__file__).with_name("split_worker.py")
+    out, port, n = tmp_path / "counts.json", free_port(), 512
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", str(port), json.dumps(sizes), str(n),
+                               str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    counts = json.loads(out.read_text())
+    cfg = PRESETS["tiny"]
+    shard = act.Shard(tp=sizes.get("tp", 1), cp=sizes.get("cp", 1))
+    local = n // shard.cp
+    for i, layer in enumerate(layer_bytes(cfg, shard)):
+        for piece, want in (("attention", layer.attention), ("mlp", layer.mlp_saved), ("rest", layer.rest)):
+            got = counts[f"{i},{piece}"] / local
+            assert got == pytest.approx(want, rel=0.05), f"layer {i} {layer.kind}/{layer.mlp} {piece}: {got} vs {want}"
