@@ -151,6 +151,13 @@ def saved_moe(cfg: ModelConfig, s: Shard) -> float:
     return (inputs + router) * moe_tokens(s) + shared + per_copy * expert_copies(cfg, s)
 
 
+def moe_dispatch(cfg: ModelConfig, s: Shard, chunks: int) -> float:
+    """The token dispatcher's buffers while an MoE layer runs forward (not saved): the permuted
+    copies sent to the experts and the expert outputs on their way back, for one of ``chunks``
+    chunks of the tokens."""
+    return 2 * expert_copies(cfg, s) * cfg.hidden_size * s.a / chunks
+
+
 def saved_head(cfg: ModelConfig, s: Shard) -> float:
     """Final norm, output layer input and the cross-entropy's fp32 softmax over this rank's
     vocabulary shard."""

@@ -279,6 +279,14 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
     recomputes_attention = mem.recompute == "full" or (mem.recompute == "selective"
                                                         and "attention" in mem.recompute_modules)
     for i, layer in enumerate(layers):
+        if layer.mlp == "MoE":  # the dispatcher's buffers, one MoE chunk at a time
+            before = 0.0 if offload else sum(on_device[:i])
+            dispatch = act.moe_dispatch(cfg, s, mem.moe_chunks)
+            candidates.append(((before + layer.saved + dispatch) * T, f"forward of layer {i} (MoE dispatch)"))
+            if mem.recompute == "full":
+                grads = act.layer_input(cfg, s)
+                candidates.append(((before + (0.0 if offload else on_device[i]) + grads + layer.saved + dispatch) * T,
+                                   f"recompute of layer {i} (MoE dispatch)"))
         if layer.forward_fixed:
             before = 0.0 if offload else sum(on_device[:i])
             candidates.append(((before + layer.partial) * T + layer.forward_fixed,
@@ -325,9 +333,6 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
         plan.savings.append(Item(name, other.peak - plan.peak,
                                  f"host {(other.host_per_gpu - plan.host_per_gpu) / GiB:+,.2f} GiB per GPU"))
 
-    if mem.moe_chunks > 1:
-        plan.savings.append(Item(f"MoE in {mem.moe_chunks} chunks", 0.0,
-                                 "forward dispatch buffers only: a recomputed or saved layer keeps every chunk"))
 
     if offload:
         per_layer = [k * T for k in keeps]
@@ -341,6 +346,8 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
         saving("activation offload", offload_activations=False)
     if mem.optimizer_offload and on_gpu:
         saving("optimizer offload", optimizer_offload=False)
+    if mem.moe_chunks > 1:  # dispatch buffers only: a saved or recomputed layer keeps every chunk's activations
+        saving(f"MoE in {mem.moe_chunks} chunks", moe_chunks=1)
     if mem.dsa_query_chunk:  # against the model's default of 64 queries per block
         saving(f"DSA query chunk {mem.dsa_query_chunk} (vs {act.DSA_DEFAULT_CHUNK})", dsa_query_chunk=None)
     return plan
