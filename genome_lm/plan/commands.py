@@ -22,7 +22,7 @@ def _size(text: str | None) -> int | None:
 
 
 def plan(
-    config: Annotated[str, typer.Option(help="A config in configs/ (e.g. glm-5.3-flash-1m-64xb200) or a YAML path.")],
+    config: Annotated[Optional[str], typer.Option(help="A config in configs/ (e.g. glm-5.3-flash-1m-64xb200) or a YAML path.")] = None,
     seq_len: Annotated[Optional[str], typer.Option(help="Tokens per sequence: 524288, 512k or 1M (default: the config's).")] = None,
     tp: Annotated[Optional[int], typer.Option(help="Tensor parallel size.")] = None,
     cp: Annotated[Optional[int], typer.Option(help="Context parallel size.")] = None,
@@ -69,6 +69,8 @@ def plan(
             console.print(published_table(hw))
             console.print("Differences over 20% are explained in docs/plan.md.")
             return
+        if config is None:
+            raise GenomeLMError("--config is required (a shipped config name or a YAML path)")
         fields = {"data.seq_len": _size(seq_len), "parallel.tp": tp, "parallel.cp": cp, "parallel.ep": ep,
                   "parallel.etp": etp, "memory.recompute": recompute, "memory.offload_activations": offload,
                   "memory.optimizer_offload": optimizer_offload, "memory.moe_chunks": moe_chunks}

@@ -39,7 +39,7 @@ def test_sweep_has_one_row_per_length():
 
 
 def test_published_comparison_lists_every_figure():
-    result = invoke("--config", "demo-cpu", "--published")
+    result = invoke("--published")
     assert result.exit_code == 0, result.output
     assert result.output.count("x") >= 6 and "180.0 GB" in result.output
     rows = compare(Hardware())
@@ -63,9 +63,11 @@ def test_bad_input_is_one_line_and_nonzero(args, message):
     assert "Traceback" not in result.output
 
 
-def test_unknown_config_names_the_shipped_ones():
+def test_unknown_or_missing_config_is_an_error():
     result = invoke("--config", "nope")
     assert result.exit_code == 1 and "shipped:" in result.output
+    result = invoke()
+    assert result.exit_code == 1 and "--config is required" in result.output
 
 
 def test_a_plan_that_does_not_fit_gets_a_change_that_fits():
