@@ -77,7 +77,7 @@ def plot(rows: list[dict], path: Path) -> Path:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length (tokens)")
         ax.set_ylabel(label)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left" if ax is ax2 else "best")
     ax2.set_yscale("log", base=2)
     fig.suptitle("tiny GLM-5.3-Flash, one training step on this CPU: memory settings")
     fig.tight_layout()
