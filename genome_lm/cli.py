@@ -163,19 +163,17 @@ def demo(
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
     config: Annotated[str, typer.Option(help="Training config (name in configs/ or a path).")] = "demo-cpu",
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a training field (repeatable).")] = None,
-    eval_windows: Annotated[int, typer.Option(help="Evaluation windows of chr22 to score (each model).")] = 8,
+    eval_windows: Annotated[int, typer.Option(help="Evaluation windows of chr22 to score (each model), evenly spaced.")] = 8,
 ) -> None:
     """Run the study end to end on the built-in demo genome, on this CPU.
 
-    demo genome -> prepare (chr1, chr2 train; chr22 eval) -> fine-tune the tiny model (config
-    demo-cpu, tracked in MLflow) -> score the starting and the tuned model on the same chr22
-    windows and print the loss by preceding-context length."""
+    demo genome -> prepare (chr1, chr2 train; chr22 eval) -> fine-tune the tiny model (config demo-cpu, tracked in MLflow) -> `genome-lm eval` of the tuned against the starting model on the same chr22 windows: loss by preceding-context length with 95% intervals, and the loss on planted later copies whose first copy lies inside the window against those whose first copy lies outside it. The report goes to <out>/run/eval-chr22 and to MLflow."""
     from genome_lm.config import load_config
     from genome_lm.data.demo_genome import write_demo_genome
     from genome_lm.data.prepare import PrepareRequest
     from genome_lm.data.prepare import prepare as run_prepare
     from genome_lm.data.windows import WindowSpec
-    from genome_lm.eval.compare import compare_run
+    from genome_lm.eval.evaluate import EvalRequest, evaluate
     from genome_lm.train.trainer import train
 
     fasta = out / "genome.fa"
@@ -190,25 +188,33 @@ def demo(
         with quiet_megatron_import_ctx():
             trained = train(cfg, progress=not quiet)
             _print_training(trained)
-            report = compare_run(out / "run", max_windows=eval_windows)
+            report = evaluate(EvalRequest(model=str(out / "run"), baseline="init", chrom="chr22",
+                                          out=out / "run" / "eval-chr22", max_windows=eval_windows),
+                              progress=not quiet)
     except GenomeLMError as exc:
         _fail(exc)
-    _print_comparison(report)
+    _print_comparison(report, cfg)
 
 
-def _print_comparison(report: dict) -> None:
-    change = (report["tuned"] - report["base"]) / report["base"] * 100
-    table = Table(title=f"{report['split']}: loss (nats/base) by preceding context, {report['windows']} windows, "
-                        f"{report['tokens']:,} tokens", title_justify="left")
-    for column in ("context", "tokens", "base", "tuned", "change"):
-        table.add_column(column, justify="right")
-    for row in report["buckets"]:
-        table.add_row(f"{row['from']:,}-{row['to'] - 1:,}", f"{row['tokens']:,}", f"{row['base']:.4f}",
-                      f"{row['tuned']:.4f}", f"{(row['tuned'] - row['base']) / row['base'] * 100:+.1f}%")
-    table.add_row("all", f"{report['tokens']:,}", f"{report['base']:.4f}", f"{report['tuned']:.4f}", f"{change:+.1f}%")
-    console.print(table)
+def _print_comparison(report: dict, cfg=None) -> None:
+    """The demo's summary: `genome-lm eval`'s table, the overall change, and what the planted
+    copies show (with what it would take when the tiny model shows nothing)."""
+    from genome_lm.eval.commands import print_report
+    from genome_lm.eval.planted import demo_note
+
+    print_report(report, console)
+    change = report["comparison"]["all"]["change"] * 100
     console.print(f"loss {'fell' if change < 0 else 'rose'} {abs(change):.1f}% overall after fine-tuning "
-                  f"(base = the run's starting weights; checkpoint {report['checkpoint']})", highlight=False)
+                  f"(base = the run's starting weights; checkpoint {report['models']['model']['path']})",
+                  highlight=False)
+    if report.get("planted"):
+        console.print(demo_note(report["planted"], cfg), highlight=False)
+
+
+# evaluation commands (issue 6): genome_lm/eval/commands.py
+from genome_lm.eval import commands as _eval_commands  # noqa: E402
+
+_eval_commands.register(app)
 
 
 bench_app = typer.Typer(help="Benchmarks that compare against a baseline in the same run and print the ratio.", no_args_is_help=True)

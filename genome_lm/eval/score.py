@@ -1,9 +1,13 @@
-"""Per-token negative log-likelihood on a prepared split, and loss by preceding-context length.
+"""Per-token negative log-likelihood of a model on the windows of a prepared split.
 
-Each evaluation sequence is one window (``seq_len`` = the dataset's window length, so a token's
-preceding context is everything before it in its window). The token predicted at input position
-i has ``i + 1`` tokens of context. N targets are excluded; soft-masked targets are kept and
-flagged so they can be reported apart.
+Each window is scored as one sequence from its first base: the base at window offset j (j >= 1)
+is predicted from the j bases before it, so its *context* is j (``buckets`` groups by it). N
+targets are excluded; soft-masked (lowercase) targets are kept and flagged, so they can be
+reported apart.
+
+A window is run either in one forward (``chunk=None``) or by chunked prefill
+(``genome_lm.model.prefill``): ``chunk`` tokens at a time with the KDA state and DSA keys carried
+over, so memory is bounded by the chunk (plus the carried keys) whatever the window length.
 """
 
 from __future__ import annotations
@@ -13,11 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from genome_lm.data.tokenizer import N
+
 
 @dataclass
 class TokenScores:
     nll: np.ndarray  # float64 [N] nats
-    context: np.ndarray  # int64 [N] preceding tokens in the window
+    context: np.ndarray  # int64 [N] bases before the scored base in its window (= its window offset)
     window: np.ndarray  # int64 [N] window index in the split
     softmasked: np.ndarray  # bool [N]
 
@@ -25,39 +31,91 @@ class TokenScores:
     def mean(self) -> float:
         return float(self.nll.mean()) if self.nll.size else float("nan")
 
+    @classmethod
+    def empty(cls) -> "TokenScores":
+        return cls(np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))
+
+    @classmethod
+    def concat(cls, parts: list["TokenScores"]) -> "TokenScores":
+        if not parts:
+            return cls.empty()
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("nll", "context", "window", "softmasked")))
+
+
+def select_windows(windows, *, max_windows: int | None = None, max_n_fraction: float = 0.5) -> list[int]:
+    """Indices of the split's windows to score: those with at most ``max_n_fraction`` N, and of
+    them ``max_windows`` evenly spaced ones (all when None)."""
+    keep = [i for i, w in enumerate(windows) if w.n_frac <= max_n_fraction and w.length >= 2]
+    if max_windows is not None and len(keep) > max_windows:
+        picks = np.linspace(0, len(keep) - 1, max_windows).round().astype(int)
+        keep = [keep[i] for i in sorted(set(picks.tolist()))]
+    return keep
+
 
 @torch.no_grad()
-def score_split(model, dataset, split: str, *, seq_len: int, max_windows: int | None = None,
-                device: torch.device | str = "cpu") -> TokenScores:
-    from genome_lm.data.loader import eval_batches
+def token_nll(model, tokens: np.ndarray, *, chunk: int | None = None, token_map: torch.Tensor | None = None,
+              device: torch.device | str = "cpu", on_chunk=None) -> np.ndarray:
+    """NLL [L - 1] (nats, float64) of tokens[1:] given the tokens before each, for one sequence
+    of genome-lm token ids. ``token_map``: genome-lm id -> model id (a pretrained vocabulary).
+    ``on_chunk(n)`` is called after each n predicted tokens (progress)."""
+    ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+    if token_map is not None:
+        ids = token_map[ids]
+    ids = ids.to(device)[None]
+    inputs, targets = ids[:, :-1], ids[0, 1:]
+    L = inputs.shape[1]
+    out = np.empty(L, dtype=np.float64)
+    if chunk is None or chunk >= L:
+        logits = model(inputs).logits[0].float()
+        out[:] = torch.nn.functional.cross_entropy(logits, targets, reduction="none").double().cpu().numpy()
+        if on_chunk is not None:
+            on_chunk(L)
+        return out
+    from genome_lm.model.prefill import chunked_logits
 
+    for start, logits in chunked_logits(model, inputs, chunk):
+        n = logits.shape[1]
+        out[start:start + n] = torch.nn.functional.cross_entropy(
+            logits[0].float(), targets[start:start + n], reduction="none").double().cpu().numpy()
+        if on_chunk is not None:
+            on_chunk(n)
+    return out
+
+
+@torch.no_grad()
+def score_split(model, dataset, split: str, *, windows: list[int] | None = None, max_windows: int | None = None,
+                chunk: int | None = None, token_map: torch.Tensor | None = None, device: torch.device | str = "cpu",
+                on_chunk=None, seq_len: int | None = None) -> TokenScores:
+    """Scores of every non-N target of the chosen windows (``windows``, else ``select_windows``
+    with ``max_windows``). ``seq_len`` is accepted for older callers and ignored: a window is
+    always scored whole."""
+    from genome_lm.data.loader import SplitReader
+
+    reader = SplitReader(dataset, split)
+    if windows is None:
+        windows = select_windows(reader.windows, max_windows=max_windows)
+    was_training = model.training
     model.eval()
     parts = []
-    seen = 0
-    # weights come back 0 (N target), 0.5 (soft-masked target) or 1: the middle value only flags repeats
-    for batch in eval_batches(dataset, split, seq_len=seq_len, batch_size=1, softmask_weight=0.5):
-        if max_windows is not None and seen >= max_windows:
-            break
-        seen += 1
-        logits = model(batch.tokens.to(device)).logits.float()
-        nll = torch.nn.functional.cross_entropy(logits[0], batch.labels[0].clamp_min(0).to(device),
-                                                reduction="none").cpu().double()
-        weight = batch.loss_weight[0]
-        keep = weight > 0
-        positions = torch.arange(batch.tokens.shape[1]) + batch.offset[0] + 1
-        parts.append((nll[keep].numpy(), positions[keep].numpy(), np.full(int(keep.sum()), int(batch.window[0])),
-                      (weight[keep] < 1).numpy()))
-    model.train()
-    if not parts:
-        return TokenScores(np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))
-    return TokenScores(*(np.concatenate(x) for x in zip(*parts)))
+    try:
+        for w in windows:
+            tokens = reader.tokens(w)
+            soft = reader.softmask(w)
+            nll = token_nll(model, tokens, chunk=chunk, token_map=token_map, device=device, on_chunk=on_chunk)
+            context = np.arange(1, len(tokens), dtype=np.int64)
+            keep = tokens[1:] != N
+            parts.append(TokenScores(nll[keep], context[keep], np.full(int(keep.sum()), w, dtype=np.int64),
+                                     np.asarray(soft[1:], dtype=bool)[keep]))
+    finally:
+        model.train(was_training)
+    return TokenScores.concat(parts)
 
 
 def power_of_two_buckets(max_context: int) -> list[tuple[int, int]]:
-    """[1, 2), [2, 4), ..., up to max_context: the default context-length buckets."""
-    edges = [1]
-    while edges[-1] < max_context:
-        edges.append(edges[-1] * 2)
+    """The default buckets (``buckets.default_edges``) as (from, to) pairs."""
+    from .buckets import default_edges
+
+    edges = default_edges(max_context)
     return list(zip(edges[:-1], edges[1:]))
 
 

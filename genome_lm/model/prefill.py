@@ -18,7 +18,7 @@ a time:
   to rounding (matrix products reassociated).
 - Token selection reuses the indexer's own pieces (``pool_keys``, the pool scores, ``pick_pools``,
   ``expand_to_tokens``) at absolute query positions, with query blocks aligned to the same
-  64-token boundaries as ``select_tokens``: a chunk selects what the full forward selects.
+  boundaries as the layer's ``select_tokens`` call (``query_chunk``): a chunk selects what the full forward selects.
 
 MoE, mHC, norms and the output layer act token by token and need no state. One process only
 (no tensor or context parallel): evaluation and parity checks run the model whole.
@@ -37,7 +37,7 @@ from genome_lm_kernels.dsa.indexer import compute_dtype
 from genome_lm_kernels.dsa.reference import slot_width
 from genome_lm_kernels.dsa.sparse_attention import GATHER_ELEMENTS, gather_rows, own_keys
 
-SELECT_BLOCK = 64  # queries per indexer block: select_tokens' default chunk, so the blocks line up
+SELECT_BLOCK = 64  # queries per indexer block when the layer sets none: select_tokens' default
 
 
 class GrowingBuffer:
@@ -126,7 +126,7 @@ class DSACache:
         else:
             q_i, k_i, w_i, gate_i = attn.indexer.inputs(x_BSD, q_resid)
             self._add_pool_keys(k_i, gate_i, attn.indexer.index_kpool_compress_ape)
-            idx = self._select(q_i, w_i, t0, attn.backend)
+            idx = self._select(q_i, w_i, t0, attn.backend, getattr(attn, "query_chunk", SELECT_BLOCK))
         wkv = attn.kv_b_proj.weight.view(attn.heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
         wk_HDR, wv_HVR = wkv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
         o = absorbed_sparse_attention(q, self.latent.view(), idx, wk_HDR, wv_HVR, scale=attn.scale)
@@ -141,8 +141,9 @@ class DSACache:
             self.pooled.append(dsa_indexer.pool_keys(k_BSD[:, :n], gate_BSD[:, :n], ape_KD, kpool=self.kpool))
         self.tail = (k_BSD[:, n:], gate_BSD[:, n:])
 
-    def _select(self, q_BSHD, w_BSH, t0: int, backend: str) -> torch.Tensor:
-        """Selected tokens of queries t0 .. t0+S-1: [B, S, slots] (``select_tokens``' layout)."""
+    def _select(self, q_BSHD, w_BSH, t0: int, backend: str, block: int) -> torch.Tensor:
+        """Selected tokens of queries t0 .. t0+S-1: [B, S, slots] (``select_tokens``' layout), in
+        query blocks at the same multiples of ``block`` as the full forward's."""
         if backend == "triton":
             from genome_lm_kernels.dsa import triton as dsa_triton
 
@@ -155,7 +156,7 @@ class DSACache:
         idx_BSK = torch.empty(B, S, slot_width(self.topk, self.kpool), dtype=torch.long, device=q_BSHD.device)
         a0 = t0
         while a0 < t0 + S:
-            a1 = min((a0 // SELECT_BLOCK + 1) * SELECT_BLOCK, t0 + S)
+            a1 = min((a0 // block + 1) * block, t0 + S)
             n_visible = min(kp_BND.shape[1], a1 // self.kpool)
             rows = slice(a0 - t0, a1 - t0)
             scores = score_fn(q_BSHD[:, rows], kp_BND[:, :n_visible], w_BSH[:, rows], a0, scale, self.kpool)

@@ -1,0 +1,144 @@
+"""The evaluation commands of the CLI: `eval`, `check-logprobs`, `recall`.
+
+Registered on the typer app by ``register(app)`` (called from ``genome_lm.cli``); each parses
+its options and calls one function of ``genome_lm.eval``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from genome_lm.errors import GenomeLMError
+
+console = Console()
+
+
+def _fail(exc: GenomeLMError) -> None:
+    Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def _size(text: str) -> int:
+    from genome_lm.cli import parse_size
+
+    return parse_size(text)
+
+
+def _fmt_ci(stat: dict, unit: str = "nats") -> str:
+    lo, hi = stat[f"{unit}_ci"]
+    if stat[unit] is None:
+        return "-"
+    ci = f" [{lo:.4f}, {hi:.4f}]" if lo is not None else ""
+    return f"{stat[unit]:.4f}{ci}"
+
+
+def _fmt_change(change: dict | None) -> str:
+    if not change or change["change"] is None:
+        return "-"
+    lo, hi = change["ci"]
+    ci = f" [{lo * 100:+.1f}, {hi * 100:+.1f}]" if lo is not None else ""
+    return f"{change['change'] * 100:+.2f}%{ci}"
+
+
+def print_report(report: dict, out: Console | None = None) -> None:
+    """The terminal table: loss per context bucket (nats per base, 95% CI over windows), per
+    model, the change against the baseline, then overall / unmasked / soft-masked rows."""
+    out = out or console
+    results, comparison = report["results"], report.get("comparison")
+    data = report["data"]
+    table = Table(title=f"{data['chrom']} ({data['split']}): loss in nats/base by preceding context, "
+                        f"{len(data['windows'])} windows of up to {data['window_length']:,}, {data['tokens']:,} tokens "
+                        "(N excluded); [95% CI over windows]", title_justify="left")
+    table.add_column("context", justify="right")
+    table.add_column("tokens", justify="right")
+    for name in results:
+        table.add_column(name, justify="right")
+    if comparison:
+        table.add_column("change", justify="right")
+    names = list(results)
+    first = results[names[0]]
+    for i, b in enumerate(first["buckets"]):
+        if not b["tokens"]:
+            continue
+        row = [f"{b['from']:,}-{b['to'] - 1:,}", f"{b['tokens']:,}"]
+        row += [_fmt_ci(results[n]["buckets"][i]) for n in names]
+        if comparison:
+            row.append(_fmt_change(comparison["buckets"][i]))
+        table.add_row(*row)
+    for subset in ("all", "unmasked", "softmasked"):
+        row = [subset, f"{first[subset]['tokens']:,}"] + [_fmt_ci(results[n][subset]) for n in names]
+        if comparison:
+            row.append(_fmt_change(comparison[subset]))
+        table.add_row(*row, style="bold" if subset == "all" else None)
+    out.print(table)
+    bits = ", ".join(f"{n} {results[n]['all']['bits']:.4f}" for n in names if results[n]["all"]["bits"] is not None)
+    out.print(f"bits per base: {bits}", highlight=False)
+    if comparison and comparison["all"]["change"] is not None:
+        change = comparison["all"]["change"] * 100
+        out.print(f"loss {'fell' if change < 0 else 'rose'} {abs(change):.2f}% overall against the baseline "
+                  f"(95% CI {_fmt_change(comparison['all']).split(' ', 1)[-1]})", highlight=False)
+    if report.get("planted"):
+        from .planted import verdict
+
+        for name in names:
+            out.print(verdict(report["planted"], name), highlight=False)
+    files = report.get("files") or {}
+    if files:
+        out.print("wrote " + ", ".join(files.values()), highlight=False)
+    mlflow = report.get("mlflow") or {}
+    if mlflow.get("location"):
+        out.print(f"MLflow: {mlflow['location']}", highlight=False)
+
+
+def eval_command(
+    model: Annotated[str, typer.Option(help="The model: a training run folder (its latest checkpoint), a checkpoint folder, or a Hugging Face glm5_next folder.")],
+    chrom: Annotated[Optional[str], typer.Option(help="Chromosome to evaluate (chr22, 22 and NC_000022.11 all match); default: every window of the split.")] = None,
+    baseline: Annotated[Optional[str], typer.Option(help="A second model scored on the same tokens (same kinds as --model, or 'init': the run's starting weights); the report gives the relative change per bucket.")] = None,
+    dataset: Annotated[Optional[Path], typer.Option(help="A prepared dataset folder; default: the run's data.dataset.")] = None,
+    fasta: Annotated[Optional[Path], typer.Option(help="Evaluate straight from a genome FASTA: --chrom is prepared into <out>/prepared first.")] = None,
+    window: Annotated[str, typer.Option(help="With --fasta: window length (512k, 1M).")] = "512k",
+    split: Annotated[str, typer.Option(help="Split of the dataset to evaluate.")] = "eval",
+    buckets: Annotated[Optional[str], typer.Option(help="Context buckets: edges '0,1k,4k,64k' (the window length is added), or 'pow2:1k' (0, then powers of two from 1k). Default: pow2:1k up to the window length.")] = None,
+    chunk: Annotated[str, typer.Option(help="Chunked prefill: tokens per forward chunk (memory stays bounded whatever the window); '0' scores each window in one forward.")] = "32k",
+    max_windows: Annotated[Optional[int], typer.Option(help="Score at most this many windows, evenly spaced over the chromosome.", min=1)] = None,
+    max_n: Annotated[float, typer.Option(help="Skip windows with more than this fraction of N.")] = 0.5,
+    resamples: Annotated[int, typer.Option(help="Bootstrap resamples over windows for the 95% intervals.", min=10)] = 1000,
+    seed: Annotated[int, typer.Option(help="Seed of the bootstrap.")] = 0,
+    planted: Annotated[Optional[Path], typer.Option(help="Planted-copies JSON (demo genome); default: <genome>.planted.json beside the dataset's FASTA when present.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output folder for eval.json, eval.csv and the plots; default: <run>/eval-<chrom> or ./eval.")] = None,
+    tracking_uri: Annotated[Optional[str], typer.Option(help="MLflow store; default: the training run's store (its run folder's mlflow.db).")] = None,
+    tracking: Annotated[bool, typer.Option(help="Log the evaluation to MLflow as a child of the training run.")] = True,
+    quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
+) -> None:
+    """Loss by preceding-context length on an evaluation chromosome, optionally against a baseline.
+
+    Scores every non-N base of the chromosome's windows (each window from its first base, so a base's context is its offset in the window), in nats and bits per base, overall and apart for soft-masked and unmasked bases, and groups them by context length (powers of two up to the window length) with 95% bootstrap intervals over windows. With --baseline the same tokens are scored by a second model and the relative change is reported per bucket.
+
+    Writes eval.json (schema genome-lm.eval/1), eval.csv and loss_by_context.png, and logs them to MLflow next to the training run. On the demo genome it also compares the loss on planted later copies whose first copy lies inside the window with those whose first copy lies outside it.
+    """
+    from .evaluate import EvalRequest, evaluate
+
+    chunk_size = 0 if chunk.strip() in ("0", "none") else _size(chunk)
+    if out is None:
+        run = Path(model)
+        tag = f"eval-{chrom}" if chrom else "eval"
+        out = run / tag if (run / "checkpoints").is_dir() else Path(tag)
+    request = EvalRequest(model=model, out=out, baseline=baseline, dataset=dataset, fasta=fasta, chrom=chrom,
+                          split=split, window=_size(window), bucket_text=buckets, chunk=chunk_size or None,
+                          max_windows=max_windows, max_n_fraction=max_n, resamples=resamples, seed=seed,
+                          planted=planted, tracking=tracking, tracking_uri=tracking_uri)
+    try:
+        report = evaluate(request, progress=not quiet, on_note=lambda t: console.print(t, highlight=False))
+    except GenomeLMError as exc:
+        _fail(exc)
+    print_report(report)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the evaluation commands to the CLI."""
+    app.command("eval")(eval_command)

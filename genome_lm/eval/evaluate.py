@@ -1,0 +1,238 @@
+"""`genome-lm eval`: loss by preceding-context length on an evaluation chromosome.
+
+    evaluate(EvalRequest(model="runs/demo-cpu", baseline="init", chrom="22", out=...))
+
+1. Data: the evaluation split of a prepared dataset (``--dataset``, else the run's
+   ``data.dataset``), limited to the windows of ``--chrom``; or ``--fasta``: the chromosome is
+   prepared first (``genome-lm prepare`` into ``<out>/prepared``, reused on a re-run).
+2. Models: ``--model`` and optionally ``--baseline`` (``models.load_model``), scored on exactly
+   the same windows and tokens (``score.score_split``, chunked prefill with ``--chunk``).
+3. Report (``report``): overall, unmasked and soft-masked loss, per context bucket with
+   bootstrap intervals over windows, the relative change against the baseline, and for the demo
+   genome the planted-copies analysis (``planted``). Written as JSON, CSV and PNG into
+   ``--out``, and logged to MLflow beside the training run (same store and experiment, a child
+   run of it) when the model came from one.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from pathlib import Path
+
+from genome_lm.errors import GenomeLMError
+
+from . import report as rep
+
+
+@dataclass
+class EvalRequest:
+    model: str
+    out: Path
+    baseline: str | None = None
+    dataset: Path | None = None
+    fasta: Path | None = None
+    chrom: str | None = None
+    split: str = "eval"
+    window: int = 512 * 1024  # with --fasta
+    edges: list[int] | None = None  # default: buckets.default_edges(window length)
+    bucket_text: str | None = None  # --buckets, parsed once the window length is known
+    chunk: int | None = 32768
+    max_windows: int | None = None
+    max_n_fraction: float = 0.5
+    resamples: int = 1000
+    seed: int = 0
+    planted: Path | None = None  # default: <genome>.planted.json beside the dataset's FASTA
+    tracking: bool = True
+    tracking_uri: str | None = None
+
+
+def _windows_of(split_windows, chrom: str | None, source: str) -> list[int]:
+    if chrom is None:
+        return list(range(len(split_windows)))
+    from genome_lm.data.names import canonical
+
+    present = sorted({w.chrom for w in split_windows})
+    exact = [c for c in present if c == chrom]
+    match = exact or [c for c in present if canonical(c) == canonical(chrom)]
+    if len(match) != 1:
+        raise GenomeLMError(f"{source}: no evaluation windows on chromosome {chrom!r}; present: {', '.join(present)}")
+    return [i for i, w in enumerate(split_windows) if w.chrom == match[0]]
+
+
+def _prepare_fasta(req: EvalRequest, progress: bool) -> Path:
+    from genome_lm.data.prepare import PrepareRequest, prepare
+    from genome_lm.data.windows import WindowSpec
+
+    if req.chrom is None:
+        raise GenomeLMError(f"{req.fasta}: --fasta needs --chrom (the chromosome to evaluate)")
+    result = prepare(PrepareRequest(Path(req.fasta), Path(req.out) / "prepared", train_chroms=(),
+                                    eval_chroms=(req.chrom,), windows=WindowSpec(req.window, req.window)),
+                     quiet=not progress)
+    return result.out
+
+
+def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict:
+    """Run the evaluation; returns the report (also written to ``req.out``)."""
+    from genome_lm import __version__
+    from genome_lm.data.manifest import Manifest
+    from genome_lm.engine import quiet_megatron_import
+    from genome_lm.engine.parallel import parallel_context
+    from genome_lm.progress import progress_bar
+
+    from .buckets import default_edges, parse_edges
+    from .models import load_model
+    from .score import score_split, select_windows
+
+    note = on_note or (lambda text: None)
+    out = Path(req.out)
+    with quiet_megatron_import(), parallel_context() as pg:
+        loaded = {"model": load_model(req.model, pg)}
+        if req.baseline:
+            loaded["baseline"] = load_model(req.baseline, pg, init_of=loaded["model"])
+        dataset = req.dataset
+        if req.fasta is not None:
+            dataset = _prepare_fasta(req, progress)
+        elif dataset is None:
+            cfg = loaded["model"].config
+            if cfg is None:
+                raise GenomeLMError("--dataset or --fasta is needed (the model is not a training run with a dataset)")
+            dataset = Path(cfg.data.dataset)
+        manifest = Manifest.load(Path(dataset))
+        split = manifest.split(req.split)
+        candidates = _windows_of(split.windows, req.chrom, str(Path(dataset) / "manifest.json"))
+        chosen = select_windows([split.windows[i] for i in candidates], max_windows=req.max_windows,
+                                max_n_fraction=req.max_n_fraction)
+        windows = [candidates[i] for i in chosen]
+        if not windows:
+            raise GenomeLMError(f"{dataset}: no window of split {req.split!r} to evaluate (all have more than "
+                                f"{req.max_n_fraction:.0%} N)")
+        window_length = max(split.windows[i].length for i in windows)
+        edges = req.edges or (parse_edges(req.bucket_text, window_length, _parse_size) if req.bucket_text
+                              else default_edges(window_length))
+        total = sum(split.windows[i].length - 1 for i in windows)
+        scores = {}
+        with progress_bar(quiet=not progress) as bar:
+            for name, lm in loaded.items():
+                task = bar.add_task(f"eval {name}", total=total, unit="bp")
+                scores[name] = score_split(lm.model, dataset, req.split, windows=windows, chunk=req.chunk,
+                                           token_map=lm.token_map, on_chunk=lambda n, t=task: bar.advance(t, n))
+    results, comparison = rep.summarize(scores, edges, resamples=req.resamples, seed=req.seed)
+    planted_path = req.planted or _planted_beside(manifest)
+    planted = None
+    if planted_path is not None:
+        from .planted import analyse, load_planted
+
+        planted = analyse(scores, split.windows, load_planted(planted_path), resamples=req.resamples, seed=req.seed)
+        planted["source"] = str(planted_path)
+    chroms = sorted({split.windows[i].chrom for i in windows})
+    report = {
+        "schema": rep.SCHEMA,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "genome_lm": __version__,
+        "data": {"dataset": str(dataset), "split": req.split, "chrom": ",".join(chroms),
+                 "source": manifest.data.get("source", {}).get("path"), "windows": windows,
+                 "window_length": window_length, "tokens": int(next(iter(scores.values())).nll.size),
+                 "tokens_softmasked": int(next(iter(scores.values())).softmasked.sum())},
+        "settings": {"chunk": req.chunk, "edges": edges, "max_n_fraction": req.max_n_fraction,
+                     "bootstrap": {"resamples": req.resamples, "seed": req.seed, "level": 0.95, "unit": "window"}},
+        "models": {name: lm.info for name, lm in loaded.items()},
+        "results": results,
+        "comparison": comparison,
+        "planted": planted,
+    }
+    write_outputs(report, out)
+    if req.tracking:
+        report["mlflow"] = log_to_mlflow(report, out, loaded["model"], req.tracking_uri, note)
+        rep.write_json(report, out / "eval.json")
+    return report
+
+
+def _parse_size(text: str) -> int:
+    from genome_lm.cli import parse_size
+
+    return parse_size(text)
+
+
+def _planted_beside(manifest) -> Path | None:
+    from genome_lm.data.demo_genome import planted_json_path
+
+    source = manifest.data.get("source", {}).get("path")
+    if not source:
+        return None
+    path = planted_json_path(Path(source))
+    return path if path.is_file() else None
+
+
+def write_outputs(report: dict, out: Path) -> None:
+    """eval.json, eval.csv, loss_by_context.png (and planted_copies.png), each atomically."""
+    from .planted import distance_figure
+
+    files = {"json": str(out / "eval.json"), "csv": str(out / "eval.csv"), "plot": str(out / "loss_by_context.png")}
+    if report.get("planted"):
+        files["planted_plot"] = str(out / "planted_copies.png")
+    report["files"] = files
+    rep.write_figure(rep.loss_figure(report), out / "loss_by_context.png")
+    if report.get("planted"):
+        rep.write_figure(distance_figure(report["planted"]), out / "planted_copies.png")
+    rep.write_csv(report, out / "eval.csv")
+    rep.write_json(report, out / "eval.json")
+
+
+def metrics(report: dict) -> tuple[dict[str, float], list[tuple[str, float, int]]]:
+    """Flat metrics for MLflow: (named values, [(name, value, step = bucket start)] series)."""
+    flat, series = {}, []
+    for name, entry in report["results"].items():
+        for subset in rep.SUBSETS:
+            for unit in ("nats", "bits"):
+                if entry[subset][unit] is not None:
+                    flat[f"eval/{name}/{subset}_{unit}"] = entry[subset][unit]
+        for b in entry["buckets"]:
+            if b["tokens"] and b["nats"] is not None:
+                flat[f"eval/{name}/nats_ctx_{b['from']}_{b['to']}"] = b["nats"]
+                series.append((f"eval/{name}/nats_by_context", b["nats"], b["from"]))
+    comparison = report.get("comparison")
+    if comparison:
+        for subset in rep.SUBSETS:
+            if comparison[subset]["change"] is not None:
+                flat[f"eval/change/{subset}"] = comparison[subset]["change"]
+        for b in comparison["buckets"]:
+            if b["change"] is not None:
+                flat[f"eval/change/ctx_{b['from']}_{b['to']}"] = b["change"]
+                series.append(("eval/change/by_context", b["change"], b["from"]))
+    planted = report.get("planted")
+    if planted:
+        for name, entry in planted["models"].items():
+            if entry["advantage"] is not None:
+                flat[f"eval/{name}/planted_copy_advantage_nats"] = entry["advantage"]["nats"]
+    return flat, series
+
+
+def log_to_mlflow(report: dict, out: Path, lm, tracking_uri: str | None, note) -> dict:
+    """A run in the training run's MLflow store and experiment, tagged as its child (MLflow's
+    ``mlflow.parentRunId``), with the settings, per-bucket metrics (also as a series whose step is
+    the bucket's first context length) and the files as artifacts. Without a training run: a
+    store in ``out``."""
+    from genome_lm.tracking import Tracker
+
+    cfg = lm.config
+    run_dir = lm.run_dir if lm.run_dir is not None else out
+    uri = tracking_uri or (cfg.tracking.uri if cfg is not None else None)
+    experiment = cfg.tracking.experiment if cfg is not None else "genome-lm"
+    with Tracker(uri, experiment=experiment, run_name=f"eval {report['data']['chrom']}", run_dir=run_dir) as tracker:
+        if not tracker.active:
+            note("MLflow: tracking unavailable; the report files are complete without it")
+            return {}
+        tags = {"genome_lm.kind": "eval", "genome_lm.eval_schema": rep.SCHEMA}
+        if lm.run_id:
+            tags.update({"mlflow.parentRunId": lm.run_id, "genome_lm.training_run": lm.run_id})
+        tracker.set_tags(tags)
+        tracker.log_params({"data": report["data"] | {"windows": len(report["data"]["windows"])},
+                            "settings": report["settings"], "models": report["models"]})
+        flat, series = metrics(report)
+        tracker.log_metrics(flat)
+        for name, value, step in series:
+            tracker.log_metrics({name: value}, step=step)
+        for path in report["files"].values():
+            tracker.log_artifact(path)
+        return tracker.info()

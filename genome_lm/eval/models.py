@@ -1,0 +1,97 @@
+"""What a user can name as a model to evaluate, and how it is built.
+
+- a training run folder (``train.out_dir``): its latest checkpoint;
+- one checkpoint folder (``<run>/checkpoints/step-000040``);
+- a Hugging Face glm5_next folder (``config.json`` + safetensors, e.g. ``genome-lm export``);
+- ``init`` (only as the baseline of a run or checkpoint): that run's starting weights, rebuilt
+  from its config and seed as the trainer built them (the pretrained ``model.checkpoint`` when
+  it had one, else the seeded random initialisation).
+
+Checkpoints are verified (sizes and checksums) before their weights are read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from genome_lm.errors import GenomeLMError
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    info: dict  # what was loaded: kind, path, step, preset ... (goes into the report)
+    token_map: torch.Tensor | None = None
+    run_dir: Path | None = None  # the training run it belongs to
+    run_id: str | None = None  # its MLflow run
+    config: object | None = field(default=None, repr=False)  # RunConfig of a training checkpoint
+
+
+def _checkpoint_folder(path: Path) -> tuple[Path, Path] | None:
+    """(checkpoint folder, run folder) when ``path`` is a run or a checkpoint, else None."""
+    from genome_lm.train.checkpoint import latest_checkpoint
+
+    if (path / "meta.json").is_file():
+        return path, path.parent.parent
+    if (path / "checkpoints").is_dir():
+        folder = latest_checkpoint(path)
+        if folder is None:
+            raise GenomeLMError(f"{path}: a run folder without a finished checkpoint (no checkpoints/latest)")
+        return folder, path
+    return None
+
+
+def load_model(spec: str | Path, pg, *, init_of: LoadedModel | None = None) -> LoadedModel:
+    """Build the model ``spec`` names (see the module docstring) in process groups ``pg``."""
+    from genome_lm.config import RunConfig
+    from genome_lm.engine.parallel import ParallelSizes
+    from genome_lm.train.checkpoint import load_checkpoint, verify
+    from genome_lm.train.trainer import build, token_map
+
+    if str(spec) == "init":
+        if init_of is None or init_of.config is None:
+            raise GenomeLMError("--baseline init needs --model to be a training run or checkpoint (its starting "
+                                "weights are rebuilt from its config)")
+        cfg = init_of.config
+        torch.manual_seed(cfg.train.seed)  # the trainer seeds before building: the same initial weights
+        model = build(cfg, pg, ParallelSizes())
+        info = {"kind": "init", "path": init_of.info["path"], "step": 0, "preset": cfg.model.preset,
+                "checkpoint": cfg.model.checkpoint}
+        return LoadedModel(model.eval(), info, token_map(cfg, model), init_of.run_dir, init_of.run_id, cfg)
+    path = Path(spec)
+    if not path.exists():
+        raise GenomeLMError(f"{path}: no such model (a run folder, a checkpoint folder, a Hugging Face folder or 'init')")
+    found = _checkpoint_folder(path)
+    if found is not None:
+        folder, run_dir = found
+        meta = verify(folder)
+        cfg = RunConfig.model_validate(meta["config"], strict=False)
+        if meta.get("world_size", 1) != 1:
+            raise GenomeLMError(f"{folder}: written by {meta['world_size']} ranks; export it "
+                                "(`genome-lm export`) and evaluate the Hugging Face folder")
+        model = build(cfg, pg, ParallelSizes())
+        state = load_checkpoint(folder, model, None)
+        info = {"kind": "checkpoint", "path": str(folder), "step": int(meta.get("step", state.get("step", 0))),
+                "preset": cfg.model.preset, "checkpoint": cfg.model.checkpoint}
+        return LoadedModel(model.eval(), info, token_map(cfg, model), run_dir, state.get("run_id"), cfg)
+    if (path / "config.json").is_file():
+        from genome_lm.model.hf_checkpoint import HFCheckpoint, load_hf_checkpoint
+        from genome_lm.model.model import build_model
+
+        ckpt = HFCheckpoint(path)
+        model = build_model(ckpt.config(), pg, ParallelSizes())
+        load_hf_checkpoint(model, path)
+        mapping = None
+        if model.cfg.vocab_size > 16:
+            from genome_lm.data.vocab import checkpoint_token_map
+
+            mapping = checkpoint_token_map(path, model.cfg.pad_token_id)
+        info = {"kind": "huggingface", "path": str(path), "step": None,
+                "model_type": json.loads((path / "config.json").read_text()).get("model_type")}
+        return LoadedModel(model.eval(), info, mapping)
+    raise GenomeLMError(f"{path}: not a run folder (checkpoints/), a checkpoint (meta.json) or a Hugging Face "
+                        "model (config.json)")

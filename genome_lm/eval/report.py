@@ -1,0 +1,209 @@
+"""The evaluation report: one JSON document (versioned schema), a CSV of its rows, PNG plots.
+
+Schema ``genome-lm.eval/1`` (JSON object; NaN is written as null)::
+
+    schema          "genome-lm.eval/1"
+    created         ISO time; genome_lm: package version
+    data            {dataset, split, chrom, source, windows: [window indices], window_length, tokens}
+    settings        {chunk, edges: [0, 1024, ...], bootstrap: {resamples, seed, level, unit: "window"}}
+    models          {name: {kind, path, step, ...}}          names: "model", and "baseline" if given
+    results         {name: {all, unmasked, softmasked: Stat, buckets: [Stat + {from, to}]}}
+                    Stat = {tokens, nats, nats_ci: [lo, hi], bits, bits_ci: [lo, hi]}
+    comparison      null, or {all, unmasked, softmasked: Change, buckets: [Change + {from, to}]}
+                    Change = {change, ci: [lo, hi]}: (model - baseline) / baseline, paired bootstrap
+    planted         null, or the planted-copies analysis (``planted.analyse``)
+    files, mlflow   where the outputs and the MLflow run are
+
+Every file is written to a temporary name and renamed, so a failed run leaves no half-written
+output.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .buckets import WindowSums, bucket_of, change_interval, mean_interval, resample_weights
+from .score import TokenScores
+
+SCHEMA = "genome-lm.eval/1"
+LN2 = math.log(2)
+SUBSETS = ("all", "unmasked", "softmasked")
+
+
+def _num(x):
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _stat(tokens, mean, lo, hi) -> dict:
+    return {"tokens": int(tokens), "nats": _num(mean), "nats_ci": [_num(lo), _num(hi)],
+            "bits": _num(mean / LN2), "bits_ci": [_num(lo / LN2), _num(hi / LN2)]}
+
+
+def _sums(scores: TokenScores, window_pos: np.ndarray, n_windows: int, edges: list[int]):
+    subset = np.where(scores.softmasked, 2, 1)
+    whole = WindowSums.of(scores.nll, window_pos, np.zeros_like(subset), n_windows, 1)
+    parts = WindowSums.of(scores.nll, window_pos, subset, n_windows, 3)
+    subsets = WindowSums(np.concatenate([whole.sums, parts.sums[:, 1:]], 1),
+                         np.concatenate([whole.counts, parts.counts[:, 1:]], 1))
+    buckets = WindowSums.of(scores.nll, window_pos, bucket_of(scores.context, edges), n_windows, len(edges) - 1)
+    return subsets, buckets
+
+
+def summarize(scores: dict[str, TokenScores], edges: list[int], *, resamples: int = 1000, seed: int = 0,
+              level: float = 0.95) -> tuple[dict, dict | None]:
+    """(results, comparison) of the schema from each model's token scores (same tokens for all:
+    the first model named is compared against "baseline" when present)."""
+    names = list(scores)
+    first = scores[names[0]]
+    for name in names[1:]:
+        other = scores[name]
+        if not (np.array_equal(first.context, other.context) and np.array_equal(first.window, other.window)):
+            raise ValueError(f"models {names[0]} and {name} were scored on different tokens")
+    windows, window_pos = np.unique(first.window, return_inverse=True)
+    weights = resample_weights(len(windows), resamples, seed)
+    sums = {name: _sums(s, window_pos, len(windows), edges) for name, s in scores.items()}
+    results = {}
+    for name, (subsets, buckets) in sums.items():
+        entry = {}
+        mean, lo, hi = mean_interval(subsets, weights, level)
+        for i, subset in enumerate(SUBSETS):
+            entry[subset] = _stat(subsets.counts[:, i].sum(), mean[i], lo[i], hi[i])
+        mean, lo, hi = mean_interval(buckets, weights, level)
+        entry["buckets"] = [{"from": edges[b], "to": edges[b + 1],
+                             **_stat(buckets.counts[:, b].sum(), mean[b], lo[b], hi[b])} for b in range(len(edges) - 1)]
+        results[name] = entry
+    comparison = None
+    if "baseline" in sums and len(names) > 1:
+        target = next(n for n in names if n != "baseline")
+        comparison = {}
+        for part in (0, 1):
+            change, lo, hi = change_interval(sums["baseline"][part], sums[target][part], weights, level)
+            if part == 0:
+                comparison.update({subset: {"change": _num(change[i]), "ci": [_num(lo[i]), _num(hi[i])]}
+                                   for i, subset in enumerate(SUBSETS)})
+            else:
+                comparison["buckets"] = [{"from": edges[b], "to": edges[b + 1], "change": _num(change[b]),
+                                          "ci": [_num(lo[b]), _num(hi[b])]} for b in range(len(edges) - 1)]
+    return results, comparison
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json(report: dict, path: Path) -> None:
+    atomic_write(path, (json.dumps(report, indent=1, allow_nan=False) + "\n").encode())
+
+
+def csv_rows(report: dict) -> list[dict]:
+    """One row per model and subset / bucket, with the change against the baseline."""
+    comparison = report.get("comparison") or {}
+    rows = []
+    for name, entry in report["results"].items():
+        parts = [(subset, None, None, entry[subset], comparison.get(subset)) for subset in SUBSETS]
+        parts += [("bucket", b["from"], b["to"], b, (comparison.get("buckets") or [None] * len(entry["buckets"]))[i])
+                  for i, b in enumerate(entry["buckets"])]
+        for subset, lo, hi, stat, change in parts:
+            own = name != "baseline" and change is not None
+            rows.append({"model": name, "subset": subset, "context_from": lo, "context_to": hi,
+                         "tokens": stat["tokens"], "nats": stat["nats"], "nats_ci_low": stat["nats_ci"][0],
+                         "nats_ci_high": stat["nats_ci"][1], "bits": stat["bits"], "bits_ci_low": stat["bits_ci"][0],
+                         "bits_ci_high": stat["bits_ci"][1],
+                         "change_vs_baseline": change["change"] if own else None,
+                         "change_ci_low": change["ci"][0] if own else None,
+                         "change_ci_high": change["ci"][1] if own else None})
+    return rows
+
+
+def write_csv(report: dict, path: Path) -> None:
+    rows = csv_rows(report)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({k: ("" if v is None else v) for k, v in row.items()} for row in rows)
+    atomic_write(path, buf.getvalue().encode())
+
+
+def _save_figure(fig, path: Path) -> None:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    atomic_write(path, buf.getvalue())
+
+
+def _centres(buckets: list[dict]) -> np.ndarray:
+    """Geometric centre of each [from, to) bucket (from 0 counts as 1), for a log axis."""
+    return np.array([math.sqrt(max(b["from"], 1) * max(b["to"] - 1, 1)) for b in buckets])
+
+
+def _errorbars(stats: list[dict], key: str, ci_key: str, scale: float = 1.0):
+    y = np.array([np.nan if s[key] is None else s[key] * scale for s in stats])
+    lo = np.array([np.nan if s[ci_key][0] is None else s[ci_key][0] * scale for s in stats])
+    hi = np.array([np.nan if s[ci_key][1] is None else s[ci_key][1] * scale for s in stats])
+    return y, np.vstack([np.clip(y - lo, 0, None), np.clip(hi - y, 0, None)])
+
+
+def loss_figure(report: dict):
+    """Loss (bits per base) against preceding context per model, with bootstrap intervals, and
+    the relative change against the baseline when there is one."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    comparison = report.get("comparison")
+    fig, axes = plt.subplots(1, 2 if comparison else 1, figsize=(11 if comparison else 6, 4), squeeze=False)
+    ax = axes[0, 0]
+    for name, entry in report["results"].items():
+        buckets = [b for b in entry["buckets"] if b["tokens"]]
+        y, err = _errorbars(buckets, "bits", "bits_ci")
+        ax.errorbar(_centres(buckets), y, yerr=err, marker="o", capsize=3, label=_label(report, name))
+    ax.set_xscale("log")
+    ax.set_xlabel("preceding context in the window (bases)")
+    ax.set_ylabel("loss (bits per base)")
+    ax.set_title(f"{report['data'].get('chrom') or report['data']['split']}: loss by context (95% CI over windows)")
+    ax.legend()
+    if comparison:
+        ax = axes[0, 1]
+        stats = [c for c, b in zip(comparison["buckets"], report["results"]["model"]["buckets"]) if b["tokens"]]
+        y, err = _errorbars(stats, "change", "ci", 100)
+        ax.errorbar(_centres(stats), y, yerr=err, marker="o", capsize=3, color="C2")
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("preceding context in the window (bases)")
+        ax.set_ylabel("change vs baseline (%)")
+        overall = comparison["all"]["change"]
+        ax.set_title(f"model vs baseline: {overall * 100:+.2f}% overall" if overall is not None else "model vs baseline")
+    fig.tight_layout()
+    return fig
+
+
+def _label(report: dict, name: str) -> str:
+    info = report["models"][name]
+    step = f" step {info['step']}" if info.get("step") is not None else ""
+    return f"{name} ({info['kind']}{step})"
+
+
+def write_figure(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    try:
+        _save_figure(fig, path)
+    finally:
+        plt.close(fig)
