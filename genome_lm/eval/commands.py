@@ -139,6 +139,50 @@ def eval_command(
     print_report(report)
 
 
+def check_logprobs_command(
+    model: Annotated[str, typer.Option(help="A training run, checkpoint or Hugging Face glm5_next folder, or preset:tiny (fresh seeded weights).")],
+    lengths: Annotated[str, typer.Option(help="Comma-separated context lengths (k=1024); one sequence each.")] = "1k,4k,16k",
+    chunk: Annotated[str, typer.Option(help="Tokens per chunk of the chunked-prefill path.")] = "4k",
+    threshold: Annotated[Optional[float], typer.Option(help="Largest allowed max |delta logprob|; default 1e-4 for fp32 models, 0.1 for bf16.")] = None,
+    paths: Annotated[str, typer.Option(help="Inference paths to compare: prefill, transformers, vllm (those that cannot run here are reported as not run).")] = "prefill,transformers,vllm",
+    dataset: Annotated[Optional[Path], typer.Option(help="Score the start of this dataset's longest evaluation window instead of random DNA.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the random DNA (and of preset weights).")] = 0,
+) -> None:
+    """Compare per-token log-probabilities of the training forward with independent inference paths.
+
+    The same tokens go through the training forward and through genome-lm's chunked prefill (carried KDA state, cached DSA keys), transformers' glm5_next (a Hugging Face model, when installed) and vLLM (when installed on a GPU). Prints mean and max |delta logprob| of the realised next token per context length and exits with status 1 when any path exceeds --threshold. On CPU in fp32 the prefill path stays below 1e-4.
+    """
+    from .logprobs import check_logprobs
+
+    sizes = [_size(x) for x in lengths.split(",") if x.strip()]
+    wanted = tuple(x.strip() for x in paths.split(",") if x.strip())
+
+    def show(row):
+        console.print(f"{row.path} T={row.length:,}: mean |d logprob| {row.mean_abs:.3g}, max {row.max_abs:.3g}",
+                      highlight=False)
+
+    try:
+        rows, limit = check_logprobs(model, sizes, chunk=_size(chunk), threshold=threshold, seed=seed,
+                                     dataset=dataset, paths=wanted, progress=show)
+    except GenomeLMError as exc:
+        _fail(exc)
+    table = Table(title=f"training forward vs inference paths: |delta log p(next token)| ({model})", title_justify="left")
+    for column in ("path", "T", "mean |d logprob|", "max |d logprob|", f"<= {limit:g}", "note"):
+        table.add_column(column, justify="left" if column in ("path", "note") else "right")
+    for r in rows:
+        ok = "" if r.passed is None else ("yes" if r.passed else "[bold red]NO[/]")
+        table.add_row(r.path, f"{r.length:,}", "" if r.mean_abs is None else f"{r.mean_abs:.3g}",
+                      "" if r.max_abs is None else f"{r.max_abs:.3g}", ok, r.note)
+    console.print(table)
+    failed = [f"{r.path} T={r.length:,}" for r in rows if r.passed is False]
+    if failed:
+        Console(stderr=True).print(f"[bold red]log-probabilities differ[/] above {limit:g}: {', '.join(failed)}")
+        raise typer.Exit(1)
+    ran = sorted({r.path for r in rows if r.passed})
+    console.print(f"every path that ran ({', '.join(ran)}) agrees within {limit:g}", highlight=False)
+
+
 def register(app: typer.Typer) -> None:
     """Add the evaluation commands to the CLI."""
     app.command("eval")(eval_command)
+    app.command("check-logprobs")(check_logprobs_command)
