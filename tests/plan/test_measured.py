@@ -12,7 +12,6 @@ from genome_lm.plan.memory_model import with_changes
 from genome_lm.plan.sweep import predicted_step
 
 CASES = [
-    (4096, "plain", {}),
     (8192, "plain", {}),
     (4096, "full recompute", {"recompute": "full"}),
     (8192, "full recompute", {"recompute": "full"}),
@@ -38,5 +37,5 @@ def test_predicted_peak_within_15_percent_of_measured():
     print("\n".join(report))
     for line, (T, name, _), run, got in zip(report, CASES, runs, measured):
         assert predicted_step(run) == pytest.approx(got.peak_bytes, rel=0.15), line
-    # the techniques do what the plan says: full recompute roughly halves the 8k peak or better
-    assert measured[3].peak_bytes < 0.5 * measured[1].peak_bytes
+    # the techniques do what the plan says: full recompute at least halves the 8k peak
+    assert measured[2].peak_bytes < 0.5 * measured[0].peak_bytes

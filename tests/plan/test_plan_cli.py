@@ -102,12 +102,11 @@ def test_context_parallel_divides_the_activations():
 def test_bench_sweep_writes_table_json_and_png(tmp_path):
     import json
 
-    result = runner.invoke(app, ["bench", "sweep", "--lengths", "512,1k", "--settings", "plain,recompute",
+    result = runner.invoke(app, ["bench", "sweep", "--lengths", "512,1k", "--settings", "recompute",
                                  "--threads", "1", "--out", str(tmp_path)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     rows = json.loads((tmp_path / "sweep.json").read_text())
-    assert [(r["setting"], r["seq_len"]) for r in rows] == [("plain", 512), ("plain", 1024), ("recompute", 512),
-                                                             ("recompute", 1024)]
+    assert [(r["setting"], r["seq_len"]) for r in rows] == [("recompute", 512), ("recompute", 1024)]
     assert all(r["peak_bytes"] > 0 and r["tokens_per_s"] > 0 for r in rows)
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
 
