@@ -182,7 +182,75 @@ def check_logprobs_command(
     console.print(f"every path that ran ({', '.join(ran)}) agrees within {limit:g}", highlight=False)
 
 
+def recall_command(
+    model: Annotated[str, typer.Option(help="A training run, checkpoint or Hugging Face folder, or preset:tiny.")],
+    dataset: Annotated[Optional[Path], typer.Option(help="Draw segments and background from this dataset's evaluation split (N-free stretches); default: the run's data.dataset, else random DNA.")] = None,
+    distances: Annotated[Optional[str], typer.Option(help="Comma-separated distances d (k=1024); default: 64, 256, 1k, ... (x4) up to --max-distance.")] = None,
+    max_distance: Annotated[str, typer.Option(help="Largest default distance (set it to the window length for the full sweep; slow on a CPU).")] = "4k",
+    trials: Annotated[int, typer.Option(help="Trials (segment, background draws) per distance.", min=2)] = 8,
+    segment: Annotated[int, typer.Option(help="Length of the copied segment in bases.", min=8)] = 256,
+    chunk: Annotated[str, typer.Option(help="Chunked prefill above this many tokens.")] = "32k",
+    seed: Annotated[int, typer.Option(help="Seed of the draws and the bootstrap.")] = 0,
+    recall_bench: Annotated[bool, typer.Option(help="Also run recall-bench's own sweep through its CallableModel (when installed).")] = True,
+    out: Annotated[Path, typer.Option(help="JSON file for the results.")] = Path("recall.json"),
+) -> None:
+    """Long-range recall probe: the copy advantage CE(control) - CE(repeat) per distance.
+
+    A segment of real (or demo) sequence is repeated after d bases of background; the control puts another segment in the first copy's place. The loss on the final segment in both gives the copy advantage in nats per base, with a 95% bootstrap interval over trials. When recall-bench is installed its own sweep runs too, through its CallableModel interface, with background from the same sequence; both are printed and written to --out.
+    """
+    import json
+
+    from .recall import (SequencePool, copy_probe, default_distances, recall_bench_available,
+                         run_recall_bench)
+
+    dists = [_size(x) for x in distances.split(",")] if distances else default_distances(_size(max_distance))
+    chunk_size = _size(chunk)
+    try:
+        from genome_lm.engine import quiet_megatron_import
+        from genome_lm.engine.parallel import parallel_context
+
+        from .models import load_model
+        from .report import atomic_write
+
+        with quiet_megatron_import(), parallel_context() as pg:
+            lm = load_model(model, pg, seed=seed)
+            source = dataset or (Path(lm.config.data.dataset) if lm.config is not None else None)
+            pool = SequencePool.from_dataset(source, min_run=segment * 2) if source else \
+                SequencePool.random(max(dists) * 4 + 4 * segment, seed)
+            rows = copy_probe(lm.model, pool, dists, segment=segment, trials=trials, seed=seed, chunk=chunk_size,
+                              token_map=lm.token_map,
+                              on_trial=lambda d, i: console.print(f"d={d:,} trial {i + 1}/{trials}", highlight=False)
+                              if i + 1 == trials else None)
+            bench = None
+            if recall_bench and recall_bench_available():
+                bench = run_recall_bench(lm.model, pool, dists, trials=trials, seed=seed, segment=segment,
+                                         chunk=chunk_size, token_map=lm.token_map)
+    except ValueError as exc:
+        _fail(GenomeLMError(f"{dataset or model}: {exc}"))
+    except GenomeLMError as exc:
+        _fail(exc)
+    table = Table(title=f"copy advantage CE(control) - CE(repeat), nats/base, {segment}-base segment, {trials} trials "
+                        f"({model}; {'dataset ' + str(source) if source else 'random DNA'})", title_justify="left")
+    for column in ("distance", "CE repeat", "CE control", "advantage [95% CI]", "recall-bench"):
+        table.add_column(column, justify="right")
+    by_d = {r["dist"]: r for r in bench or []}
+    for r in rows:
+        rb_row = by_d.get(r.distance)
+        rb_text = "not installed" if bench is None else (
+            f"{rb_row['copy_advantage']:+.4f} +- {rb_row['stderr']:.4f}" if rb_row and rb_row.get("status") == "ok"
+            else (rb_row or {}).get("status", "-"))
+        table.add_row(f"{r.distance:,}", f"{r.ce_repeat:.4f}", f"{r.ce_control:.4f}",
+                      f"{r.advantage:+.4f} [{r.ci_low:+.4f}, {r.ci_high:+.4f}]", rb_text)
+    console.print(table)
+    doc = {"schema": "genome-lm.recall/1", "model": model, "source": str(source) if source else "random",
+           "segment": segment, "trials": trials, "seed": seed, "rows": [r.to_json() for r in rows],
+           "recall_bench": bench}
+    atomic_write(out, (json.dumps(doc, indent=1, default=str) + "\n").encode())
+    console.print(f"wrote {out}", highlight=False)
+
+
 def register(app: typer.Typer) -> None:
     """Add the evaluation commands to the CLI."""
     app.command("eval")(eval_command)
     app.command("check-logprobs")(check_logprobs_command)
+    app.command("recall")(recall_command)

@@ -114,27 +114,16 @@ def check_logprobs(model_spec: str, lengths: list[int], *, chunk: int = 4096, th
     """Rows per (path, length) and the threshold applied. ``model_spec``: a run, checkpoint or
     Hugging Face folder (``eval.models``), or ``preset:NAME`` for fresh weights seeded by ``seed``."""
     from genome_lm.engine import quiet_megatron_import
-    from genome_lm.engine.parallel import ParallelSizes, parallel_context
+    from genome_lm.engine.parallel import parallel_context
     from genome_lm.model.prefill import chunked_logits
 
     from .models import load_model
 
     rows: list[LogprobRow] = []
     with quiet_megatron_import(), parallel_context() as pg:
-        if model_spec.startswith("preset:"):
-            from genome_lm.model import get_preset
-            from genome_lm.model.model import build_model
-
-            try:
-                cfg = get_preset(model_spec[len("preset:"):])
-            except ValueError as exc:
-                raise GenomeLMError(str(exc)) from None
-            torch.manual_seed(seed)
-            model, token_map, hf_dir = build_model(cfg, pg, ParallelSizes()).eval(), None, None
-        else:
-            lm = load_model(model_spec, pg)
-            model, token_map = lm.model, lm.token_map
-            hf_dir = Path(lm.info["path"]) if lm.info["kind"] == "huggingface" else None
+        lm = load_model(model_spec, pg, seed=seed)
+        model, token_map = lm.model, lm.token_map
+        hf_dir = Path(lm.info["path"]) if lm.info["kind"] == "huggingface" else None
         dtype = next(model.parameters()).dtype
         if threshold is None:
             threshold = 1e-4 if dtype == torch.float32 else 0.1

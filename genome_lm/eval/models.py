@@ -5,7 +5,8 @@
 - a Hugging Face glm5_next folder (``config.json`` + safetensors, e.g. ``genome-lm export``);
 - ``init`` (only as the baseline of a run or checkpoint): that run's starting weights, rebuilt
   from its config and seed as the trainer built them (the pretrained ``model.checkpoint`` when
-  it had one, else the seeded random initialisation).
+  it had one, else the seeded random initialisation);
+- ``preset:NAME``: a model preset with fresh weights seeded by ``seed`` (checks and tests).
 
 Checkpoints are verified (sizes and checksums) before their weights are read.
 """
@@ -45,13 +46,26 @@ def _checkpoint_folder(path: Path) -> tuple[Path, Path] | None:
     return None
 
 
-def load_model(spec: str | Path, pg, *, init_of: LoadedModel | None = None) -> LoadedModel:
+def load_model(spec: str | Path, pg, *, init_of: LoadedModel | None = None, seed: int = 0) -> LoadedModel:
     """Build the model ``spec`` names (see the module docstring) in process groups ``pg``."""
     from genome_lm.config import RunConfig
     from genome_lm.engine.parallel import ParallelSizes
     from genome_lm.train.checkpoint import load_checkpoint, verify
     from genome_lm.train.trainer import build, token_map
 
+    if str(spec).startswith("preset:"):
+        from genome_lm.model import get_preset
+        from genome_lm.model.model import build_model
+
+        name = str(spec)[len("preset:"):]
+        try:
+            cfg = get_preset(name)
+        except ValueError as exc:
+            raise GenomeLMError(str(exc)) from None
+        torch.manual_seed(seed)
+        model = build_model(cfg, pg, ParallelSizes())
+        return LoadedModel(model.eval(), {"kind": "preset", "path": str(spec), "step": None, "preset": name,
+                                          "seed": seed})
     if str(spec) == "init":
         if init_of is None or init_of.config is None:
             raise GenomeLMError("--baseline init needs --model to be a training run or checkpoint (its starting "

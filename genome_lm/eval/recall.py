@@ -1,0 +1,174 @@
+"""Long-range recall probe: can the model copy a segment it saw d bases earlier?
+
+Each trial builds two sequences that end in the same segment A (``segment`` bases) and differ
+only in one earlier piece:
+
+    repeat : [ lead ][ A ][ d bases of background D ][ A ]
+    control: [ lead ][ C ][ d bases of background D ][ A ]      C: another segment, same length
+                                                      ^^^ scored
+
+and scores the final A by next-base cross-entropy (nats per base) in both. The *copy advantage*
+CE(control) - CE(repeat) isolates the use of the first copy across d bases: the two sequences
+are identical everywhere else. Pieces are drawn (seeded) from N-free stretches of real or demo
+sequence (a prepared dataset's evaluation split), or uniform random bases when none is given.
+The interval is a percentile bootstrap over trials.
+
+This follows the protocol of recall-bench (PyPI; its default "native" control keeps the
+background that really preceded D, ours puts a foreign segment there, so that both sequences
+carry one out-of-place piece). When recall-bench is installed, ``run_recall_bench`` also runs
+its own sweep through its ``CallableModel`` interface, with background from the same source, so
+both numbers can be reported side by side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from genome_lm.data.tokenizer import A, C, G, N, T
+
+from .score import token_nll
+
+LETTERS = {A: "A", C: "C", G: "G", T: "T", N: "N"}
+
+
+@dataclass
+class RecallRow:
+    distance: int
+    trials: int
+    ce_repeat: float
+    ce_control: float
+    advantage: float
+    ci_low: float
+    ci_high: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class SequencePool:
+    """N-free stretches of genome-lm token ids to draw probe pieces from."""
+
+    def __init__(self, stretches: list[np.ndarray]):
+        self.stretches = [s for s in stretches if s.size]
+        if not self.stretches:
+            raise ValueError("no N-free sequence to draw probe pieces from")
+        self.lengths = np.array([s.size for s in self.stretches])
+
+    @classmethod
+    def from_dataset(cls, dataset: str | Path, split: str = "eval", min_run: int = 4096) -> "SequencePool":
+        """Every N-free run of at least ``min_run`` bases in the split's windows (uppercase: the
+        soft-mask is not part of the token ids)."""
+        from genome_lm.data.loader import SplitReader
+
+        reader = SplitReader(dataset, split)
+        runs = []
+        for w in range(len(reader)):
+            tokens = reader.tokens(w)
+            bad = np.flatnonzero(tokens == N)
+            edges = np.concatenate([[-1], bad, [tokens.size]])
+            for a, b in zip(edges[:-1], edges[1:]):
+                if b - a - 1 >= min_run:
+                    runs.append(tokens[a + 1:b].astype(np.int64))
+        return cls(runs)
+
+    @classmethod
+    def random(cls, length: int, seed: int) -> "SequencePool":
+        rng = np.random.default_rng(seed)
+        return cls([rng.choice(np.array([A, C, G, T]), size=length)])
+
+    def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """n contiguous bases from one stretch, or stretches joined end to end when none is long enough."""
+        ok = np.flatnonzero(self.lengths >= n)
+        if ok.size:
+            s = self.stretches[int(rng.choice(ok))]
+            start = int(rng.integers(0, s.size - n + 1))
+            return s[start:start + n]
+        parts, got = [], 0
+        while got < n:
+            parts.append(self.stretches[int(rng.integers(len(self.stretches)))])
+            got += parts[-1].size
+        return np.concatenate(parts)[:n]
+
+
+def probe_sequences(pool: SequencePool, rng: np.random.Generator, distance: int, segment: int, lead: int):
+    """(repeat, control, first scored index) token arrays of one trial."""
+    seg_a, seg_c = pool.draw(rng, segment), pool.draw(rng, segment)
+    lead_bg, gap = pool.draw(rng, lead), pool.draw(rng, distance)
+    repeat = np.concatenate([lead_bg, seg_a, gap, seg_a])
+    control = np.concatenate([lead_bg, seg_c, gap, seg_a])
+    return repeat, control, lead + segment + distance
+
+
+def copy_probe(model, pool: SequencePool, distances: list[int], *, segment: int = 256, lead: int = 64,
+               trials: int = 8, seed: int = 0, chunk: int | None = None, token_map=None, resamples: int = 1000,
+               on_trial=None) -> list[RecallRow]:
+    """Copy advantage per distance (nats per base) with a 95% bootstrap interval over trials."""
+    rows = []
+    for d in distances:
+        rng = np.random.default_rng([seed, d])
+        rep, ctl = np.empty(trials), np.empty(trials)
+        for i in range(trials):
+            repeat, control, first = probe_sequences(pool, rng, d, segment, lead)
+            scored = slice(first - 1, first - 1 + segment)  # nll[j] scores token j + 1
+            rep[i] = token_nll(model, repeat, chunk=chunk, token_map=token_map)[scored].mean()
+            ctl[i] = token_nll(model, control, chunk=chunk, token_map=token_map)[scored].mean()
+            if on_trial is not None:
+                on_trial(d, i)
+        adv = ctl - rep
+        boot = np.random.default_rng([seed, d, 1]).integers(0, trials, size=(resamples, trials))
+        lo, hi = np.percentile(adv[boot].mean(1), [2.5, 97.5])
+        rows.append(RecallRow(d, trials, float(rep.mean()), float(ctl.mean()), float(adv.mean()), float(lo), float(hi)))
+    return rows
+
+
+def default_distances(max_distance: int) -> list[int]:
+    """64, 256, 1k, 4k, ... (x4) up to ``max_distance``."""
+    out, d = [], 64
+    while d <= max_distance:
+        out.append(d)
+        d *= 4
+    return out
+
+
+def recall_bench_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("recall_bench") is not None
+
+
+def run_recall_bench(model, pool: SequencePool, distances: list[int], *, trials: int = 8, seed: int = 0,
+                     segment: int = 256, chunk: int | None = None, token_map=None) -> list[dict]:
+    """recall-bench's own copy-advantage sweep through its ``CallableModel`` interface, with
+    background drawn from ``pool`` (no download). Returns its rows (copy_advantage, stderr, ...)."""
+    import recall_bench as rb
+
+    to_id = np.full(128, N, dtype=np.int64)
+    for token, letter in LETTERS.items():
+        to_id[ord(letter)] = token
+    mapping = token_map.numpy() if token_map is not None else None
+
+    def tokenize(text: str) -> list[int]:  # bases -> the model's ids
+        ids = to_id[np.frombuffer(text.upper().encode(), dtype=np.uint8)]
+        return (mapping[ids] if mapping is not None else ids).tolist()
+
+    def logits_fn(ids_BT: torch.Tensor) -> torch.Tensor:
+        ids = ids_BT.cpu()
+        with torch.no_grad():
+            if chunk is None or ids.shape[1] <= chunk:
+                return model(ids).logits.float()
+            from genome_lm.model.prefill import chunked_logits
+
+            return torch.cat([lg.float() for _, lg in chunked_logits(model, ids, chunk)], 1)
+
+    letters = np.full(256, ord("N"), dtype=np.uint8)
+    for token, letter in LETTERS.items():
+        letters[token] = ord(letter)
+    background = rb.DNABackground.from_strings([letters[s].tobytes().decode() for s in pool.stretches])
+    adapter = rb.CallableModel(logits_fn=logits_fn, tokenize=tokenize, causal=True, max_ctx=1 << 30,
+                               name="genome-lm", device="cpu")
+    return rb.evaluate(adapter, distances=distances, seg=segment, trials=trials, seed=seed, background=background,
+                       verbose=False)
