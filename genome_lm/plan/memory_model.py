@@ -321,10 +321,15 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
             group = [lay for lay in layers if lay.kind == kind and lay.mlp == mlp]
             if group:
                 lay = group[0]
-                plan.activations.append(Item(f"{len(group)} x {kind} + {mlp}", lay.saved * T,
-                                             f"attention {lay.attention * T / GiB:.2f} GiB, {mlp} "
-                                             f"{lay.mlp_saved * T / GiB:.2f} GiB, mHC/norms {lay.rest * T / GiB:.2f} "
-                                             f"GiB, backward buffers {lay.backward * T / GiB:.2f} GiB per layer"))
+                note = (f"attention {lay.attention * T / GiB:.2f} GiB, {mlp} {lay.mlp_saved * T / GiB:.2f} GiB, "
+                        f"mHC/norms {lay.rest * T / GiB:.2f} GiB, backward buffers "
+                        f"{(lay.backward * T + lay.backward_fixed) / GiB:.2f} GiB per layer")
+                if lay.forward_fixed:
+                    note += f"; indexer query blocks {lay.forward_fixed / GiB:.2f} GiB in forward"
+                if mlp == "MoE":
+                    note += (f"; dispatch buffers {act.moe_dispatch(cfg, s, mem.moe_chunks) * T / GiB:.2f} GiB "
+                             f"({mem.moe_chunks} chunks, busiest rank x{s.moe_imbalance if p.ep > 1 else 1:g})")
+                plan.activations.append(Item(f"{len(group)} x {kind} + {mlp}", lay.saved * T, note))
     plan.activations.append(Item("loss head", head_peak * T, f"vocabulary {cfg.vocab_size} / tp {p.tp}"))
 
     # what the switches save (each against the same run without it): device peak, host memory
