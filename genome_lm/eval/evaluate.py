@@ -166,6 +166,9 @@ def _planted_beside(manifest) -> Path | None:
 
 def write_outputs(report: dict, out: Path) -> None:
     """eval.json, eval.csv, loss_by_context.png (and planted_copies.png), each atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
     from .planted import distance_figure
 
     files = {"json": str(out / "eval.json"), "csv": str(out / "eval.csv"), "plot": str(out / "loss_by_context.png")}

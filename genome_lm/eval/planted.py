@@ -137,15 +137,15 @@ def verdict(section: dict, name: str = "model") -> str:
     return text + ": the interval does not exclude zero, no measurable use of the first copy"
 
 
-def distance_figure(section: dict):
+def distance_figure(section: dict, ax=None):
     """Loss on planted copy bases against their distance to the source base, per model; filled
-    markers: source inside the window, open: outside; dashed: the model's loss off copies."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
+    markers: source inside the window, open: outside; dotted: the model's loss off copies.
+    ``ax``: draw into it instead of a new figure."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.5, 4))
+    fig = ax.figure
     plotted = False
     for k, (name, entry) in enumerate(section["models"].items()):
         color = f"C{k}"

@@ -159,17 +159,18 @@ def _errorbars(stats: list[dict], key: str, ci_key: str, scale: float = 1.0):
     return y, np.vstack([np.clip(y - lo, 0, None), np.clip(hi - y, 0, None)])
 
 
-def loss_figure(report: dict):
+def loss_figure(report: dict, axes=None):
     """Loss (bits per base) against preceding context per model, with bootstrap intervals, and
-    the relative change against the baseline when there is one."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
+    the relative change against the baseline when there is one (a second panel). ``axes``: draw
+    into these (one, or two with a baseline) instead of a new figure."""
     import matplotlib.pyplot as plt
 
     comparison = report.get("comparison")
-    fig, axes = plt.subplots(1, 2 if comparison else 1, figsize=(11 if comparison else 6, 4), squeeze=False)
-    ax = axes[0, 0]
+    if axes is None:
+        fig, grid = plt.subplots(1, 2 if comparison else 1, figsize=(11 if comparison else 6, 4), squeeze=False)
+        axes = list(grid[0])
+    fig = axes[0].figure
+    ax = axes[0]
     for name, entry in report["results"].items():
         buckets = [b for b in entry["buckets"] if b["tokens"]]
         y, err = _errorbars(buckets, "bits", "bits_ci")
@@ -179,8 +180,8 @@ def loss_figure(report: dict):
     ax.set_ylabel("loss (bits per base)")
     ax.set_title(f"{report['data'].get('chrom') or report['data']['split']}: loss by context (95% CI over windows)")
     ax.legend()
-    if comparison:
-        ax = axes[0, 1]
+    if comparison and len(axes) > 1:
+        ax = axes[1]
         stats = [c for c, b in zip(comparison["buckets"], report["results"]["model"]["buckets"]) if b["tokens"]]
         y, err = _errorbars(stats, "change", "ci", 100)
         ax.errorbar(_centres(stats), y, yerr=err, marker="o", capsize=3, color="C2")

@@ -1,9 +1,12 @@
 """A small trained run on a scaled-down demo genome, shared by the evaluation tests."""
 
+import json
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from genome_lm.cli import app
 from genome_lm.config import load_config
 from genome_lm.data.demo_genome import write_demo_genome
 from genome_lm.data.prepare import PrepareRequest, prepare
@@ -29,3 +32,15 @@ def demo_run(tmp_path_factory) -> Path:
     with quiet_megatron_import():
         train(cfg, progress=False)
     return root
+
+
+@pytest.fixture(scope="session")
+def evaluated(demo_run, tmp_path_factory):
+    """`genome-lm eval` of the run against its starting weights on 4 chr22 windows:
+    (out folder, eval.json content, terminal output)."""
+    out = tmp_path_factory.mktemp("eval-out") / "chr22"
+    result = CliRunner().invoke(app, ["eval", "--model", str(demo_run / "run"), "--baseline", "init",
+                                      "--chrom", "22", "--chunk", "256", "--max-windows", "4", "--resamples", "200",
+                                      "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    return out, json.loads((out / "eval.json").read_text()), result.output

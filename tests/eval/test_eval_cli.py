@@ -16,16 +16,6 @@ from genome_lm.eval.report import SCHEMA
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def evaluated(demo_run, tmp_path_factory):
-    out = tmp_path_factory.mktemp("eval-out") / "chr22"
-    result = runner.invoke(app, ["eval", "--model", str(demo_run / "run"), "--baseline", "init", "--chrom", "22",
-                                 "--chunk", "256", "--max-windows", "4", "--resamples", "200",
-                                 "--out", str(out), "--quiet"])
-    assert result.exit_code == 0, result.output
-    return out, json.loads((out / "eval.json").read_text()), result.output
-
-
 def test_report_files_and_schema(evaluated):
     out, report, output = evaluated
     assert report["schema"] == SCHEMA
