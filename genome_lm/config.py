@@ -94,6 +94,9 @@ class MemoryConfig(Section):
     optimizer_offload: bool = Field(False, description="Keep optimizer state in host memory (megatron-core's CPU offload).")
     moe_chunks: int = Field(1, ge=1, description="Pass the tokens through each MoE layer in this many chunks (the "
                                                  "published run used 64 at 512k).")
+    loss_chunk: int | None = Field(None, gt=0, description="Positions per block of the output layer and the loss, "
+                                                          "each block's logits recomputed in backward (None = all at "
+                                                          "once; the logits of a large vocabulary dominate long windows).")
     dsa_query_chunk: int | None = Field(None, gt=0, description="Queries per chunk through each DSA layer "
                                                                "(None = all; the published run used 65536).")
 

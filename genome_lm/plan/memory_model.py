@@ -271,10 +271,13 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
     layers = layer_bytes(cfg, s, run.data.seq_len, run.train.micro_batch_size)
     keeps = [kept(layer, mem, cfg, s) for layer in layers]
     offload = mem.offload_activations and on_gpu
-    head = act.saved_head(cfg, s)
-    head_peak = head + act.head_transient(cfg, s)
+    # the loss head: per token its input and norm; the vocabulary-wide tensors (softmax kept for
+    # backward, logits, their fp32 copy and gradient) per position of one loss block when chunked
+    vocab = cfg.vocab_size / s.tp * act.F32 + act.head_transient(cfg, s)
+    head_tokens = min(T, mem.loss_chunk * run.train.micro_batch_size) if mem.loss_chunk else T
+    head_bytes = (act.saved_head(cfg, s) + act.head_transient(cfg, s) - vocab) * T + vocab * head_tokens
     on_device = [0.0 if offload else k for k in keeps]
-    candidates = [(sum(on_device) * T + head_peak * T, "loss (end of forward)")]
+    candidates = [(sum(on_device) * T + head_bytes, "loss (end of forward)")]
     # recompute of layer i's attention in backward runs the forward's working blocks again
     recomputes_attention = mem.recompute == "full" or (mem.recompute == "selective"
                                                         and "attention" in mem.recompute_modules)
@@ -330,7 +333,8 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
                     note += (f"; dispatch buffers {act.moe_dispatch(cfg, s, mem.moe_chunks) * T / GiB:.2f} GiB "
                              f"({mem.moe_chunks} chunks, busiest rank x{s.moe_imbalance if p.ep > 1 else 1:g})")
                 plan.activations.append(Item(f"{len(group)} x {kind} + {mlp}", lay.saved * T, note))
-    plan.activations.append(Item("loss head", head_peak * T, f"vocabulary {cfg.vocab_size} / tp {p.tp}"))
+    plan.activations.append(Item("loss head", head_bytes, f"vocabulary {cfg.vocab_size} / tp {p.tp}"
+                                 + (f", in blocks of {mem.loss_chunk} positions" if mem.loss_chunk else "")))
 
     # what the switches save (each against the same run without it): device peak, host memory
     def saving(name: str, **without) -> None:

@@ -52,3 +52,29 @@ def global_sum(value: torch.Tensor, group=None) -> torch.Tensor:
     if dist.is_initialized() and (group is None or group.size() > 1):
         dist.all_reduce(value, group=group)
     return value
+
+
+def _block_ce(output_layer, h_SBD, labels_BT, tp_group):
+    logits = output_layer(h_SBD)[0].transpose(0, 1)  # [B, S, V / tp]
+    return token_cross_entropy(logits, labels_BT.clamp_min(0), tp_group)
+
+
+def chunked_lm_loss(output_layer, h_SBD, labels_BT, weights_BT, *, global_weight: torch.Tensor, chunk: int,
+                    indexer_losses=(), indexer_coeff: float = 1.0, tp_group=None) -> LossParts:
+    """``lm_loss`` of ``output_layer(h)`` computed ``chunk`` positions at a time: each block's
+    logits (and their fp32 copies and softmax) exist only while it is scored and are recomputed
+    in backward, so the loss holds [chunk, V / tp] instead of [T, V / tp] (over a 154,880-entry
+    vocabulary that is the largest activation of a long window)."""
+    from torch.utils.checkpoint import checkpoint
+
+    S = h_SBD.shape[0]
+    w = weights_BT.float()
+    lm_sum = h_SBD.new_zeros((), dtype=torch.float32)
+    for s0 in range(0, S, chunk):
+        s1 = min(s0 + chunk, S)
+        ce = checkpoint(_block_ce, output_layer, h_SBD[s0:s1], labels_BT[:, s0:s1], tp_group, use_reentrant=False)
+        lm_sum = lm_sum + (ce * w[:, s0:s1]).sum()
+    lm = lm_sum / global_weight.clamp_min(1e-12)
+    indexer = sum(indexer_losses) if indexer_losses else torch.zeros((), device=lm.device)
+    total = lm + indexer_coeff * indexer
+    return LossParts(total, lm, lm_sum.detach(), w.sum(), indexer.detach() if torch.is_tensor(indexer) else indexer)

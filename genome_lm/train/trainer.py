@@ -208,7 +208,7 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
     from genome_lm.tracking import Tracker
 
     from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from .loss import global_sum, lm_loss
+    from .loss import global_sum
     from .memory import apply_memory, offload_saved_tensors, release_host_cache
     from .optim import learning_rate
 
@@ -284,13 +284,10 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
                     if to_model is not None:  # bases -> the checkpoint's single-letter tokens
                         batch.tokens, batch.labels = to_model[batch.tokens], to_model[batch.labels.clamp_min(0)]
                     with offload_saved_tensors(cfg.memory.offload_activations, cfg.memory.offload_pinned):
-                        outp = ddp(batch.tokens.to(_device()), gather_logits=False, indexer_loss=mode,
-                                   indexer_tokens=seq_len if cp > 1 else None)
-                        parts = lm_loss(outp.logits, batch.labels.to(_device()), batch.loss_weight.to(_device()),
-                                        global_weight=weight, indexer_losses=outp.indexer_losses,
-                                        # the model already divides each CP rank's indexer loss by cp
-                                        indexer_coeff=cfg.train.indexer_loss_coeff / (dp_size * len(micro)),
-                                        tp_group=pg.tp)
+                        parts = _forward_loss(ddp, model, batch, mode, cfg, weight, pg,
+                                              indexer_tokens=seq_len if cp > 1 else None,
+                                              # the model already divides each CP rank's indexer loss by cp
+                                              indexer_coeff=cfg.train.indexer_loss_coeff / (dp_size * len(micro)))
                         parts.total.backward()
                     lm_sum += parts.lm_sum.float().cpu()
                     idx_sum += parts.indexer.float().cpu() / len(micro)
@@ -333,6 +330,22 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
             _log_curve(tracker, result, out, rank)
             result.tracking = tracker.location
         return result
+
+
+def _forward_loss(ddp, model, batch, mode, cfg, weight, pg, *, indexer_tokens, indexer_coeff):
+    """The step's loss parts for one micro-batch: the model and the weighted cross-entropy,
+    in blocks of ``memory.loss_chunk`` positions when set."""
+    from .loss import chunked_lm_loss, lm_loss
+
+    tokens, labels, weights = (t.to(_device()) for t in (batch.tokens, batch.labels, batch.loss_weight))
+    if cfg.memory.loss_chunk:
+        h, indexer_losses = model.hidden(tokens, mode, indexer_tokens)
+        return chunked_lm_loss(model.output_layer, h, labels, weights, global_weight=weight,
+                               chunk=cfg.memory.loss_chunk, indexer_losses=indexer_losses,
+                               indexer_coeff=indexer_coeff, tp_group=pg.tp)
+    outp = ddp(tokens, gather_logits=False, indexer_loss=mode, indexer_tokens=indexer_tokens)
+    return lm_loss(outp.logits, labels, weights, global_weight=weight, indexer_losses=outp.indexer_losses,
+                   indexer_coeff=indexer_coeff, tp_group=pg.tp)
 
 
 def _cp_part(batch, cp: int, rank: int):

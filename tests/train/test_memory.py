@@ -85,3 +85,39 @@ def test_full_recompute_keeps_no_graph_after_the_step(pg):
     ids = torch.randint(4, 9, (1, 129))
     _step(model, ids, torch.ones(1, 128))
     assert _tensors_with_history(model) == []
+
+
+@pytest.mark.parametrize("chunk", [1, 37, 200, 500])
+def test_chunked_loss_equals_the_whole_loss(pg, chunk):
+    """The output layer and cross-entropy in blocks of ``chunk`` positions (logits recomputed in
+    backward) give the loss and every gradient of the loss over all positions at once."""
+    from genome_lm.train.loss import chunked_lm_loss
+
+    torch.manual_seed(0)
+    model = build_model(get_preset("tiny").replace(index_topk=32), pg, ParallelSizes(), kernel_backend="torch")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(4, 9, (2, 201), generator=g)
+    labels = ids[:, 1:].masked_fill(torch.rand(2, 200, generator=g) < 0.1, -100)
+    weights = torch.rand(2, 200, generator=g) * (labels >= 0)
+    total = weights.sum()
+
+    def run(chunked):
+        model.zero_grad(set_to_none=True)
+        h, indexer_losses = model.hidden(ids[:, :-1], "sparse")
+        if chunked:
+            parts = chunked_lm_loss(model.output_layer, h, labels, weights, global_weight=total, chunk=chunk,
+                                    indexer_losses=indexer_losses, indexer_coeff=0.3)
+        else:
+            logits = model.output_layer(h)[0].transpose(0, 1)
+            parts = lm_loss(logits, labels, weights, global_weight=total, indexer_losses=indexer_losses,
+                            indexer_coeff=0.3)
+        parts.total.backward()
+        return parts, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    (whole, grads_a), (chunked, grads_b) = run(False), run(True)
+    assert chunked.lm.item() == pytest.approx(whole.lm.item(), rel=1e-6)
+    assert chunked.lm_sum.item() == pytest.approx(whole.lm_sum.item(), rel=1e-6)
+    assert grads_a.keys() == grads_b.keys()
+    for key, ga in grads_a.items():
+        err = (ga - grads_b[key]).abs().max() / ga.abs().max().clamp_min(1e-8)
+        assert err < 1e-5, (key, err.item())

@@ -171,3 +171,13 @@ def test_sequence_length_warmup(small_dataset, tmp_path):
     cfg = _config(small_dataset, tmp_path / "w", steps=3, extra=["data.seq_len_warmup=[[0, 128], [2, 256]]"])
     result = train(cfg, progress=False)
     assert [m.tokens for m in result.history] == [2 * 128, 2 * 128, 2 * 256]
+
+
+def test_loss_chunk_trains_like_the_whole_loss(small_dataset, tmp_path):
+    """memory.loss_chunk runs the output layer and loss in blocks inside train(): same losses."""
+    whole = train(_config(small_dataset, tmp_path / "whole", steps=2), progress=False)
+    chunked = train(_config(small_dataset, tmp_path / "chunked", steps=2, extra=["memory.loss_chunk=100"]),
+                    progress=False)
+    for a, b in zip(whole.history, chunked.history, strict=True):
+        assert b.lm_loss == pytest.approx(a.lm_loss, rel=1e-6)
+        assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5)
