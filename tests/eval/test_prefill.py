@@ -80,7 +80,7 @@ def test_growing_buffer():
 
 
 MEMORY_SCRIPT = textwrap.dedent("""
-    import json, resource, sys, torch
+    import json, sys, torch
     from genome_lm.engine import quiet_megatron_import
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
     from genome_lm.model import get_preset
@@ -89,7 +89,13 @@ MEMORY_SCRIPT = textwrap.dedent("""
     torch.set_num_threads(1)
 
     def peak():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # the resident high-water mark since the last reset (ru_maxrss would keep the process's
+        # lifetime peak, which start-up can set above everything measured here)
+        with open("/proc/self/status") as f:
+            hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return hwm
 
     def chunked(model, T, chunk):
         ids = torch.randint(4, 9, (1, T))
@@ -100,6 +106,7 @@ MEMORY_SCRIPT = textwrap.dedent("""
 
     with quiet_megatron_import(), parallel_context() as pg:
         model = build_model(get_preset("tiny"), pg, ParallelSizes(), kernel_backend="torch").eval()
+        peak()
         chunked(model, 512, 256)
         base = peak()
         chunked(model, 2048, 256)
