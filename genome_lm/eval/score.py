@@ -85,10 +85,9 @@ def token_nll(model, tokens: np.ndarray, *, chunk: int | None = None, token_map:
 @torch.no_grad()
 def score_split(model, dataset, split: str, *, windows: list[int] | None = None, max_windows: int | None = None,
                 chunk: int | None = None, token_map: torch.Tensor | None = None, device: torch.device | str = "cpu",
-                on_chunk=None, seq_len: int | None = None) -> TokenScores:
+                on_chunk=None) -> TokenScores:
     """Scores of every non-N target of the chosen windows (``windows``, else ``select_windows``
-    with ``max_windows``). ``seq_len`` is accepted for older callers and ignored: a window is
-    always scored whole."""
+    with ``max_windows``); a window is always scored whole, from its first base."""
     from genome_lm.data.loader import SplitReader
 
     reader = SplitReader(dataset, split)

@@ -134,3 +134,15 @@ def test_eval_straight_from_fasta(evaluated, demo_run, tmp_path):
     assert again["data"]["windows"] == report["data"]["windows"]
     assert again["results"]["model"]["all"]["nats"] == pytest.approx(report["results"]["model"]["all"]["nats"],
                                                                      rel=1e-6)
+
+
+def test_results_of_another_schema_are_refused(evaluated, tmp_path):
+    from genome_lm.errors import GenomeLMError
+    from genome_lm.eval.analysis import load_result
+
+    out, report, _ = evaluated
+    assert load_result(out / "eval.json")["schema"] == SCHEMA
+    other = tmp_path / "old.json"
+    other.write_text(json.dumps({**report, "schema": "genome-lm.eval/0"}))
+    with pytest.raises(GenomeLMError, match="genome-lm.eval/0"):
+        load_result(other)
