@@ -3,7 +3,8 @@
 For each window length, a fresh process builds the tiny preset (seeded weights), warms up on
 2k tokens, then scores one window of random DNA by chunked prefill (``genome_lm.model.prefill``,
 the path `genome-lm eval --chunk` takes): tokens/s, peak resident memory, its growth over the
-process's resident memory after the warm-up, and the carried cache (KDA states, DSA latents and
+process's resident memory after the warm-up (the high-water mark is reset there, so start-up's
+peak does not count), and the carried cache (KDA states, DSA latents and
 pooled indexer keys). glibc's mmap threshold is fixed at 1 MiB (``BENCH_MMAP_THRESHOLD``) so
 the RSS tracks live memory (at 64 KiB, every mid-sized tensor is a fresh mmap and the time
 doubles; unset, freed blocks stay in a fragmented heap and the RSS drifts by tens of MiB). A length
@@ -26,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 WORKER = r"""
-import json, resource, sys, time, torch
+import json, sys, time, torch
 from genome_lm.engine import quiet_megatron_import
 from genome_lm.engine.parallel import ParallelSizes, parallel_context
 from genome_lm.model import get_preset
@@ -35,7 +36,12 @@ from genome_lm.model.prefill import Prefill
 
 length, chunk, threads, full = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 torch.set_num_threads(threads)
-rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+def rss():  # resident high-water mark since the reset after the warm-up (not start-up's peak)
+    return status("VmHWM")
 with quiet_megatron_import(), parallel_context() as pg:
     torch.manual_seed(0)
     model = build_model(get_preset("tiny"), pg, ParallelSizes(), kernel_backend="torch").eval()
@@ -45,7 +51,9 @@ with quiet_megatron_import(), parallel_context() as pg:
         for s in range(0, 2048, 1024):
             warm(ids[:, s:s + 1024])
     del warm
-    base = rss()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+    base = status("VmRSS")
     print(json.dumps({"event": "start", "base_rss": base}), flush=True)
     t0 = time.perf_counter()
     if full:
