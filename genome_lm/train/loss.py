@@ -39,7 +39,11 @@ def lm_loss(logits_BTV, labels_BT, weights_BT, *, global_weight: torch.Tensor, i
     """``global_weight`` is sum(w) over the whole global batch (every rank passes the same)."""
     ce = token_cross_entropy(logits_BTV, labels_BT.clamp_min(0), tp_group)
     w = weights_BT.float()
-    lm_sum = (ce * w).sum()
+    return _loss_parts((ce * w).sum(), w, global_weight, indexer_losses, indexer_coeff)
+
+
+def _loss_parts(lm_sum, w, global_weight, indexer_losses, indexer_coeff) -> LossParts:
+    """The parts from sum(w * ce) over this rank's tokens and the indexer losses."""
     lm = lm_sum / global_weight.clamp_min(1e-12)
     indexer = sum(indexer_losses) if indexer_losses else torch.zeros((), device=lm.device)
     total = lm + indexer_coeff * indexer
@@ -74,7 +78,4 @@ def chunked_lm_loss(output_layer, h_SBD, labels_BT, weights_BT, *, global_weight
         s1 = min(s0 + chunk, S)
         ce = checkpoint(_block_ce, output_layer, h_SBD[s0:s1], labels_BT[:, s0:s1], tp_group, use_reentrant=False)
         lm_sum = lm_sum + (ce * w[:, s0:s1]).sum()
-    lm = lm_sum / global_weight.clamp_min(1e-12)
-    indexer = sum(indexer_losses) if indexer_losses else torch.zeros((), device=lm.device)
-    total = lm + indexer_coeff * indexer
-    return LossParts(total, lm, lm_sum.detach(), w.sum(), indexer.detach() if torch.is_tensor(indexer) else indexer)
+    return _loss_parts(lm_sum, w, global_weight, indexer_losses, indexer_coeff)
