@@ -235,9 +235,10 @@ def indexer_blocks(cfg: ModelConfig, s: Shard, seq_len: int, batch: int) -> tupl
     """(forward, backward) bytes of one query block of the DSA indexer (both backends run these
     in torch), over the whole sequence on every CP rank, ``query_chunk`` queries at a time:
 
-    - forward, selection (``kernels/dsa/indexer.py``): at ``pick_pools``' peak the [chunk,
-      T / kpool] fp32 pool scores, four bool masks and two int64 tensors (a running count and
-      the slots), 24 bytes per query and pool;
+    - forward, selection (``kernels/dsa/indexer.py``): the [chunk, T / kpool] fp32 pool
+      scores and one head's scores being added in, 8 bytes per query and pool; and for the
+      queries whose top-k is tied (``pick_pools``), ``TIED_ROWS`` of them at a time, a copy of
+      their scores, four bool masks and two int64 tensors, 28 bytes per pool;
     - forward and backward, the sparse indexer loss (``kernels/dsa/loss.py``): per query its
       candidate pool keys [topk / kpool, Di] and the [Hi, topk / kpool] scores with their ReLU
       and weighting, fp32; backward holds their gradients as well.
@@ -245,7 +246,8 @@ def indexer_blocks(cfg: ModelConfig, s: Shard, seq_len: int, batch: int) -> tupl
     chunk = DSA_DEFAULT_CHUNK if s.query_chunk is None else s.query_chunk
     chunk = min(chunk, seq_len)
     pools = seq_len // cfg.index_kpool
-    selection = chunk * pools * (F32 + 4 + 2 * I64)
+    tied_rows = importlib.import_module("genome_lm_kernels.dsa.indexer").TIED_ROWS
+    selection = chunk * pools * 2 * F32 + min(chunk, tied_rows) * pools * (F32 + 4 + 2 * I64)
     loss = 0.0
     if s.indexer_loss:
         M = min(cfg.index_topk // cfg.index_kpool, pools)

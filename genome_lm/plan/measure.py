@@ -3,8 +3,11 @@ planner (``tests/plan``) and for ``genome-lm bench sweep``.
 
 One forward + backward of ``RunConfig``'s model (random weights, random DNA tokens) with its
 memory switches applied, in a fresh Python process, so that nothing an earlier measurement
-allocated is counted. Peak: the process's resident-set high-water mark (``/proc`` VmHWM, reset
-after the model is built) minus the resident set at that point, i.e. what the step added.
+allocated is counted. A shorter warm-up step runs first (its gradients dropped): the first
+step pages in ~30 MiB of library code and leaves ~10 MiB of one-time library buffers, an amount
+that differs from one CPU to the next (CI measured 23 MiB more than this machine) and that is not
+the step's tensors. Peak: the process's resident-set high-water mark (``/proc`` VmHWM, reset
+after the warm-up) minus the resident set at that point, i.e. what the step added.
 
 glibc's malloc keeps freed blocks below its mmap threshold for reuse, and raises that threshold
 (up to 32 MiB) each time a larger block is freed, so a freed tensor often stays resident and
@@ -24,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 MMAP_THRESHOLD = "65536"
+WARM_UP_TOKENS = 8192  # long enough to take every kernel path (DSA's gathered blocks start at 2k)
 
 
 @dataclass
@@ -68,15 +72,21 @@ def _worker(spec: dict) -> dict:
         ids = torch.randint(4, 8, (run.train.micro_batch_size, T + 1))
         weights = torch.ones(run.train.micro_batch_size, T)
         mode = run.train.indexer_loss
+
+        def step(n: int) -> None:
+            with offload_saved_tensors(run.memory.offload_activations, pinned=False):
+                out = model(ids[:, :n], indexer_loss=mode)
+                parts = lm_loss(out.logits, ids[:, 1:n + 1], weights[:, :n], global_weight=weights[:, :n].sum(),
+                                indexer_losses=out.indexer_losses)
+                parts.total.backward()
+
+        step(min(T, WARM_UP_TOKENS))  # pages in the code and the libraries' one-time buffers
+        model.zero_grad(set_to_none=True)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the high-water mark to the current resident set
         base = _status("VmRSS")
         t0 = time.perf_counter()
-        with offload_saved_tensors(run.memory.offload_activations, pinned=False):
-            out = model(ids[:, :-1], indexer_loss=mode)
-            parts = lm_loss(out.logits, ids[:, 1:], weights, global_weight=weights.sum(),
-                            indexer_losses=out.indexer_losses)
-            parts.total.backward()
+        step(T)
         seconds = time.perf_counter() - t0
         peak = _status("VmHWM") - base
     return {"seq_len": T, "seconds": seconds, "peak_bytes": peak}

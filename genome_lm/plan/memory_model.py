@@ -8,7 +8,9 @@ from ``plan.activations``. The step's peak is the largest of
 
     forward end / loss:   static + sum over layers of what they keep + the loss head
     backward of layer i:  static + what layers 0..i keep + layer i's saved tensors (recomputed
-                          under recompute, brought back under offload) + its backward buffers
+                          under recompute, brought back under offload) + its backward buffers,
+                          in two phases: the MLP's backward (everything the layer saved alive)
+                          and the attention's (the MLP half's saved tensors freed by then)
 
 where a layer keeps everything it saves (no recompute), its input streams (full recompute) or
 everything but the recomputed modules (selective); with offload on a GPU what layers keep goes
@@ -151,13 +153,20 @@ class LayerBytes:
     mlp_saved: float
     rest: float  # mHC, norms, merges
     input: float
-    backward: float
-    backward_fixed: float  # bytes of fixed-size working blocks in backward
+    backward_streams: float  # stream gradients, alive through the layer's backward
+    backward_attention: float  # the attention kernels' gradient buffers
+    backward_mlp: float  # the MLP's or experts' gradient buffers
+    backward_fixed: float  # bytes of fixed-size working blocks in the attention's backward
     forward_fixed: float  # ... in forward (and in a recompute of the layer)
 
     @property
     def saved(self) -> float:
         return self.attention + self.mlp_saved + self.rest
+
+    @property
+    def backward(self) -> float:
+        """The larger phase's backward buffers, per token."""
+        return self.backward_streams + max(self.backward_attention, self.backward_mlp)
 
     @property
     def partial(self) -> float:
@@ -175,13 +184,14 @@ def layer_bytes(cfg: ModelConfig, s: act.Shard, seq_len: int = 0, batch: int = 1
         moe = cfg.mlp_layer_types[i] != DENSE
         attention = act.saved_kda(cfg, s) if kda else act.saved_dsa(cfg, s, cfg.indexer_types[i] == FULL)
         mlp = act.saved_moe(cfg, s) if moe else act.saved_dense_mlp(cfg, s)
-        backward = act.backward_streams(cfg, s) + max(act.backward_attention(cfg, s, kda), act.backward_mlp(cfg, s, moe))
         fixed, forward_fixed = act.backward_fixed(cfg, s, kda), 0.0
         if not kda and cfg.indexer_types[i] == FULL:
             forward_fixed, loss_backward = act.indexer_blocks(cfg, s, seq_len, batch)
             fixed += loss_backward
         layers.append(LayerBytes("KDA" if kda else "DSA", "MoE" if moe else "dense", attention, mlp, rest,
-                                 act.layer_input(cfg, s), backward, fixed, forward_fixed))
+                                 act.layer_input(cfg, s), act.backward_streams(cfg, s),
+                                 act.backward_attention(cfg, s, kda), act.backward_mlp(cfg, s, moe), fixed,
+                                 forward_fixed))
     return layers
 
 
@@ -298,22 +308,24 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
                 grads = act.layer_input(cfg, s)  # the layer's output gradient is waiting
                 candidates.append(((before + (0.0 if offload else on_device[i]) + grads + layer.partial) * T
                                    + layer.forward_fixed, f"recompute of layer {i} ({layer.kind} indexer blocks)"))
+    # A layer's backward runs its MLP half first, with everything the layer saved alive; autograd
+    # frees the MLP half's saved tensors (and its mHC's and norm's) before the attention's
+    # backward starts, so the attention's buffers and working blocks meet only the first half.
     # recompute_nested (full recompute with the attention and MLP blocks checkpointed inside each
-    # layer): a layer's backward holds its mHC/norm tensors, the blocks' inputs and one block at a
-    # time; backward reaches the attention after the MLP half's mHC tensors are gone
+    # layer): each half holds its mHC/norm tensors and the blocks' inputs, and one block at a time.
     nested = mem.recompute == "full" and getattr(mem, "recompute_nested", False)
     block_input = cfg.hidden_size * s.a
     for i, layer in enumerate(layers):
         if nested:
-            here = max(layer.rest + 2 * block_input + layer.mlp_saved,
-                       layer.rest / 2 + block_input + layer.attention) + layer.backward
+            mlp_half = layer.rest + 2 * block_input + layer.mlp_saved
+            attention_half = layer.rest / 2 + block_input + layer.attention
         else:
-            here = layer.saved + layer.backward
-        if offload:  # the layer's tensors come back (or are recomputed) one layer at a time
-            live = here
-        else:
-            live = sum(on_device[:i + 1]) - on_device[i] + here
-        candidates.append((live * T + layer.backward_fixed, f"backward of layer {i} ({layer.kind}, {layer.mlp})"))
+            mlp_half, attention_half = layer.saved, layer.partial
+        before = 0.0 if offload else sum(on_device[:i])  # offload: layers come back one at a time
+        phases = [(before + mlp_half + layer.backward_streams + layer.backward_mlp) * T,
+                  (before + attention_half + layer.backward_streams + layer.backward_attention) * T
+                  + layer.backward_fixed]
+        candidates.append((max(phases), f"backward of layer {i} ({layer.kind}, {layer.mlp})"))
     act_peak, where = max(candidates, key=lambda c: c[0])
     plan.peak_where = where
     plan.device.append(Item("activations at the peak", act_peak, where))

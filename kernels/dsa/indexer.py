@@ -53,39 +53,103 @@ def pool_scores_chunk(q_BCHD, kp_BND, w_BCH, t0: int, scale: float, kpool: int):
     B, C, H, _ = q_BCHD.shape
     N = kp_BND.shape[1]
     kpT_BDN = kp_BND.to(dt).transpose(1, 2)
+    q_BCHD = q_BCHD.to(dt) * scale
     I_BCN = torch.zeros(B, C, N, dtype=dt, device=q_BCHD.device)
     for h in range(H):
-        s_BCN = torch.bmm(q_BCHD[:, :, h].to(dt), kpT_BDN)
-        I_BCN.addcmul_(torch.relu_(s_BCN.mul_(scale)), w_BCH[:, :, h, None].to(dt))
-    return I_BCN.masked_fill_(~visible_pools(t0, C, N, kpool, q_BCHD.device), float("-inf"))
+        s_BCN = torch.bmm(q_BCHD[:, :, h], kpT_BDN)
+        I_BCN.addcmul_(torch.relu_(s_BCN), w_BCH[:, :, h, None].to(dt))
+    # pools before n0 end at or before t0: visible to every query of the chunk
+    n0 = min((t0 + 1) // kpool, N)
+    tail = I_BCN[..., n0:]
+    tail.masked_fill_(~visible_pools(t0, C, N, kpool, q_BCHD.device, first=n0), float("-inf"))
+    return I_BCN
 
 
-def visible_pools(t0: int, C: int, N: int, kpool: int, device) -> torch.Tensor:
-    """[C, N] bool: pool n is complete at query t (its last token n*kpool + kpool - 1 <= t)."""
+def visible_pools(t0: int, C: int, N: int, kpool: int, device, first: int = 0) -> torch.Tensor:
+    """[C, N - first] bool: pool n (from ``first``) is complete at query t (its last token
+    n*kpool + kpool - 1 <= t)."""
     t_C = torch.arange(t0, t0 + C, device=device)
-    last_N = torch.arange(N, device=device) * kpool + (kpool - 1)
+    last_N = torch.arange(first, N, device=device) * kpool + (kpool - 1)
     return last_N[None, :] <= t_C[:, None]
+
+
+BLOCK = 16  # pools per block of the top-k pre-filter
+TIED_ROWS = 16  # tied rows re-picked at a time
 
 
 def pick_pools(I_BCN: torch.Tensor, n_pick: int) -> torch.Tensor:
     """Top ``n_pick`` finite scores per row, ties to the lower pool: [B, C, n_pick] pool ids
-    ascending, -1 where fewer than n_pick pools are visible."""
+    ascending, -1 where fewer than n_pick pools are visible.
+
+    ``top_k`` settles a row by itself unless a pool it left out scores the same as the lowest
+    it kept (a tie across the boundary, or fewer than n_pick finite scores): only those rows go
+    through ``_pick_tied``, which breaks ties by pool order, ``TIED_ROWS`` rows at a time.
+    Memory beyond the scores: the candidates (k x ``BLOCK`` per row), and for tied rows a copy
+    of ``TIED_ROWS`` rows with ``_pick_tied``'s masks and counts (28 bytes per pool)."""
     B, C, N = I_BCN.shape
-    out = torch.full((B, C, n_pick + 1), -1, dtype=torch.long, device=I_BCN.device)
+    out = torch.full((B, C, n_pick), -1, dtype=torch.long, device=I_BCN.device)
     if n_pick == 0 or N == 0:
-        return out[..., :n_pick]
+        return out
     k = min(n_pick, N)
-    thr_BC1 = I_BCN.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
-    finite = I_BCN > float("-inf")
-    above = (I_BCN > thr_BC1) & finite
-    tied = (I_BCN == thr_BC1) & finite
-    need_BC1 = k - above.sum(-1, keepdim=True)
-    chosen = above | (tied & (tied.cumsum(-1) <= need_BC1))
+    vals_BCk, pools_BCk, tied_BC = top_k(I_BCN, k)
+    # kept pools with a -inf score are not visible (only possible when k == N): drop them
+    pools_BCk = torch.where(vals_BCk > float("-inf"), pools_BCk, N).sort(dim=-1).values
+    out[..., :k] = pools_BCk.masked_fill_(pools_BCk == N, -1)
+    if bool(tied_BC.any()):
+        rows = tied_BC.flatten().nonzero().squeeze(1)
+        for part in rows.split(TIED_ROWS):  # bounds _pick_tied's masks to TIED_ROWS rows
+            out.view(B * C, n_pick)[part] = _pick_tied(I_BCN.reshape(B * C, N)[part], n_pick)
+    return out
+
+
+def top_k(I_BCN: torch.Tensor, k: int):
+    """The k largest scores per row, their pools (in no order) and whether the row is tied:
+    another pool scores the k-th largest value too, so which one is kept is not settled.
+
+    Pre-filter (exact): the first nb x b pools of a row form nb blocks of b pools, block j
+    holding pools j, j + nb, j + 2 nb, ... (a strided block, so that its maximum is an
+    elementwise maximum of b contiguous slices). Every one of the row's k largest scores lies
+    in the k blocks with the largest maxima or in the last N - nb x b pools: a block outside
+    them has a maximum no larger than the k-th block maximum, which k blocks reach. So top-k
+    runs on k x b + (N - nb x b) candidates instead of the whole row. A block left out whose
+    maximum equals the k-th largest score is a tie."""
+    B, C, N = I_BCN.shape
+    b = min(BLOCK, N // (4 * k))
+    if b < 2:
+        vals_BCk, pools_BCk = I_BCN.topk(k, dim=-1, sorted=False)
+        tied_BC = (I_BCN >= vals_BCk.amin(-1, keepdim=True)).sum(-1) > k
+        return vals_BCk, pools_BCk, tied_BC
+    nb = N // b
+    I_BCbn = I_BCN[..., : nb * b].view(B, C, b, nb)
+    max_BCn = I_BCbn.amax(2)
+    blocks_BCk = max_BCn.topk(k, dim=-1, sorted=False).indices
+    cand = torch.cat([I_BCbn.gather(3, blocks_BCk[:, :, None].expand(B, C, b, k)).flatten(2),
+                      I_BCN[..., nb * b:]], dim=-1)  # [B, C, b k + rest]
+    vals_BCk, j_BCk = cand.topk(k, dim=-1, sorted=False)
+    in_block = j_BCk < b * k
+    pools_BCk = torch.where(in_block, (j_BCk // k) * nb + blocks_BCk.gather(-1, j_BCk.remainder(k)),
+                            nb * b + j_BCk - b * k)
+    thr_BC1 = vals_BCk.amin(-1, keepdim=True)
+    tied_BC = ((cand >= thr_BC1).sum(-1) > k) | ((max_BCn >= thr_BC1).sum(-1) > k)
+    return vals_BCk, pools_BCk, tied_BC
+
+
+def _pick_tied(I_RN: torch.Tensor, n_pick: int) -> torch.Tensor:
+    """``pick_pools`` for rows [R, N] with ties at the boundary: the pools above the row's
+    n_pick-th score, then the tied ones in pool order until n_pick are chosen."""
+    R, N = I_RN.shape
+    out = torch.full((R, n_pick + 1), -1, dtype=torch.long, device=I_RN.device)
+    k = min(n_pick, N)
+    thr_R1 = I_RN.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    finite = I_RN > float("-inf")
+    above = (I_RN > thr_R1) & finite
+    tied = (I_RN == thr_R1) & finite
+    need_R1 = k - above.sum(-1, keepdim=True)
+    chosen = above | (tied & (tied.cumsum(-1) <= need_R1))
     slot = chosen.cumsum(-1) - 1  # position of each chosen pool among the chosen, ascending
     slot = torch.where(chosen, slot, n_pick)  # unchosen pools write to a dropped column
-    pools = torch.arange(N, device=I_BCN.device).expand(B, C, N)
-    out.scatter_(-1, slot, pools)
-    return out[..., :n_pick]
+    out.scatter_(-1, slot, torch.arange(N, device=I_RN.device).expand(R, N))
+    return out[:, :n_pick]
 
 
 def expand_to_tokens(pools_BCP, t0: int, *, kpool: int, topk: int):

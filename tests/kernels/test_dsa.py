@@ -109,6 +109,37 @@ def test_select_tokens_ties_go_to_the_lower_pool(generator):
     assert idx[0, 50, 12:].tolist() == [48, 49, 50]
 
 
+def naive_pick(row: list[float], n_pick: int) -> list[int]:
+    """Pools of the n_pick largest finite scores, ties to the lower pool, ascending, -1 padded."""
+    order = sorted((p for p, v in enumerate(row) if v > float("-inf")), key=lambda p: (-row[p], p))
+    chosen = sorted(order[:n_pick])
+    return chosen + [-1] * (n_pick - len(chosen))
+
+
+@pytest.mark.parametrize("N,n_pick", [(1, 3), (7, 7), (50, 64), (97, 3), (257, 5), (1000, 16), (4099, 64)])
+@pytest.mark.parametrize("levels", [None, 3, 40], ids=["continuous", "3-levels", "40-levels"])
+def test_pick_pools_matches_a_sort_with_ties_and_invisible_pools(N, n_pick, levels, generator):
+    """``pick_pools`` (top-k with the block pre-filter, tied rows re-picked) against sorting
+    each row: continuous scores, scores on a few levels (ties everywhere, also across block
+    boundaries), ReLU zeros, and -inf (not yet visible) pools at the row ends and inside."""
+    from genome_lm_kernels.dsa.indexer import BLOCK, pick_pools
+
+    B, C = 2, 5
+    I = torch.randn(B, C, N, generator=generator)
+    if levels is not None:
+        I = torch.floor(I * levels / 4)
+    I = torch.relu(I)  # many exact zeros, as the indexer's ReLU scores have
+    visible = torch.randint(0, N + 1, (B, C, 1), generator=generator)
+    I = I.masked_fill(torch.arange(N) >= visible, float("-inf"))
+    I[0, 0, N // 2] = float("-inf")
+    I[1, 1] = float("-inf")  # a query that sees no pool
+    got = pick_pools(I.clone(), n_pick)
+    want = [[naive_pick(I[b, c].tolist(), n_pick) for c in range(C)] for b in range(B)]
+    assert got.tolist() == want
+    if N >= 8 * n_pick:
+        assert min(BLOCK, N // (4 * n_pick)) >= 2  # the pre-filter ran
+
+
 # ---------------------------------------------------------------- sparse attention
 
 
