@@ -84,11 +84,7 @@ class Tracker:
         folder = Path(run_dir if run_dir is not None else ".").resolve()
         self._default_store = tracking_uri is None
         self.tracking_uri = tracking_uri or f"sqlite:///{folder / 'mlflow.db'}"
-        self._remote = self.tracking_uri.startswith(("http://", "https://"))
-        self._env = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, math.ceil(timeout_s))),
-                     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
-                     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                     "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}
+        self._timeout_s = timeout_s
         try:
             with self._network():
                 self._start(experiment, run_name, run_id, folder)
@@ -168,7 +164,7 @@ class Tracker:
         """Where a user can look at the run: a URL for servers, an ``mlflow ui`` command otherwise."""
         if not self.enabled or self._run_id is None:
             return ""
-        if self._remote:
+        if self.tracking_uri.startswith(("http://", "https://")):
             return f"{self.tracking_uri.rstrip('/')}/#/experiments/{self._experiment_id}/runs/{self._run_id}"
         return (f"mlflow ui --backend-store-uri {self.tracking_uri}  "
                 f"(experiment {self._experiment_id}, run {self._run_id})")
@@ -309,24 +305,53 @@ class Tracker:
             self._noted.add(kind)
             log.warning("%s", message)
 
-    @contextmanager
-    def _network(self) -> Iterator[None]:
-        """Short timeouts for this tracker's requests (MLflow reads them from the environment at
-        each request), unless the user set them; urllib3's retry chatter is kept off the console."""
-        if not self._remote:
-            yield
-            return
-        added = [k for k in self._env if k not in os.environ]
-        os.environ.update({k: self._env[k] for k in added})
-        pool = logging.getLogger("urllib3.connectionpool")
-        level = pool.level
-        pool.setLevel(logging.ERROR)
-        try:
-            yield
-        finally:
-            pool.setLevel(level)
-            for k in added:
-                os.environ.pop(k, None)
+    def _network(self):
+        return _network(self.tracking_uri, self._timeout_s)
+
+
+@contextmanager
+def _network(uri: str, timeout_s: float) -> Iterator[None]:
+    """Short timeouts for requests to an http(s) store (MLflow reads them from the environment at
+    each request), unless the user set them; urllib3's retry chatter is kept off the console."""
+    if not uri.startswith(("http://", "https://")):
+        yield
+        return
+    env = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, math.ceil(timeout_s))),
+           "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+           "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+           "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}
+    added = [k for k in env if k not in os.environ]
+    os.environ.update({k: env[k] for k in added})
+    pool = logging.getLogger("urllib3.connectionpool")
+    level = pool.level
+    pool.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        pool.setLevel(level)
+        for k in added:
+            os.environ.pop(k, None)
+
+
+def read_run(tracking_uri: str, run_id: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    """A logged run as plain data: {run_id, parent_run_id, metrics, params, tags, artifacts}.
+    Raises ``GenomeLMError`` (one line, naming the store) when the store cannot be reached or
+    does not hold the run."""
+    from mlflow.tracking import MlflowClient
+
+    from genome_lm.errors import GenomeLMError
+
+    try:
+        with _network(tracking_uri, timeout_s):
+            client = MlflowClient(tracking_uri=tracking_uri)
+            run = client.get_run(run_id)
+            artifacts = [a.path for a in client.list_artifacts(run_id)]
+    except Exception as err:  # noqa: BLE001 - reported as one line
+        what = "is unavailable" if _unreachable(err) else "cannot give the run"
+        raise GenomeLMError(f"{tracking_uri} {what}: run {run_id} ({_short(err)})") from None
+    return {"run_id": run.info.run_id, "parent_run_id": run.data.tags.get("mlflow.parentRunId"),
+            "metrics": dict(run.data.metrics), "params": dict(run.data.params), "tags": dict(run.data.tags),
+            "artifacts": artifacts}
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -263,3 +263,36 @@ def test_real_server_then_server_dies(tmp_path, mlflow_server, caplog):
     assert len(warnings) == 1 and uri in warnings[0]
     assert tracker.run_id == run_id  # still known: a resume can continue this run later
     assert not (tmp_path / "run" / "mlflow.db").exists()  # no silent local fallback
+
+
+def test_read_run_gives_back_what_was_logged(tmp_path):
+    from genome_lm.errors import GenomeLMError
+    from genome_lm.tracking import read_run
+
+    note = tmp_path / "note.txt"
+    note.write_text("hello\n")
+    with Tracker(None, experiment="exp", run_name="r", run_dir=tmp_path) as tracker:
+        tracker.log_params({"lr": 0.5, "nested": {"a": 1}})
+        tracker.log_metrics({"loss": 2.5}, step=3)
+        tracker.set_tags({"kind": "eval"})
+        tracker.log_artifact(note)
+    got = read_run(tracker.tracking_uri, tracker.run_id)
+    assert got["run_id"] == tracker.run_id and got["parent_run_id"] is None
+    assert got["metrics"] == {"loss": 2.5}
+    assert got["params"]["lr"] == "0.5" and got["tags"]["kind"] == "eval"
+    assert "note.txt" in got["artifacts"]
+    with pytest.raises(GenomeLMError, match="cannot give the run: run 0123abcd") as err:
+        read_run(tracker.tracking_uri, "0123abcd")
+    assert "\n" not in str(err.value)
+
+
+def test_read_run_from_an_unreachable_server_is_one_line_in_seconds():
+    from genome_lm.errors import GenomeLMError
+    from genome_lm.tracking import read_run
+
+    uri = f"http://127.0.0.1:{_free_port()}"
+    t0 = time.perf_counter()
+    with pytest.raises(GenomeLMError, match=f"{uri} is unavailable: run abc") as err:
+        read_run(uri, "abc")
+    assert time.perf_counter() - t0 < 15 and "\n" not in str(err.value)
+    assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ

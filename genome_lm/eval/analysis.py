@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from genome_lm.errors import GenomeLMError
+from genome_lm.tracking import read_run
 
 from . import report as rep
 
@@ -34,13 +35,7 @@ def mlflow_run(report: dict) -> dict:
     info = report.get("mlflow") or {}
     if not info.get("run_id"):
         return {}
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=info["tracking_uri"])
-    run = client.get_run(info["run_id"])
-    return {"run_id": run.info.run_id, "parent_run_id": run.data.tags.get("mlflow.parentRunId"),
-            "metrics": dict(run.data.metrics), "params": dict(run.data.params), "tags": dict(run.data.tags),
-            "artifacts": [a.path for a in client.list_artifacts(run.info.run_id)]}
+    return read_run(info["tracking_uri"], info["run_id"])
 
 
 def table(report: dict):
