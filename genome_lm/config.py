@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from genome_lm.errors import GenomeLMError
 
@@ -68,17 +68,10 @@ class ParallelConfig(Section):
     ep: int = Field(1, ge=1, description="Expert parallel size.")
     etp: int = Field(1, ge=1, description="Expert tensor parallel size.")
     pp: int = Field(1, ge=1, le=1, description="Pipeline parallel size (not supported yet: 1).")
-    sequence_parallel: bool = Field(False, description="Split the residual streams over the tensor-parallel ranks: "
-                                                      "not implemented yet (the MoE layers always run sequence-parallel "
-                                                      "under tensor parallel); true is refused.")
-
-    @field_validator("sequence_parallel")
-    @classmethod
-    def _no_sequence_parallel(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("sequence parallel for the residual streams is not implemented yet (the MoE layers "
-                             "already run sequence-parallel under tensor parallel); remove parallel.sequence_parallel")
-        return value
+    sequence_parallel: bool = Field(False, description="Split the residual streams (mHC, norms, MoE input) over the "
+                                                      "tensor-parallel ranks: 1/tp of their activation memory; the "
+                                                      "attention and dense MLP still see the whole sequence. No effect "
+                                                      "without tensor parallel.")
 
 
 class MemoryConfig(Section):

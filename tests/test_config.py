@@ -33,7 +33,7 @@ def test_overrides_are_typed():
     ("train.lr=fast", "train.lr"),
     ("data.softmask_weight=2", "less than or equal to 1"),
     ("parallel.pp=2", "parallel.pp"),
-    ("parallel.sequence_parallel=true", "sequence parallel for the residual streams is not implemented yet"),
+    ("parallel.sequence_parallel=maybe", "parallel.sequence_parallel: Input should be a valid boolean"),
     ("nosection", "expected section.field=value"),
 ])
 def test_bad_values_are_one_line_errors(override, message):

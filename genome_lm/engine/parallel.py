@@ -24,13 +24,15 @@ from .cpu import enable_cpu_megatron
 
 @dataclass(frozen=True)
 class ParallelSizes:
-    """How the model is split: tensor, context, expert, expert-tensor and pipeline parallel."""
+    """How the model is split: tensor, context, expert, expert-tensor and pipeline parallel, and
+    whether the residual streams run sequence-parallel over the tensor-parallel ranks."""
 
     tp: int = 1
     cp: int = 1
     ep: int = 1
     etp: int = 1
     pp: int = 1
+    sequence_parallel: bool = False  # residual streams split over the TP ranks (genome_lm.model.model)
 
     @property
     def model_parallel(self) -> int:

@@ -11,6 +11,15 @@ Process groups arrive explicitly as a ``ProcessGroupCollection``; nothing here r
 megatron-core's globals. Under context parallel the model takes and returns this CP rank's
 zigzag part of each sequence (``genome_lm.engine.context_parallel.zigzag_split``); only the KDA
 and DSA layers exchange tokens.
+
+Sequence parallel (``ParallelSizes.sequence_parallel`` under tensor parallel): each TP rank keeps
+only its 1/tp slice of the positions in the residual streams, so the mHC, the norms, the merges
+and the MoE hold 1/tp of the tokens. The positions are padded at the end to a multiple of tp
+(zero rows that never reach a token-mixing op and are cut before the output layer). The
+attention and the dense MLP see the whole sequence: their input is all-gathered and their
+(already all-reduced) output cut back to the rank's slice. The replicated parameters that see
+only the rank's slice (mHC, norms) are marked ``sequence_parallel`` so that
+``allreduce_sequence_parallel_grads`` sums their gradients.
 """
 
 from __future__ import annotations
@@ -69,12 +78,15 @@ class DecoderLayer(nn.Module):
         self.tp_group = pg.tp
 
     def forward(self, streams: torch.Tensor, idx: torch.Tensor | None, indexer_loss: IndexerLossMode,
-                indexer_tokens: int | None = None, cache=None):
+                indexer_tokens: int | None = None, cache=None, sp_len: int | None = None):
         """streams [S, B, N, D] -> (streams, selection for a following shared layer, indexer loss).
         ``cache`` (``prefill.KDACache`` / ``DSACache``): streaming evaluation, these S tokens follow
-        the ones the cache holds."""
+        the ones the cache holds. ``sp_len``: sequence parallel, the streams are this rank's slice
+        of ``sp_len`` positions (padded to a multiple of tp)."""
         post, comb, x = self.attn_hc(streams)
         x = self.input_layernorm(x)
+        if sp_len is not None:
+            x = gather_positions(x, sp_len, self.tp_group)
         loss = None
         if cache is not None:
             out, idx = cache.attend(self.self_attention, x, idx)
@@ -82,10 +94,16 @@ class DecoderLayer(nn.Module):
             out = self.self_attention(x)
         else:
             out, idx, loss = self.self_attention(x, idx, indexer_loss, indexer_tokens)
+        if sp_len is not None:
+            out = scatter_positions(out, self.tp_group)
         streams = HyperConnection.merge(post, comb, out, streams)
         post, comb, x = self.ffn_hc(streams)
         x = self.post_attention_layernorm(x)
-        if getattr(self, "moe_sequence_parallel", False):
+        if sp_len is not None and getattr(self, "moe_sequence_parallel", False):
+            out = self.mlp(x)[0]  # already this rank's slice, as the MoE layer expects
+        elif sp_len is not None:
+            out = scatter_positions(self.mlp(gather_positions(x, sp_len, self.tp_group))[0], self.tp_group)
+        elif getattr(self, "moe_sequence_parallel", False):
             from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
                                                                 scatter_to_sequence_parallel_region)
 
@@ -99,6 +117,27 @@ class DecoderLayer(nn.Module):
         else:
             out = self.mlp(x)[0]
         return HyperConnection.merge(post, comb, out, streams), idx, loss
+
+
+def gather_positions(x: torch.Tensor, length: int, group) -> torch.Tensor:
+    """Sequence parallel -> whole sequence: all-gather the ranks' slices [S / tp, ...] and drop
+    the padding rows. Backward keeps the rank's slice of the (replicated) gradient."""
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=group)[:length]
+
+
+def scatter_positions(x: torch.Tensor, group) -> torch.Tensor:
+    """Whole sequence (replicated over the TP ranks) -> this rank's slice (its own storage), after
+    padding with zero rows to a multiple of tp. Backward all-gathers the slices' gradients."""
+    from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+
+    pad = -x.shape[0] % group.size()
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+    # the split is a view of the whole tensor: copy the slice, or whatever saves it for backward
+    # (the mHC merge) keeps the whole sequence alive
+    return scatter_to_sequence_parallel_region(x, group=group).clone()
 
 
 def _drop_dispatcher_state(moe, args, output) -> None:
@@ -129,6 +168,14 @@ class GLM5Model(nn.Module):
         self.output_layer = options.spec_provider().column_parallel_linear()(
             cfg.hidden_size, cfg.vocab_size, config=tf_config, init_method=tf_config.init_method, bias=False,
             gather_output=False, skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None, tp_group=pg.tp)
+        self.sequence_parallel = bool(getattr(sizes, "sequence_parallel", False)) and pg.tp.size() > 1
+        if self.sequence_parallel:  # replicated, but each rank's gradient covers its slice only
+            sliced = [self.final_norm] + [m for layer in self.layers for m in
+                                          (layer.attn_hc, layer.ffn_hc, layer.input_layernorm,
+                                           layer.post_attention_layernorm)]
+            for module in sliced:
+                for p in module.parameters():
+                    p.sequence_parallel = True
 
     def hidden(self, input_ids: torch.Tensor, indexer_loss: IndexerLossMode = "off", indexer_tokens: int | None = None,
                caches: list | None = None):
@@ -140,13 +187,18 @@ class GLM5Model(nn.Module):
                              f"{input_ids.shape[1]} local tokens (the sequence length must be divisible by "
                              "2 * context parallel)")
         x = self.embedding(input_ids).transpose(0, 1)  # [S, B, D]
+        sp_len = x.shape[0] if self.sequence_parallel and caches is None else None
+        if sp_len is not None:
+            x = scatter_positions(x, self.pg.tp)
         streams = x.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
         idx, losses = None, []
         for i, layer in enumerate(self.layers):
-            streams, idx, loss = layer(streams, idx, indexer_loss, indexer_tokens, None if caches is None else caches[i])
+            streams, idx, loss = layer(streams, idx, indexer_loss, indexer_tokens, None if caches is None else caches[i],
+                                       sp_len=sp_len)
             if loss is not None:
                 losses.append(loss)
-        return self.final_norm(streams.mean(dim=2)), losses
+        h = self.final_norm(streams.mean(dim=2))
+        return (h if sp_len is None else gather_positions(h, sp_len, self.pg.tp)), losses
 
     def forward(self, input_ids: torch.Tensor, *, gather_logits: bool = True,
                 indexer_loss: IndexerLossMode = "off", indexer_tokens: int | None = None,

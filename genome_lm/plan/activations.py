@@ -37,6 +37,12 @@ class Shard:
     indexer_loss: bool = True
     moe_imbalance: float = 4.0  # busiest expert-parallel rank's tokens over the mean (ep > 1)
     query_chunk: int | None = None  # memory.dsa_query_chunk
+    sp: bool = False  # parallel.sequence_parallel: the residual streams hold 1/tp of the tokens
+
+    @property
+    def stream_tokens(self) -> float:
+        """Residual-stream positions (mHC, norms, merges, layer inputs) per local token."""
+        return 1 / self.tp if self.sp else 1.0
 
     def fp32_copy(self, width: float) -> float:
         return 0.0 if self.a == F32 else width * F32
@@ -54,13 +60,13 @@ def saved_hyper_connection(cfg: ModelConfig, s: Shard) -> float:
     else:
         sinkhorn = n * n * F32 + (2 * cfg.hc_sinkhorn_iters - 1) * (n * n + n) * F32
     return (n * D * s.a + s.fp32_copy(n * D) + F32 + n * D * F32 + (2 + n) * n * F32 + 3 * n * F32
-            + sinkhorn)
+            + sinkhorn) * s.stream_tokens
 
 
 def saved_merge(cfg: ModelConfig, s: Shard) -> float:
     """``HyperConnection.merge``: post, block output and comb in the streams' dtype."""
     n = cfg.hc_mult
-    return (n + cfg.hidden_size + n * n) * s.a
+    return (n + cfg.hidden_size + n * n) * s.a * s.stream_tokens
 
 
 def saved_rmsnorm(width: int, s: Shard) -> float:
@@ -146,8 +152,8 @@ def saved_moe(cfg: ModelConfig, s: Shard) -> float:
     # the shared expert runs on the whole local sequence (its linears gather the sequence-parallel
     # slices and save only their own slice)
     # under TP the sequence-parallel slice of the input is held twice (the scattered slice and
-    # the copy the MoE layer routes)
-    inputs = D * s.a * (2 if s.tp > 1 else 1)
+    # the copy the MoE layer routes), unless the streams are sequence-parallel already
+    inputs = D * s.a * (2 if s.tp > 1 and not s.sp else 1)
     return (inputs + router) * moe_tokens(s) + shared + per_copy * expert_copies(cfg, s)
 
 
@@ -162,7 +168,7 @@ def saved_head(cfg: ModelConfig, s: Shard) -> float:
     """Final norm, output layer input and the cross-entropy's fp32 softmax over this rank's
     vocabulary shard."""
     D = cfg.hidden_size
-    return saved_rmsnorm(D, s) + D * s.a + cfg.vocab_size / s.tp * F32 + I64 + F32
+    return saved_rmsnorm(D, s) * s.stream_tokens + D * s.a + cfg.vocab_size / s.tp * F32 + I64 + F32
 
 
 def head_transient(cfg: ModelConfig, s: Shard) -> float:
@@ -173,7 +179,7 @@ def head_transient(cfg: ModelConfig, s: Shard) -> float:
 
 def layer_input(cfg: ModelConfig, s: Shard) -> float:
     """What full recompute keeps of a layer: its input streams."""
-    return cfg.hc_mult * cfg.hidden_size * s.a
+    return cfg.hc_mult * cfg.hidden_size * s.a * s.stream_tokens
 
 
 # --------------------------------------------------------------------------- backward buffers
@@ -203,7 +209,7 @@ def backward_streams(cfg: ModelConfig, s: Shard) -> float:
     """Gradients of the streams flowing through a layer (in, out, through the mHC merge) and the
     mHC's fp32 flattened gradient."""
     n, D = cfg.hc_mult, cfg.hidden_size
-    return 3 * n * D * s.a + 2 * n * D * F32
+    return (3 * n * D * s.a + 2 * n * D * F32) * s.stream_tokens
 
 
 DSA_DEFAULT_CHUNK = 64  # model.dsa.DSAAttention.query_chunk unless memory.dsa_query_chunk sets it

@@ -72,7 +72,7 @@ class Plan:
     savings: list[Item] = field(default_factory=list)  # what the memory switches save, at the peak
     host: list[Item] = field(default_factory=list)  # per GPU
     peak_where: str = ""
-    offloaded_per_token: float = 0.0
+    offloaded_per_token: float = 0.0  # bytes offloaded per residual-stream position this GPU holds
 
     @property
     def peak(self) -> float:
@@ -177,7 +177,7 @@ class LayerBytes:
 def layer_bytes(cfg: ModelConfig, s: act.Shard, seq_len: int = 0, batch: int = 1) -> list[LayerBytes]:
     """Per layer; ``seq_len`` (the whole sequence) sizes the DSA indexer's query blocks."""
     layers = []
-    rest = 2 * act.saved_hyper_connection(cfg, s) + 2 * act.saved_rmsnorm(cfg.hidden_size, s) + \
+    rest = 2 * act.saved_hyper_connection(cfg, s) + 2 * act.saved_rmsnorm(cfg.hidden_size, s) * s.stream_tokens + \
         2 * act.saved_merge(cfg, s)
     for i in range(cfg.num_hidden_layers):
         kda = cfg.layer_types[i] == LINEAR
@@ -227,7 +227,7 @@ def shard_for(run: RunConfig, hw: Hardware) -> act.Shard:
     p = run.parallel
     return act.Shard(a=a, tp=p.tp, cp=p.cp, ep=p.ep, etp=p.etp, backend=backend,
                      indexer_loss=run.train.indexer_loss != "off", moe_imbalance=hw.moe_imbalance,
-                     query_chunk=run.memory.dsa_query_chunk)
+                     query_chunk=run.memory.dsa_query_chunk, sp=p.sequence_parallel and p.tp > 1)
 
 
 def world_size(run: RunConfig, hw: Hardware) -> int:
@@ -358,7 +358,7 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
     if offload:
         per_layer = [k * T for k in keeps]
         host = sum(pinned_size(b) for b in per_layer) if mem.offload_pinned else sum(per_layer)
-        plan.offloaded_per_token = sum(keeps)
+        plan.offloaded_per_token = sum(keeps) / s.stream_tokens  # per position of this GPU's stream slice
         note = "pinned: blocks rounded up to powers of two" if mem.offload_pinned else "pageable"
         plan.host.append(Item("offloaded activations", host, note))
     if mem.recompute != "none":

@@ -213,7 +213,7 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
     from .optim import learning_rate
 
     p = cfg.parallel
-    sizes = ParallelSizes(tp=p.tp, cp=p.cp, ep=p.ep, etp=p.etp, pp=p.pp)
+    sizes = ParallelSizes(tp=p.tp, cp=p.cp, ep=p.ep, etp=p.etp, pp=p.pp, sequence_parallel=p.sequence_parallel)
     out = Path(cfg.train.out_dir)
     with parallel_context(sizes) as pg, _StopFlag() as stop:
         rank = dist.get_rank()
@@ -299,7 +299,7 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
                 lm = float(global_sum(lm_sum, dp_cp) / weight)
                 idx = float(global_sum(idx_sum, dp_cp)) / dp_size
                 stepped, norm = optimizer.step() if math.isfinite(lm) else (False, float("nan"))
-                tokens_all = int(global_sum(torch.tensor(float(tokens)), dp_cp)) // max(1, pg.tp.size())
+                tokens_all = int(global_sum(torch.tensor(float(tokens)), dp_cp))  # TP ranks share their tokens
                 metrics = StepMetrics(step + 1, lm + cfg.train.indexer_loss_coeff * idx, lm, idx, lr, norm,
                                       tokens_all, time.perf_counter() - t0, not stepped, _peak_host_mib(),
                                       _peak_device_mib(), moe_load)

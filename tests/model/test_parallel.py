@@ -93,6 +93,28 @@ def test_context_parallel_matches_one_process(setup, sizes, indexer_loss):
     _assert_same(one, two)
 
 
+@pytest.mark.parametrize("sizes,indexer_loss,ids", [
+    # 149 positions: padded by one row to two slices of 75
+    pytest.param({"tp": 2, "sequence_parallel": True}, "sparse", "ids", id="tp2-sp-sparse-indexer-loss"),
+    pytest.param({"tp": 2, "sequence_parallel": True}, "dense", "ids-even", id="tp2-sp-even-length"),
+    pytest.param({"tp": 2, "etp": 2, "sequence_parallel": True}, "off", "ids", id="tp2-etp2-sp"),
+    # 4 processes; 100 local positions per CP rank
+    pytest.param({"tp": 2, "cp": 2, "sequence_parallel": True}, "sparse", "ids-cp", id="tp2-cp2-sp"),
+])
+def test_sequence_parallel_matches_one_process(setup, sizes, indexer_loss, ids):
+    """The residual streams split over the TP ranks: loss, logits and every gradient (the mHC and
+    norm gradients summed over the slices) equal one process's."""
+    root, ckpt = setup
+    if not (root / "ids-even.pt").exists():
+        torch.save(torch.load(root / "ids.pt")[:, :149], root / "ids-even.pt")  # 148 inputs
+    name = "-".join(f"{k}{v}" for k, v in sizes.items()) + f"-{indexer_loss}-{ids}"
+    one = _one_process(root, ckpt, indexer_loss, ids=ids)
+    world = sizes["tp"] * sizes.get("cp", 1)
+    two = _run(root, ckpt, world, sizes, name, indexer_loss, ids=ids)
+    torch.testing.assert_close(two["logits"], one["logits"], rtol=1e-5, atol=1e-6)
+    _assert_same(one, two)
+
+
 def test_context_parallel_shared_indexer_softplus_gate(setup, tmp_path):
     """A DSA layer that reuses the previous layer's whole-sequence selection, the softplus decay
     and a short convolution of 3, under CP 2."""
