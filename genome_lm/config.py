@@ -92,6 +92,9 @@ class MemoryConfig(Section):
                                                           "once; the logits of a large vocabulary dominate long windows).")
     dsa_query_chunk: int | None = Field(None, gt=0, description="Queries per chunk through each DSA layer "
                                                                "(None = all; the published run used 65536).")
+    dsa_keep_selection: bool = Field(True, description="Under recompute, keep each DSA layer's token selection "
+                                                       "(4 bytes per position and selected pool) so that the "
+                                                       "recomputed forward does not run the O(T^2) indexer again.")
 
 
 class TrainConfig(Section):

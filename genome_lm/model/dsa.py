@@ -36,6 +36,7 @@ from genome_lm_kernels import dsa as dsa_ops
 
 from genome_lm.engine.context_parallel import gather_sequence, group_size, heads_per_rank, heads_to_seq, seq_to_heads
 
+from . import recompute_memo
 from .common import BuildOptions, RMSNorm, column_linear, replicated_linear, row_linear
 from .config import SHARED, ModelConfig
 
@@ -79,6 +80,8 @@ class DSAAttention(nn.Module):
         self.cfg, self.backend, self.tp_group, self.cp_group = cfg, options.kernel_backend, tp_group, cp_group
         # queries per block in the indexer, the sparse attention and the indexer loss (memory.dsa_query_chunk)
         self.query_chunk = 64
+        # a recomputed forward replays the forward's selection (memory.dsa_keep_selection)
+        self.keep_selection = True
         self.heads = cfg.num_attention_heads // tp
         self.scale = cfg.qk_head_dim**-0.5
         dtype = options.dtype
@@ -120,9 +123,18 @@ class DSAAttention(nn.Module):
             # the indexer sees a detached input: its loss trains it alone, the LM loss never does
             q_i, k_i, w_i, gate_i = self.indexer.inputs(gather_sequence(x_BSD.detach(), cp, dim=1),
                                                         gather_sequence(q_resid.detach(), cp, dim=1))
-            idx, _ = dsa_ops.select_tokens(q_i, k_i, w_i, gate_i, self.indexer.index_kpool_compress_ape,
-                                           kpool=cfg.index_kpool, topk=cfg.index_topk, backend=self.backend,
-                                           chunk=self.query_chunk)
+
+            def select() -> torch.Tensor:
+                return dsa_ops.select_tokens(q_i, k_i, w_i, gate_i, self.indexer.index_kpool_compress_ape,
+                                             kpool=cfg.index_kpool, topk=cfg.index_topk, backend=self.backend,
+                                             chunk=self.query_chunk)[0]
+
+            if self.keep_selection:  # kept as int32 pool ids, expanded again when replayed
+                idx = recompute_memo.reuse(
+                    select, pack=lambda t: dsa_ops.selection_pools(t, kpool=cfg.index_kpool, topk=cfg.index_topk),
+                    unpack=lambda p: dsa_ops.selection_tokens(p, kpool=cfg.index_kpool, topk=cfg.index_topk))
+            else:
+                idx = select()
             if indexer_loss != "off":
                 q_all = self._all_heads(gather_sequence(q.detach(), cp, dim=1))
                 k_all = self._all_heads(gather_sequence(k.detach(), cp, dim=1))

@@ -106,7 +106,7 @@ def saved_dsa(cfg: ModelConfig, s: Shard, own_indexer: bool) -> float:
     rq, rkv = cfg.q_lora_rank, cfg.kv_lora_rank
     slots = cfg.index_topk + cfg.index_kpool - 1
     mla = D * s.a + saved_rmsnorm(rq, s) + rq * s.a + saved_rmsnorm(rkv, s) + rkv * s.a
-    attention = (2 * h * Dqk + 2 * h * Dv) * s.a + h * F32 + slots * I64 * s.cp
+    attention = saved_sparse_attention(cfg, s) + slots * I64 * s.cp
     if s.cp > 1:
         attention += h * Dv * s.a  # the output back in sequence order
     indexer = 0.0
@@ -120,6 +120,19 @@ def saved_dsa(cfg: ModelConfig, s: Shard, own_indexer: bool) -> float:
             per_token += H * Dqk * s.a  # every head's q, gathered
         indexer = per_token * s.cp
     return mla + attention + indexer
+
+
+def kept_selection(cfg: ModelConfig, s: Shard) -> float:
+    """A recomputed DSA layer's token selection, kept as int32 pool ids for the recompute
+    (``model.recompute_memo``): topk / kpool per position of the whole sequence."""
+    return cfg.index_topk // cfg.index_kpool * 4 * s.cp
+
+
+def saved_sparse_attention(cfg: ModelConfig, s: Shard) -> float:
+    """The sparse attention's q, k, v, o and lse (its selection, shared with the indexer loss,
+    not included)."""
+    h = cfg.num_attention_heads // s.tp
+    return (2 * h * cfg.qk_head_dim + 2 * h * cfg.v_head_dim) * s.a + h * F32
 
 
 def saved_dense_mlp(cfg: ModelConfig, s: Shard) -> float:
@@ -237,12 +250,13 @@ def backward_fixed(cfg: ModelConfig, s: Shard, kda: bool) -> float:
     return 4 * queries * slots * h * width * F32
 
 
-def indexer_blocks(cfg: ModelConfig, s: Shard, seq_len: int, batch: int) -> tuple[float, float]:
-    """(forward, backward) bytes of one query block of the DSA indexer (both backends run these
+def indexer_blocks(cfg: ModelConfig, s: Shard, seq_len: int, batch: int) -> tuple[float, float, float]:
+    """(selection, loss forward, loss backward) bytes of one query block of the DSA indexer (both backends run these
     in torch), over the whole sequence on every CP rank, ``query_chunk`` queries at a time:
 
     - forward, selection (``kernels/dsa/indexer.py``): the [chunk, T / kpool] fp32 pool
-      scores and one head's scores being added in, 8 bytes per query and pool; and for the
+      scores and one head's scores being added in, 8 bytes per query and pool, with the
+      visibility mask of the pools that end inside the block (2 bytes each); and for the
       queries whose top-k is tied (``pick_pools``), ``TIED_ROWS`` of them at a time, a copy of
       their scores, four bool masks and two int64 tensors, 28 bytes per pool;
     - forward and backward, the sparse indexer loss (``kernels/dsa/loss.py``): per query its
@@ -253,9 +267,11 @@ def indexer_blocks(cfg: ModelConfig, s: Shard, seq_len: int, batch: int) -> tupl
     chunk = min(chunk, seq_len)
     pools = seq_len // cfg.index_kpool
     tied_rows = importlib.import_module("genome_lm_kernels.dsa.indexer").TIED_ROWS
-    selection = chunk * pools * 2 * F32 + min(chunk, tied_rows) * pools * (F32 + 4 + 2 * I64)
+    # the visibility mask of the block's last pools (a comparison and its negation, bool)
+    mask = chunk * min(pools, -(-chunk // cfg.index_kpool)) * 2
+    selection = chunk * pools * 2 * F32 + mask + min(chunk, tied_rows) * pools * (F32 + 4 + 2 * I64)
     loss = 0.0
     if s.indexer_loss:
         M = min(cfg.index_topk // cfg.index_kpool, pools)
         loss = chunk * (M * cfg.index_head_dim + 3 * cfg.index_n_heads * M + cfg.index_topk) * F32
-    return batch * max(selection, loss), batch * 2 * loss
+    return batch * selection, batch * loss, batch * 2 * loss

@@ -72,7 +72,7 @@ class Plan:
     savings: list[Item] = field(default_factory=list)  # what the memory switches save, at the peak
     host: list[Item] = field(default_factory=list)  # per GPU
     peak_where: str = ""
-    offloaded_per_token: float = 0.0  # bytes offloaded per residual-stream position this GPU holds
+    offloaded_per_token: float = 0.0  # layer inputs offloaded per residual-stream position this GPU holds
 
     @property
     def peak(self) -> float:
@@ -158,6 +158,10 @@ class LayerBytes:
     backward_mlp: float  # the MLP's or experts' gradient buffers
     backward_fixed: float  # bytes of fixed-size working blocks in the attention's backward
     forward_fixed: float  # ... in forward (and in a recompute of the layer)
+    selection: float = 0.0  # the DSA selection's int32 pools, kept for a recompute (dsa_keep_selection)
+    loss_fixed: float = 0.0  # bytes of the indexer loss's working blocks in its backward
+    attention_kernel: float = 0.0  # per token: the sparse attention's saved tensors (freed before the loss's backward)
+    replay_fixed: float = 0.0  # forward_fixed of a recompute that replays the kept selection
 
     @property
     def saved(self) -> float:
@@ -184,31 +188,43 @@ def layer_bytes(cfg: ModelConfig, s: act.Shard, seq_len: int = 0, batch: int = 1
         moe = cfg.mlp_layer_types[i] != DENSE
         attention = act.saved_kda(cfg, s) if kda else act.saved_dsa(cfg, s, cfg.indexer_types[i] == FULL)
         mlp = act.saved_moe(cfg, s) if moe else act.saved_dense_mlp(cfg, s)
-        fixed, forward_fixed = act.backward_fixed(cfg, s, kda), 0.0
+        fixed, forward_fixed, selection, replay_fixed = act.backward_fixed(cfg, s, kda), 0.0, 0.0, 0.0
+        loss_fixed = 0.0
         if not kda and cfg.indexer_types[i] == FULL:
-            forward_fixed, loss_backward = act.indexer_blocks(cfg, s, seq_len, batch)
-            fixed += loss_backward
+            select_blocks, loss_forward, loss_fixed = act.indexer_blocks(cfg, s, seq_len, batch)
+            forward_fixed, replay_fixed = max(select_blocks, loss_forward), loss_forward
+            selection = act.kept_selection(cfg, s)
         layers.append(LayerBytes("KDA" if kda else "DSA", "MoE" if moe else "dense", attention, mlp, rest,
                                  act.layer_input(cfg, s), act.backward_streams(cfg, s),
                                  act.backward_attention(cfg, s, kda), act.backward_mlp(cfg, s, moe), fixed,
-                                 forward_fixed))
+                                 forward_fixed, selection, replay_fixed, loss_fixed,
+                                 0.0 if kda else act.saved_sparse_attention(cfg, s)))
     return layers
 
 
 def kept(layer: LayerBytes, memory, cfg: ModelConfig, s: act.Shard) -> float:
-    """What a layer keeps between its forward and its backward, per local token."""
+    """What a layer keeps between its forward and its backward, per local token. A recomputed
+    DSA layer keeps its token selection too, unless ``dsa_keep_selection`` is off."""
+    selection = kept_selection(layer, memory)
     if memory.recompute == "full":
-        return layer.input
+        return layer.input + selection
     if memory.recompute == "selective":
         keep = layer.saved
         block_input = cfg.hidden_size * s.a  # a recomputed module's input (the norm's output) stays
         if "attention" in memory.recompute_modules:
-            keep += block_input - layer.attention
+            keep += block_input - layer.attention + selection
         if ("mlp" in memory.recompute_modules and layer.mlp == "dense") or \
                 ("moe" in memory.recompute_modules and layer.mlp == "MoE"):
             keep += block_input - layer.mlp_saved
         return keep
     return layer.saved
+
+
+def kept_selection(layer: LayerBytes, memory) -> float:
+    """The part of ``kept`` that is the DSA selection kept for the attention's recompute."""
+    recomputed = memory.recompute == "full" or (memory.recompute == "selective"
+                                                and "attention" in memory.recompute_modules)
+    return layer.selection if recomputed and getattr(memory, "dsa_keep_selection", True) else 0.0
 
 
 def pinned_size(nbytes: float) -> float:
@@ -306,8 +322,10 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
                                f"forward of layer {i} ({layer.kind} indexer blocks)"))
             if recomputes_attention:
                 grads = act.layer_input(cfg, s)  # the layer's output gradient is waiting
+                # the recompute replays a kept selection: only the indexer loss's blocks run
+                fixed = layer.replay_fixed if kept_selection(layer, mem) else layer.forward_fixed
                 candidates.append(((before + (0.0 if offload else on_device[i]) + grads + layer.partial) * T
-                                   + layer.forward_fixed, f"recompute of layer {i} ({layer.kind} indexer blocks)"))
+                                   + fixed, f"recompute of layer {i} ({layer.kind} indexer blocks)"))
     # A layer's backward runs its MLP half first, with everything the layer saved alive; autograd
     # frees the MLP half's saved tensors (and its mHC's and norm's) before the attention's
     # backward starts, so the attention's buffers and working blocks meet only the first half.
@@ -325,6 +343,9 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
         phases = [(before + mlp_half + layer.backward_streams + layer.backward_mlp) * T,
                   (before + attention_half + layer.backward_streams + layer.backward_attention) * T
                   + layer.backward_fixed]
+        if layer.loss_fixed:  # the indexer loss's backward runs after the sparse attention's
+            phases.append((before + attention_half - layer.attention_kernel + layer.backward_streams
+                           + layer.backward_attention) * T + layer.loss_fixed)
         candidates.append((max(phases), f"backward of layer {i} ({layer.kind}, {layer.mlp})"))
     act_peak, where = max(candidates, key=lambda c: c[0])
     plan.peak_where = where
@@ -338,7 +359,7 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
                 lay = group[0]
                 note = (f"attention {lay.attention * T / GiB:.2f} GiB, {mlp} {lay.mlp_saved * T / GiB:.2f} GiB, "
                         f"mHC/norms {lay.rest * T / GiB:.2f} GiB, backward buffers "
-                        f"{(lay.backward * T + lay.backward_fixed) / GiB:.2f} GiB per layer")
+                        f"{(lay.backward * T + max(lay.backward_fixed, lay.loss_fixed)) / GiB:.2f} GiB per layer")
                 if lay.forward_fixed:
                     note += f"; indexer query blocks {lay.forward_fixed / GiB:.2f} GiB in forward"
                 if mlp == "MoE":
@@ -356,9 +377,15 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
 
 
     if offload:
-        per_layer = [k * T for k in keeps]
-        host = sum(pinned_size(b) for b in per_layer) if mem.offload_pinned else sum(per_layer)
-        plan.offloaded_per_token = sum(keeps) / s.stream_tokens  # per position of this GPU's stream slice
+        # a recomputed DSA layer's kept selection is a host block of its own, beside the layer's
+        # saved tensors
+        blocks = []
+        for layer, k in zip(layers, keeps):
+            selection = kept_selection(layer, mem)
+            blocks += [(k - selection) * T, selection * T]
+        host = sum(pinned_size(b) for b in blocks) if mem.offload_pinned else sum(blocks)
+        # the layers' inputs (per position of this GPU's stream slice), the published figure
+        plan.offloaded_per_token = sum(blocks[::2]) / T / s.stream_tokens
         note = "pinned: blocks rounded up to powers of two" if mem.offload_pinned else "pageable"
         plan.host.append(Item("offloaded activations", host, note))
     if mem.recompute != "none":

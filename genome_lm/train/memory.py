@@ -3,8 +3,11 @@
 - recompute: "full" re-runs each decoder layer in the backward pass instead of keeping its
   activations (only the layer input is saved); with ``recompute_nested`` its attention and
   MLP/MoE blocks are checkpointed inside it as well, so the layer's backward holds one block's
-  activations at a time; "selective" recomputes the chosen submodules (attention, mlp/moe). torch.utils.checkpoint, non-reentrant, so RNG state and the DSA
-  selection handed between layers are reproduced exactly.
+  activations at a time; "selective" recomputes the chosen submodules (attention, mlp/moe).
+  torch.utils.checkpoint, non-reentrant, so RNG state and the DSA selection handed between
+  layers are reproduced exactly. Each checkpointed call carries a ``recompute_memo.Memo``: with
+  ``dsa_keep_selection`` a DSA layer's recomputed forward takes the token selection its forward
+  made (4 bytes per position and selected pool) instead of running the O(T^2) indexer again.
 - DSA query chunks: each DSA layer's indexer, sparse attention and indexer loss take
   ``dsa_query_chunk`` queries per block (the kernels' default is 64).
 - MoE in chunks: the tokens go through each MoE layer ``moe_chunks`` at a time, so the dispatch
@@ -27,6 +30,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from genome_lm.model import recompute_memo
+from genome_lm.model.recompute_memo import Memo
+
 
 # The wrappers replace a module's ``forward`` on the instance instead of nesting modules, so
 # parameter names (and with them checkpoints) do not change.
@@ -38,7 +44,8 @@ def recompute(module: nn.Module) -> None:
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        memo = Memo()  # what this call's forward records for its recompute
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=memo.contexts, **kwargs)
 
     module.forward = forward
     module.recomputed = True
@@ -90,12 +97,13 @@ def apply_moe_chunks(model, chunks: int) -> None:
 
 @contextlib.contextmanager
 def offload_saved_tensors(enabled: bool, pinned: bool):
-    """Keep autograd's saved tensors in host memory during forward+backward of one step."""
+    """Keep autograd's saved tensors (and what a recomputed forward replays, such as the DSA
+    selection) in host memory during forward+backward of one step."""
     if not enabled:
         yield
         return
     pin = pinned and torch.cuda.is_available()
-    with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+    with torch.autograd.graph.save_on_cpu(pin_memory=pin), recompute_memo.on_host(pinned=pin):
         yield
 
 
@@ -117,8 +125,19 @@ def apply_dsa_query_chunk(model, chunk: int | None) -> None:
             layer.self_attention.query_chunk = chunk
 
 
+def apply_dsa_keep_selection(model, keep: bool) -> None:
+    """Whether a recomputed DSA layer replays its forward's token selection (``keep``) or runs
+    the indexer again."""
+    from genome_lm.model.dsa import DSAAttention
+
+    for layer in model.layers:
+        if isinstance(layer.self_attention, DSAAttention):
+            layer.self_attention.keep_selection = keep
+
+
 def apply_memory(model, memory) -> None:
     """Apply a ``config.MemoryConfig`` (chunking first, so recompute wraps the chunked MoE)."""
     apply_dsa_query_chunk(model, memory.dsa_query_chunk)
+    apply_dsa_keep_selection(model, memory.dsa_keep_selection)
     apply_moe_chunks(model, memory.moe_chunks)
     apply_recompute(model, memory.recompute, tuple(memory.recompute_modules), memory.recompute_nested)

@@ -11,6 +11,8 @@ Three public ops, each with an explicit ``backend`` ("reference" | "torch" | "tr
     indexer_loss(q_idx, k_idx, w_idx, q, k, idx=None, *, gate=None, ape=None, kpool,
                  idx_scale=None, scale, backend, chunk=64) -> scalar KL loss
         (idx=None: dense warm-up mode; idx from select_tokens: sparse mode)
+    selection_pools(idx [B,T,S], *, kpool, topk) -> pools [B,T,P] int32;  selection_tokens(pools, ...) -> idx
+        (a selection's compact form and back)
 
 The reference backend builds [T, T] tensors (small T only); "torch" and "triton" never do.
 """
@@ -24,9 +26,12 @@ from . import loss as _loss
 from . import reference as _reference
 from . import sparse_attention as _sparse
 
-__all__ = ["select_tokens", "sparse_attention", "indexer_loss", "pool_keys"]
+__all__ = ["select_tokens", "sparse_attention", "indexer_loss", "pool_keys", "selection_pools", "selection_tokens"]
 
 pool_keys = _indexer.pool_keys
+# a selection's compact form (int32 pool ids) and back, for keeping it across recompute
+selection_pools = _indexer.selection_pools
+selection_tokens = _indexer.selection_tokens
 
 
 def select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate_BTD=None, ape_KD=None, *, kpool: int, topk: int,

@@ -166,6 +166,31 @@ def expand_to_tokens(pools_BCP, t0: int, *, kpool: int, topk: int):
     return torch.cat([tok_BCPK.flatten(2), tail_CJ.expand(B, C, kpool - 1), pad], dim=-1)
 
 
+def selection_pools(idx_BTS: torch.Tensor, *, kpool: int, topk: int) -> torch.Tensor:
+    """The pools of a ``select_tokens`` result, [B, T, P] int32 (-1 = none): the compact form
+    (4 bytes per selected pool instead of 8 per slot) that ``selection_tokens`` expands back."""
+    T = idx_BTS.shape[1]
+    P = min(topk // kpool, T // kpool)
+    first_BTP = idx_BTS[..., : P * kpool : kpool]
+    return torch.where(first_BTP >= 0, first_BTP // kpool, -1).to(torch.int32)
+
+
+EXPAND_ELEMENTS = 1 << 20  # slots expanded at a time by selection_tokens (8 MiB of int64)
+
+
+def selection_tokens(pools_BTP: torch.Tensor, *, kpool: int, topk: int, rows: int | None = None) -> torch.Tensor:
+    """``select_tokens``' index [B, T, S] from its pools (``selection_pools``), ``rows`` queries
+    at a time (default: ``EXPAND_ELEMENTS`` slots) so the transients stay a block's size."""
+    B, T, _ = pools_BTP.shape
+    S = slot_width(topk, kpool)
+    rows = rows or max(1, EXPAND_ELEMENTS // (B * S))
+    idx_BTS = torch.empty(B, T, S, dtype=torch.long, device=pools_BTP.device)
+    for t0 in range(0, T, rows):
+        part = pools_BTP[:, t0 : t0 + rows].long()
+        idx_BTS[:, t0 : t0 + part.shape[1]] = expand_to_tokens(part, t0, kpool=kpool, topk=topk)
+    return idx_BTS
+
+
 def torch_scores(q_BCHD, kp_BND, w_BCH, t0, scale, kpool):
     return pool_scores_chunk(q_BCHD, kp_BND, w_BCH, t0, scale, kpool)
 

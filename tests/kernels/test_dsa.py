@@ -109,6 +109,19 @@ def test_select_tokens_ties_go_to_the_lower_pool(generator):
     assert idx[0, 50, 12:].tolist() == [48, 49, 50]
 
 
+@pytest.mark.parametrize("kpool,topk", SELECTIONS, ids=SEL_IDS)
+@pytest.mark.parametrize("T", LENGTHS)
+def test_selection_pools_round_trip(T, kpool, topk, generator):
+    """A selection kept as int32 pools (across recompute) expands back to the same index, in
+    blocks of rows that do not divide T."""
+    inp = indexer_inputs(generator, 2, T, 3, 16, kpool, torch.float32)
+    idx, _ = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend="torch", chunk=32)
+    pools = dsa.selection_pools(idx, kpool=kpool, topk=topk)
+    assert pools.dtype == torch.int32 and pools.shape == (2, T, min(topk // kpool, T // kpool))
+    for rows in (7, None):
+        assert torch.equal(dsa.selection_tokens(pools, kpool=kpool, topk=topk, rows=rows), idx)
+
+
 def naive_pick(row: list[float], n_pick: int) -> list[int]:
     """Pools of the n_pick largest finite scores, ties to the lower pool, ascending, -1 padded."""
     order = sorted((p for p, v in enumerate(row) if v > float("-inf")), key=lambda p: (-row[p], p))

@@ -121,3 +121,37 @@ def test_chunked_loss_equals_the_whole_loss(pg, chunk):
     for key, ga in grads_a.items():
         err = (ga - grads_b[key]).abs().max() / ga.abs().max().clamp_min(1e-8)
         assert err < 1e-5, (key, err.item())
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["keep", "reselect"])
+@pytest.mark.parametrize("name", ["recompute-full", "recompute-full-nested", "recompute-attention", "all"])
+def test_recompute_keeps_the_dsa_selection(pg, monkeypatch, name, keep):
+    """With ``dsa_keep_selection`` a recomputed DSA layer replays its forward's token selection:
+    the indexer selects once per layer and step (without it, once per forward of the layer), and
+    loss and gradients stay those of the plain model. Two DSA layers, so that a replay handing one
+    layer the other's selection would show."""
+    from genome_lm_kernels import dsa as dsa_ops
+
+    cfg = get_preset("tiny").replace(num_hidden_layers=8, index_topk=16, layer_types=(),
+                                     mlp_layer_types=("dense",) + ("sparse",) * 7, indexer_types=())
+    torch.manual_seed(1)
+    plain = build_model(cfg, pg, ParallelSizes(), kernel_backend="torch")
+    other = build_model(cfg, pg, ParallelSizes(), kernel_backend="torch")
+    other.load_state_dict(plain.state_dict())
+    settings = {**SETTINGS[name], "dsa_keep_selection": keep}
+    apply_memory(other, MemoryConfig(**{k: v for k, v in settings.items() if k != "offload_activations"}))
+    calls = []
+    select = dsa_ops.select_tokens
+    monkeypatch.setattr(dsa_ops, "select_tokens", lambda *a, **k: calls.append(1) or select(*a, **k))
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(4, 9, (1, 163), generator=g)
+    weights = torch.rand(1, 162, generator=g)
+    loss_a, grads_a = _step(plain, ids, weights)
+    calls.clear()
+    loss_b, grads_b = _step(other, ids, weights, offload=settings.get("offload_activations", False))
+    forwards = 3 if settings.get("recompute_nested") else 2
+    assert len(calls) == (2 if keep else 2 * forwards)
+    assert abs(loss_a - loss_b) <= 1e-6 * abs(loss_a)
+    for key, ga in grads_a.items():
+        err = (ga - grads_b[key]).abs().max() / ga.abs().max().clamp_min(1e-8)
+        assert err < 1e-4, (key, err.item())
