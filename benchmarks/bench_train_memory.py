@@ -8,6 +8,7 @@ the plain step at the same length. Optionally draws tokens/s and peak memory aga
 
     .venv/bin/python benchmarks/bench_train_memory.py --lengths 32k,64k,128k --png /tmp/mem.png
     .venv/bin/python benchmarks/bench_train_memory.py --lengths 1M --settings recompute+offload
+    .venv/bin/python benchmarks/bench_train_memory.py --lengths 32k --settings all-reselect,all --baseline all-reselect
 
 Not a test: it takes minutes to hours. Offload on a CPU moves nothing off a device, so its cost
 here is the extra copies only; on a GPU it is what frees device memory.
@@ -31,6 +32,9 @@ SETTINGS = {
     # once and was OOM-killed at 128k)
     "all": {"recompute": "full", "recompute_nested": True, "offload_activations": True, "moe_chunks": 8,
             "dsa_query_chunk": 1024},
+    # "all", but the recomputed DSA layers run the indexer again instead of replaying the selection
+    "all-reselect": {"recompute": "full", "recompute_nested": True, "offload_activations": True, "moe_chunks": 8,
+                     "dsa_query_chunk": 1024, "dsa_keep_selection": False},
 }
 
 
@@ -115,6 +119,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--limit-gib", type=float, default=22.0)
     ap.add_argument("--max-seconds", type=float, default=1800)
+    ap.add_argument("--baseline", default="plain", help="the setting the others are compared with")
     ap.add_argument("--json")
     ap.add_argument("--png")
     ap.add_argument("--worker")
@@ -127,12 +132,12 @@ def main() -> None:
         for T in (parse_size(x) for x in a.lengths.split(",")):
             row = run(setting, T, a.threads, int(a.limit_gib * 2**30), a.max_seconds)
             rows.append(row)
-            plain = next((r for r in rows if r["setting"] == "plain" and r["T"] == T and "seconds" in r), None)
+            base = next((r for r in rows if r["setting"] == a.baseline and r["T"] == T and "seconds" in r), None)
             if "seconds" in row:
                 ratio = ""
-                if plain and setting != "plain":
-                    ratio = (f"  time x{row['seconds'] / plain['seconds']:.2f}, "
-                             f"memory x{row['peak_bytes'] / plain['peak_bytes']:.2f} of plain")
+                if base and setting != a.baseline:
+                    ratio = (f"  time x{row['seconds'] / base['seconds']:.2f}, "
+                             f"memory x{row['peak_bytes'] / base['peak_bytes']:.2f} of {a.baseline}")
                 print(f"{setting:18s} T={T:>9,}: {row['seconds']:8.1f} s  {row['tokens_per_s']:8,.0f} tok/s  "
                       f"peak {row['peak_bytes'] / 2**30:6.2f} GiB{ratio}", flush=True)
             else:

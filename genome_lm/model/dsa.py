@@ -13,16 +13,19 @@ the loss trains only the indexer and the language-model loss never reaches it. M
 (warm-up, all visible pools) or "sparse" (the selected pools).
 
 Tensor parallel splits the attention heads (q_b, kv_b column-parallel, o row-parallel); the
-low-rank down projections, their norms and the indexer are replicated. The indexer loss needs
-every head's scores, so each rank gathers the (detached) q and k of all heads for it.
+low-rank down projections, their norms and the indexer are replicated. The indexer loss's
+target sums the attention over every head: each rank sums its own heads' part per query block
+and an all-reduce over the tensor- and context-parallel groups adds the others' (a [block,
+topk / kpool] fp32 block per call), so no rank holds another rank's q and k.
 
 Context parallel (``genome_lm.engine.context_parallel``): x holds this rank's zigzag tokens. The
 projections run on them; q, k, v go through a head-wise all-to-all so that attention runs over
 the whole sequence for heads / cp of the heads, and back. The indexer needs every key: each
 rank gathers its (detached, small) inputs over CP and selects for the whole sequence, which the
 attention then uses. The indexer loss is likewise computed for the whole sequence on every CP
-rank and divided by cp, so that summing losses and gradients over CP (as data-parallel
-reduction does) gives the single-process values.
+rank (from the heads each rank attends with, over the whole sequence) and divided by cp, so
+that summing losses and gradients over CP (as data-parallel reduction does) gives the
+single-process values.
 """
 
 from __future__ import annotations
@@ -135,27 +138,27 @@ class DSAAttention(nn.Module):
                     unpack=lambda p: dsa_ops.selection_tokens(p, kpool=cfg.index_kpool, topk=cfg.index_topk))
             else:
                 idx = select()
-            if indexer_loss != "off":
-                q_all = self._all_heads(gather_sequence(q.detach(), cp, dim=1))
-                k_all = self._all_heads(gather_sequence(k.detach(), cp, dim=1))
-                n = slice(None, indexer_tokens)
-                loss = dsa_ops.indexer_loss(
-                    q_i[:, n], k_i[:, n], w_i[:, n], q_all[:, n], k_all[:, n],
-                    idx[:, n] if indexer_loss == "sparse" else None,
-                    gate_BTD=gate_i[:, n], ape_KD=self.indexer.index_kpool_compress_ape, kpool=cfg.index_kpool,
-                    scale=self.scale, backend=self.backend, chunk=self.query_chunk) / group_size(cp)
         # context parallel: whole sequence, this CP rank's heads (identity without CP)
         q, k, v = (seq_to_heads(t, cp, seq_dim=1, head_dim=2) for t in (q, k.contiguous(), v.contiguous()))
+        if self.indexer is not None and indexer_loss != "off":
+            n = slice(None, indexer_tokens)
+            loss = dsa_ops.indexer_loss(
+                q_i[:, n], k_i[:, n], w_i[:, n], q[:, n], k[:, n], idx[:, n] if indexer_loss == "sparse" else None,
+                gate_BTD=gate_i[:, n], ape_KD=self.indexer.index_kpool_compress_ape, kpool=cfg.index_kpool,
+                scale=self.scale, backend=self.backend, chunk=self.query_chunk,
+                reduce_target=self._sum_over_head_ranks if self._head_groups() else None) / group_size(cp)
         o, _ = dsa_ops.sparse_attention(q, k, v, idx, scale=self.scale, backend=self.backend,
                                         chunk=self.query_chunk)
         o = heads_to_seq(o, cp, seq_dim=1, head_dim=2)
         out = self.o_proj(o.reshape(B, S, -1).transpose(0, 1))[0]
         return DSAOutput(out, idx, loss)
 
-    def _all_heads(self, t_BSHD: torch.Tensor) -> torch.Tensor:
-        """Concatenate the heads of every tensor-parallel rank (no gradient flows through)."""
-        if self.tp_group is None or self.tp_group.size() == 1:
-            return t_BSHD
-        parts = [torch.empty_like(t_BSHD) for _ in range(self.tp_group.size())]
-        torch.distributed.all_gather(parts, t_BSHD.contiguous(), group=self.tp_group)
-        return torch.cat(parts, dim=2)
+    def _head_groups(self) -> list:
+        """The process groups over which the attention heads are split (TP, CP)."""
+        return [g for g in (self.tp_group, self.cp_group) if group_size(g) > 1]
+
+    def _sum_over_head_ranks(self, p: torch.Tensor) -> torch.Tensor:
+        """Sum a block of the indexer loss's target over the ranks holding the other heads."""
+        for group in self._head_groups():
+            torch.distributed.all_reduce(p, group=group)
+        return p

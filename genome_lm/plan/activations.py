@@ -100,9 +100,9 @@ def saved_kda(cfg: ModelConfig, s: Shard) -> float:
 def saved_dsa(cfg: ModelConfig, s: Shard, own_indexer: bool) -> float:
     """``model.dsa.DSAAttention``: MLA projections and norms, the sparse attention's q, k, v, o,
     lse and the selection; the indexer and its loss inputs (over the whole sequence on every
-    CP rank, so they count ``cp`` times per local token)."""
-    h, H = cfg.num_attention_heads // s.tp, cfg.num_attention_heads
-    D, Dqk, Dv = cfg.hidden_size, cfg.qk_head_dim, cfg.v_head_dim
+    CP rank, so they count ``cp`` times per local token; the loss's q and k are the attention's)."""
+    h = cfg.num_attention_heads // s.tp
+    D, Dv = cfg.hidden_size, cfg.v_head_dim
     rq, rkv = cfg.q_lora_rank, cfg.kv_lora_rank
     slots = cfg.index_topk + cfg.index_kpool - 1
     mla = D * s.a + saved_rmsnorm(rq, s) + rq * s.a + saved_rmsnorm(rkv, s) + rkv * s.a
@@ -112,12 +112,10 @@ def saved_dsa(cfg: ModelConfig, s: Shard, own_indexer: bool) -> float:
     indexer = 0.0
     if own_indexer and s.indexer_loss:
         Hi, Di = cfg.index_n_heads, cfg.index_head_dim
-        per_token = (Di * s.a + 2 * F32 + 2 * Di * F32 + Hi * Di * s.a + Di * F32 / cfg.index_kpool + Hi * F32
-                     + H * Dqk * s.a)  # ... + the contiguous copy of every head's k for the loss
+        # the loss takes the attention's own q and k (this rank's heads, saved above)
+        per_token = Di * s.a + 2 * F32 + 2 * Di * F32 + Hi * Di * s.a + Di * F32 / cfg.index_kpool + Hi * F32
         if s.cp > 1:
             per_token += (D + rq) * s.a  # the gathered (detached) inputs
-        if s.tp * s.cp > 1:
-            per_token += H * Dqk * s.a  # every head's q, gathered
         indexer = per_token * s.cp
     return mla + attention + indexer
 

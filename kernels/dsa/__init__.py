@@ -73,10 +73,15 @@ def sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, *, scale: float, backend: 
 
 
 def indexer_loss(q_idx_BTHD, k_idx_BTD, w_idx_BTH, q_BTHD, k_BTHD, idx_BTS=None, *, gate_BTD=None, ape_KD=None,
-                 kpool: int, idx_scale: float | None = None, scale: float, backend: str, chunk: int = 64):
+                 kpool: int, idx_scale: float | None = None, scale: float, backend: str, chunk: int = 64,
+                 reduce_target=None):
     """KL(p || softmax(I)) over pools (see ``loss``). Gradient reaches q_idx, k_idx, w_idx, gate,
-    ape only. The "triton" backend runs the chunked torch loss (no Triton loss kernel yet)."""
+    ape only. The "triton" backend runs the chunked torch loss (no Triton loss kernel yet).
+    ``reduce_target``: q, k hold some of the heads; it sums a target block over the ranks that
+    hold the others (not for the reference backend)."""
     if backend == "reference":
+        if reduce_target is not None:
+            raise ValueError("the reference indexer loss takes every head; reduce_target is for the chunked paths")
         idx_scale = q_idx_BTHD.shape[-1] ** -0.5 if idx_scale is None else idx_scale
         B, T, D = k_idx_BTD.shape
         gate = gate_BTD if gate_BTD is not None else k_idx_BTD.new_zeros(B, T, D)
@@ -86,4 +91,5 @@ def indexer_loss(q_idx_BTHD, k_idx_BTD, w_idx_BTH, q_BTHD, k_BTHD, idx_BTS=None,
     if backend not in ("torch", "triton"):
         raise ValueError(f"unknown backend {backend!r}")
     return _loss.indexer_loss(q_idx_BTHD, k_idx_BTD, w_idx_BTH, q_BTHD, k_BTHD, idx_BTS, gate_BTD=gate_BTD,
-                              ape_KD=ape_KD, kpool=kpool, idx_scale=idx_scale, scale=scale, chunk=chunk)
+                              ape_KD=ape_KD, kpool=kpool, idx_scale=idx_scale, scale=scale, chunk=chunk,
+                              reduce_target=reduce_target)

@@ -8,6 +8,12 @@ keys (every visible key / every selected key, tail included) per head, summed ov
 summed over each candidate pool's tokens (the tail is dropped: it has no indexer score),
 L1-normalised. I_t: indexer pool scores.
 
+Heads split over ranks (tensor / context parallel): p_t sums over every head, and a rank holds
+only some. ``reduce_target`` sums a [B, C, M] block of this rank's per-head sum over the ranks
+(an all-reduce) before it is normalised, once per query block in forward and again in the
+backward's recompute, so that each rank needs only its own heads' q and k. Every rank must then
+call the loss with the same T, chunk and candidates.
+
 Gradient: only the indexer tensors get one (q_idx, w_idx and the pooled keys, hence k_idx, gate
 and ape); the main q and k are detached here, and the caller detaches the hidden states that
 feed the indexer projections, as DeepSeek-V3.2 does, so the loss trains the indexer only.
@@ -25,8 +31,9 @@ from .indexer import compute_dtype, pool_keys, visible_pools
 from .sparse_attention import gather_rows, gathered_probs, own_keys, queries_per_block
 
 
-def _target_and_candidates(q_BTHD, k_BTHD, idx_BTS, t0, t1, kpool, N, scale, dt):
-    """p [B, C, M] (L1-normalised), candidate pool ids [B, C, M] (-1 = none), for M candidates."""
+def _target_and_candidates(q_BTHD, k_BTHD, idx_BTS, t0, t1, kpool, N, scale, dt, reduce_target=None):
+    """p [B, C, M] (L1-normalised), candidate pool ids [B, C, M] (-1 = none), for M candidates;
+    ``reduce_target`` sums the per-head sum over the ranks that hold the other heads."""
     B, _, H, _ = q_BTHD.shape
     C = t1 - t0
     q_BCHD = q_BTHD[:, t0:t1].to(dt)
@@ -47,6 +54,8 @@ def _target_and_candidates(q_BTHD, k_BTHD, idx_BTS, t0, t1, kpool, N, scale, dt)
         p_BCM = p_BCS[..., : M * kpool].unflatten(-1, (M, kpool)).sum(-1)
         pools_BCM = torch.where(first_BCM >= 0, first_BCM // kpool, -1)
     p_BCM = p_BCM * (pools_BCM >= 0)
+    if reduce_target is not None:
+        p_BCM = reduce_target(p_BCM.contiguous())
     return p_BCM / p_BCM.sum(-1, keepdim=True).clamp_min(torch.finfo(dt).tiny), pools_BCM
 
 
@@ -74,7 +83,8 @@ def _scores(q_BCHD, kp, w_BCH, pools_BCM, scale):
 
 class IndexerLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_idx_BTHD, kp_BND, w_BTH, q_BTHD, k_BTHD, idx_BTS, kpool, idx_scale, scale, chunk):
+    def forward(ctx, q_idx_BTHD, kp_BND, w_BTH, q_BTHD, k_BTHD, idx_BTS, kpool, idx_scale, scale, chunk,
+                reduce_target):
         dt = compute_dtype(q_idx_BTHD.dtype)
         B, T = q_idx_BTHD.shape[:2]
         N = kp_BND.shape[1]
@@ -82,7 +92,8 @@ class IndexerLoss(torch.autograd.Function):
         rows = 0
         for t0 in range(0, T, chunk):
             t1 = min(t0 + chunk, T)
-            p_BCM, pools_BCM = _target_and_candidates(q_BTHD, k_BTHD, idx_BTS, t0, t1, kpool, N, scale, dt)
+            p_BCM, pools_BCM = _target_and_candidates(q_BTHD, k_BTHD, idx_BTS, t0, t1, kpool, N, scale, dt,
+                                                      reduce_target)
             kp = _candidate_keys(kp_BND, pools_BCM, idx_BTS is None).to(dt)
             I_BCM = _scores(q_idx_BTHD[:, t0:t1].to(dt), kp, w_BTH[:, t0:t1].to(dt), pools_BCM, idx_scale)
             logq_BCM = I_BCM.log_softmax(-1)
@@ -90,13 +101,13 @@ class IndexerLoss(torch.autograd.Function):
             total += kl.sum()
             rows += int((pools_BCM >= 0).any(-1).sum())
         ctx.save_for_backward(q_idx_BTHD, kp_BND, w_BTH, q_BTHD, k_BTHD, idx_BTS)
-        ctx.args = (kpool, idx_scale, scale, chunk, max(rows, 1))
+        ctx.args = (kpool, idx_scale, scale, chunk, max(rows, 1), reduce_target)
         return total / max(rows, 1)
 
     @staticmethod
     def backward(ctx, g):
         q_idx_BTHD, kp_BND, w_BTH, q_BTHD, k_BTHD, idx_BTS = ctx.saved_tensors
-        kpool, idx_scale, scale, chunk, rows = ctx.args
+        kpool, idx_scale, scale, chunk, rows, reduce_target = ctx.args
         dt = compute_dtype(q_idx_BTHD.dtype)
         T, N = q_idx_BTHD.shape[1], kp_BND.shape[1]
         dq = torch.zeros(q_idx_BTHD.shape, dtype=dt, device=q_idx_BTHD.device)
@@ -105,7 +116,8 @@ class IndexerLoss(torch.autograd.Function):
         for t0 in range(0, T, chunk):
             t1 = min(t0 + chunk, T)
             with torch.no_grad():
-                p_BCM, pools_BCM = _target_and_candidates(q_BTHD, k_BTHD, idx_BTS, t0, t1, kpool, N, scale, dt)
+                p_BCM, pools_BCM = _target_and_candidates(q_BTHD, k_BTHD, idx_BTS, t0, t1, kpool, N, scale, dt,
+                                                          reduce_target)
             with torch.enable_grad():
                 q_c = q_idx_BTHD[:, t0:t1].detach().to(dt).requires_grad_()
                 w_c = w_BTH[:, t0:t1].detach().to(dt).requires_grad_()
@@ -122,7 +134,7 @@ class IndexerLoss(torch.autograd.Function):
                 offs = torch.arange(kp_BND.shape[0], device=dkp.device)[:, None, None] * N
                 dkp.view(-1, dkp.shape[-1]).index_add_(0, (pools_BCM.clamp_min(0) + offs).flatten(), gkp.flatten(0, 2))
         return (dq.to(q_idx_BTHD.dtype), dkp.to(kp_BND.dtype), dw.to(w_BTH.dtype),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def _candidate_keys(kp_BND, pools_BCM, dense: bool):
@@ -134,12 +146,13 @@ def _candidate_keys(kp_BND, pools_BCM, dense: bool):
 
 
 def indexer_loss(q_idx_BTHD, k_idx_BTD, w_BTH, q_BTHD, k_BTHD, idx_BTS=None, *, gate_BTD=None, ape_KD=None,
-                 kpool: int, idx_scale: float | None = None, scale: float, chunk: int = 64):
+                 kpool: int, idx_scale: float | None = None, scale: float, chunk: int = 64, reduce_target=None):
     """Scalar KL loss; ``idx_BTS=None`` is the dense warm-up mode, else the sparse mode.
-    Shapes as in ``select_tokens`` (indexer) and ``sparse_attention`` (main q, k)."""
+    Shapes as in ``select_tokens`` (indexer) and ``sparse_attention`` (main q, k: this rank's
+    heads, summed over the ranks by ``reduce_target`` when given)."""
     idx_scale = q_idx_BTHD.shape[-1] ** -0.5 if idx_scale is None else idx_scale
     # Pool keys in fp32 (not the input dtype, as selection does): a bf16 rounding of the keys
     # flips ReLUs and makes the gradient noisy; the gradient still flows back to bf16 leaves.
     kp_BND = pool_keys(k_idx_BTD.to(compute_dtype(k_idx_BTD.dtype)), gate_BTD, ape_KD, kpool=kpool)
     return IndexerLoss.apply(q_idx_BTHD, kp_BND, w_BTH, q_BTHD.detach(), k_BTHD.detach().contiguous(), idx_BTS,
-                             kpool, idx_scale, scale, chunk)
+                             kpool, idx_scale, scale, chunk, reduce_target)

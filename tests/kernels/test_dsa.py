@@ -250,6 +250,37 @@ def test_indexer_loss_torch(T, kpool, topk, sparse, dtype, generator, nan_poison
     _check_loss("torch", T, kpool, topk, sparse, dtype, generator)
 
 
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
+@pytest.mark.parametrize("T", [65, 257])
+def test_indexer_loss_with_heads_split_over_ranks(T, sparse, generator, nan_poison):
+    """Heads split over two ranks (tensor / context parallel): each rank's loss, its per-head
+    target summed with the other rank's by ``reduce_target``, equals the loss over all heads,
+    gradients included. The other rank is played by a first pass that records its target
+    blocks (forward, then backward's recompute) for the second to add."""
+    kpool, topk, chunk = 4, 24, 16
+    inp = indexer_inputs(generator, 2, T, 3, 8, kpool, torch.float64)
+    q, k = (torch.randn(2, T, 5, 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    idx = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend="torch")[0] if sparse else None
+
+    def run(heads, reduce_target):
+        leaves = {n: inp[n].clone().requires_grad_() for n in inp}
+        loss = dsa.indexer_loss(leaves["q_idx_BTHD"], leaves["k_idx_BTD"], leaves["w_idx_BTH"], q[:, :, heads],
+                                k[:, :, heads], idx, gate_BTD=leaves["gate_BTD"], ape_KD=leaves["ape_KD"],
+                                kpool=kpool, scale=0.25, backend="torch", chunk=chunk, reduce_target=reduce_target)
+        return loss, torch.autograd.grad(loss, list(leaves.values()))
+
+    other = []
+    run(slice(3, 5), lambda p: other.append(p.clone()) or p)
+    blocks = iter(other)
+    loss, grads = run(slice(0, 3), lambda p: p + next(blocks))
+    assert next(blocks, None) is None, "forward and backward used different numbers of target blocks"
+    loss_all, grads_all = run(slice(None), None)
+    assert_rel_close(loss.detach().reshape(1), loss_all.detach().reshape(1), torch.float64, "loss")
+    for g, g_all in zip(grads, grads_all):
+        assert_rel_close(g, g_all, torch.float64, "gradient")
+    assert abs(run(slice(0, 3), None)[0].item() - loss_all.item()) > 1e-6  # the other heads matter
+
+
 # ---------------------------------------------------------------- memory: no [T, T]
 
 
