@@ -48,9 +48,10 @@ cases = torch.load(sys.argv[1])
 results = []
 for x in cases:
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    # by name: transformers 5.2x wraps these functions in hub-kernel modules without a __name__
     results.append({
-        fn.__name__: fn(*args, initial_state=x["s0"], output_final_state=True, use_qk_l2norm_in_kernel=True)
-        for fn in (m.chunk_kimi_delta_attention, m.recurrent_kimi_delta_attention)
+        name: getattr(m, name)(*args, initial_state=x["s0"], output_final_state=True, use_qk_l2norm_in_kernel=True)
+        for name in ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
     })
 torch.save(results, sys.argv[2])
 """
