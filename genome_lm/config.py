@@ -87,6 +87,9 @@ class MemoryConfig(Section):
     optimizer_offload: bool = Field(False, description="Keep optimizer state in host memory (megatron-core's CPU offload).")
     moe_chunks: int = Field(1, ge=1, description="Pass the tokens through each MoE layer in this many chunks (the "
                                                  "published run used 64 at 512k).")
+    moe_chunk_recompute: bool = Field(False, description="Checkpoint each MoE chunk on its own (needs moe_chunks > 1): "
+                                                         "the MoE's backward holds one chunk's activations at a time, "
+                                                         "for one more forward of the experts.")
     loss_chunk: int | None = Field(None, gt=0, description="Positions per block of the output layer and the loss, "
                                                           "each block's logits recomputed in backward (None = all at "
                                                           "once; the logits of a large vocabulary dominate long windows).")
@@ -95,6 +98,12 @@ class MemoryConfig(Section):
     dsa_keep_selection: bool = Field(True, description="Under recompute, keep each DSA layer's token selection "
                                                        "(4 bytes per position and selected pool) so that the "
                                                        "recomputed forward does not run the O(T^2) indexer again.")
+
+    @model_validator(mode="after")
+    def _moe_chunks(self):
+        if self.moe_chunk_recompute and self.moe_chunks < 2:
+            raise ValueError("moe_chunk_recompute needs moe_chunks > 1 (it checkpoints each MoE chunk)")
+        return self
 
 
 class TrainConfig(Section):

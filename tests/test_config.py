@@ -35,6 +35,7 @@ def test_overrides_are_typed():
     ("parallel.pp=2", "parallel.pp"),
     ("parallel.sequence_parallel=maybe", "parallel.sequence_parallel: Input should be a valid boolean"),
     ("nosection", "expected section.field=value"),
+    ("memory.moe_chunk_recompute=true", "moe_chunk_recompute needs moe_chunks > 1"),
 ])
 def test_bad_values_are_one_line_errors(override, message):
     with pytest.raises(GenomeLMError, match=message.replace(".", r"\.").replace("(", r"\(")) as info:

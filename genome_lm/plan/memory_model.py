@@ -24,7 +24,7 @@ buffers (``Hardware.headroom`` leaves room for them), pipeline parallel (not sup
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from genome_lm.config import RunConfig
@@ -295,6 +295,10 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
 
     # activations
     layers = layer_bytes(cfg, s, run.data.seq_len, run.train.micro_batch_size)
+    if mem.moe_chunk_recompute and mem.moe_chunks > 1:  # a MoE keeps its input, and one chunk in backward
+        moe_input = cfg.hidden_size * s.a * s.stream_tokens
+        layers = [replace(lay, mlp_saved=moe_input + lay.mlp_saved / mem.moe_chunks)
+                  if lay.mlp == "MoE" else lay for lay in layers]
     keeps = [kept(layer, mem, cfg, s) for layer in layers]
     offload = mem.offload_activations and on_gpu
     # the loss head: per token its input and norm; the vocabulary-wide tensors (softmax kept for
@@ -395,7 +399,9 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
     if mem.optimizer_offload and on_gpu:
         saving("optimizer offload", optimizer_offload=False)
     if mem.moe_chunks > 1:  # dispatch buffers only: a saved or recomputed layer keeps every chunk's activations
-        saving(f"MoE in {mem.moe_chunks} chunks", moe_chunks=1)
+        saving(f"MoE in {mem.moe_chunks} chunks", moe_chunks=1, moe_chunk_recompute=False)
+    if mem.moe_chunk_recompute and mem.moe_chunks > 1:
+        saving("MoE chunks recomputed", moe_chunk_recompute=False)
     if mem.dsa_query_chunk:  # against the model's default of 64 queries per block
         saving(f"DSA query chunk {mem.dsa_query_chunk} (vs {act.DSA_DEFAULT_CHUNK})", dsa_query_chunk=None)
     return plan

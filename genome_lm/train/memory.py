@@ -11,8 +11,9 @@
 - DSA query chunks: each DSA layer's indexer, sparse attention and indexer loss take
   ``dsa_query_chunk`` queries per block (the kernels' default is 64).
 - MoE in chunks: the tokens go through each MoE layer ``moe_chunks`` at a time, so the dispatch
-  buffers and expert activations of only one chunk exist at once (the published run used 64
-  chunks at 512k).
+  buffers of only one chunk exist at once (the published run used 64 chunks at 512k); with
+  ``moe_chunk_recompute`` each chunk is checkpointed too, so the MoE's saved activations are
+  one chunk's at a time, for one more forward of the experts.
 - offload: the tensors autograd saves for backward are moved to host memory (pinned or
   pageable) with torch's saved-tensor hooks, and the pinned-memory cache is released after the
   step (pinned blocks round up to powers of two and ran a node out of RAM in the published run).
@@ -37,30 +38,42 @@ from genome_lm.model.recompute_memo import Memo
 # The wrappers replace a module's ``forward`` on the instance instead of nesting modules, so
 # parameter names (and with them checkpoints) do not change.
 
+def checkpointed(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` under activation checkpointing (non-reentrant) when autograd
+    records, with a ``Memo`` for what its recompute may replay."""
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    memo = Memo()  # what this call's forward records for its recompute
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=memo.contexts, **kwargs)
+
+
 def recompute(module: nn.Module) -> None:
     """Run ``module`` under activation checkpointing (non-reentrant)."""
     inner = module.forward
 
     def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return inner(*args, **kwargs)
-        memo = Memo()  # what this call's forward records for its recompute
-        return checkpoint(inner, *args, use_reentrant=False, context_fn=memo.contexts, **kwargs)
+        return checkpointed(inner, *args, **kwargs)
 
     module.forward = forward
     module.recomputed = True
 
 
-def chunk_moe(moe: nn.Module, chunks: int) -> None:
-    """Pass x [S, B, D] through the MoE layer ``chunks`` slices of the sequence at a time."""
+def chunk_moe(moe: nn.Module, chunks: int, recompute_chunks: bool = False) -> None:
+    """Pass x [S, B, D] through the MoE layer ``chunks`` slices of the sequence at a time; with
+    ``recompute_chunks`` each slice is checkpointed on its own, so that the MoE's backward holds
+    one slice's activations at a time (and its forward keeps none but the slices' input)."""
     inner = moe.forward
 
+    def one(part: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return inner(part, *args, **kwargs)[0]
+
     def forward(x: torch.Tensor, *args, **kwargs):
-        outs = [inner(part, *args, **kwargs)[0] for part in x.chunk(chunks, dim=0)]
-        return torch.cat(outs, dim=0), None
+        run = (lambda *a, **k: checkpointed(one, *a, **k)) if recompute_chunks else one
+        return torch.cat([run(part, *args, **kwargs) for part in x.chunk(chunks, dim=0)], dim=0), None
 
     moe.forward = forward
     moe.moe_chunks = chunks
+    moe.recompute_chunks = recompute_chunks
 
 
 def _is_moe(module: nn.Module) -> bool:
@@ -78,21 +91,23 @@ def apply_recompute(model, mode: str, modules=("attention",), nested: bool = Fal
         if mode == "full":
             if nested:
                 recompute(layer.self_attention)
-                recompute(layer.mlp)
+                if not getattr(layer.mlp, "recompute_chunks", False):  # its chunks are checkpointed already
+                    recompute(layer.mlp)
             recompute(layer)
             continue
         if "attention" in modules:
             recompute(layer.self_attention)
         if ("mlp" in modules and not _is_moe(layer.mlp)) or ("moe" in modules and _is_moe(layer.mlp)):
-            recompute(layer.mlp)
+            if not getattr(layer.mlp, "recompute_chunks", False):  # its chunks are checkpointed already
+                recompute(layer.mlp)
 
 
-def apply_moe_chunks(model, chunks: int) -> None:
+def apply_moe_chunks(model, chunks: int, recompute_chunks: bool = False) -> None:
     if chunks <= 1:
         return
     for layer in model.layers:
         if _is_moe(layer.mlp):
-            chunk_moe(layer.mlp, chunks)
+            chunk_moe(layer.mlp, chunks, recompute_chunks)
 
 
 @contextlib.contextmanager
@@ -139,5 +154,5 @@ def apply_memory(model, memory) -> None:
     """Apply a ``config.MemoryConfig`` (chunking first, so recompute wraps the chunked MoE)."""
     apply_dsa_query_chunk(model, memory.dsa_query_chunk)
     apply_dsa_keep_selection(model, memory.dsa_keep_selection)
-    apply_moe_chunks(model, memory.moe_chunks)
+    apply_moe_chunks(model, memory.moe_chunks, memory.moe_chunk_recompute)
     apply_recompute(model, memory.recompute, tuple(memory.recompute_modules), memory.recompute_nested)

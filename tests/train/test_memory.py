@@ -36,6 +36,12 @@ SETTINGS = {
     "dsa-query-chunk-7": dict(dsa_query_chunk=7),
     "offload": dict(offload_activations=True),
     "all": dict(recompute="full", recompute_nested=True, moe_chunks=4, dsa_query_chunk=64, offload_activations=True),
+    "moe-chunk-recompute": dict(moe_chunks=3, moe_chunk_recompute=True),
+    "recompute-moe-moe-chunk-recompute": dict(recompute="selective", recompute_modules=["moe"], moe_chunks=3,
+                                              moe_chunk_recompute=True),
+    "recompute-full-moe-chunk-recompute": dict(recompute="full", moe_chunks=4, moe_chunk_recompute=True),
+    "all-moe-chunk-recompute": dict(recompute="full", recompute_nested=True, moe_chunks=4, moe_chunk_recompute=True,
+                                    dsa_query_chunk=64, offload_activations=True),
 }
 
 
@@ -155,3 +161,20 @@ def test_recompute_keeps_the_dsa_selection(pg, monkeypatch, name, keep):
     for key, ga in grads_a.items():
         err = (ga - grads_b[key]).abs().max() / ga.abs().max().clamp_min(1e-8)
         assert err < 1e-4, (key, err.item())
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_moe_chunk_recompute_runs_each_chunk_again_in_backward(pg, recompute):
+    """With ``moe_chunk_recompute`` each MoE chunk is checkpointed: the router runs once more per
+    chunk in backward (on top of a recomputed layer's forward). What it saves in memory is
+    measured in tests/plan/test_measured.py."""
+    torch.manual_seed(0)
+    model = build_model(get_preset("tiny").replace(index_topk=32), pg, ParallelSizes(), kernel_backend="torch")
+    apply_memory(model, MemoryConfig(recompute=recompute, moe_chunks=3, moe_chunk_recompute=True))
+    moe_layers = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "router")]
+    calls = []
+    for moe in moe_layers:
+        moe.router.register_forward_hook(lambda *_: calls.append(1))
+    _step(model, torch.randint(4, 9, (1, 97)), torch.ones(1, 96))
+    forwards = 3 if recompute == "full" else 2  # forward, (layer recompute,) chunk recompute
+    assert len(calls) == len(moe_layers) * 3 * forwards
