@@ -66,7 +66,7 @@ def _tokens(length: int, seed: int, dataset: Path | None, token_map) -> torch.Te
 def _transformers_logprobs(hf_dir: Path, ids: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
     from genome_lm.model.parity import _import_transformers_model
 
-    model = _import_transformers_model().from_pretrained(hf_dir, dtype=dtype).eval()
+    model = _import_transformers_model().from_pretrained(hf_dir, dtype=dtype).eval().to(ids.device)
     with torch.no_grad():
         return realised_logprobs(model(input_ids=ids).logits, ids)
 
@@ -118,6 +118,7 @@ def check_logprobs(model_spec: str, lengths: list[int], *, chunk: int = 4096, th
     from genome_lm.model.prefill import chunked_logits
 
     from .models import load_model
+    from .score import model_device
 
     rows: list[LogprobRow] = []
     with quiet_megatron_import(), parallel_context() as pg:
@@ -131,7 +132,7 @@ def check_logprobs(model_spec: str, lengths: list[int], *, chunk: int = 4096, th
         for length in lengths:
             if length < 2:
                 raise GenomeLMError(f"--lengths {length}: need at least 2 tokens (one prediction)")
-            ids = _tokens(length, seed, dataset, token_map)
+            ids = _tokens(length, seed, dataset, token_map).to(model_device(model))
             with torch.no_grad():
                 reference = realised_logprobs(model(ids).logits, ids)
             for path in paths:

@@ -30,7 +30,7 @@ import torch
 
 from genome_lm.data.tokenizer import A, C, G, N, T
 
-from .score import token_nll
+from .score import model_device, token_nll
 
 LETTERS = {A: "A", C: "C", G: "G", T: "T", N: "N"}
 
@@ -155,14 +155,14 @@ def run_recall_bench(model, pool: SequencePool, distances: list[int], *, trials:
         ids = to_id[np.frombuffer(text.upper().encode(), dtype=np.uint8)]
         return (mapping[ids] if mapping is not None else ids).tolist()
 
-    def logits_fn(ids_BT: torch.Tensor) -> torch.Tensor:
-        ids = ids_BT.cpu()
+    def logits_fn(ids_BT: torch.Tensor) -> torch.Tensor:  # on the model's device; recall-bench reads CPU logits
+        ids = ids_BT.to(model_device(model))
         with torch.no_grad():
             if chunk is None or ids.shape[1] <= chunk:
-                return model(ids).logits.float()
+                return model(ids).logits.float().cpu()
             from genome_lm.model.prefill import chunked_logits
 
-            return torch.cat([lg.float() for _, lg in chunked_logits(model, ids, chunk)], 1)
+            return torch.cat([lg.float().cpu() for _, lg in chunked_logits(model, ids, chunk)], 1)
 
     letters = np.full(256, ord("N"), dtype=np.uint8)
     for token, letter in LETTERS.items():

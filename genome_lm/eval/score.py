@@ -52,16 +52,24 @@ def select_windows(windows, *, max_windows: int | None = None, max_n_fraction: f
     return keep
 
 
+def model_device(model) -> torch.device:
+    """Where the model's parameters are (``build_model`` puts them on the GPU when there is one):
+    the device its inputs go to; the CPU for a model without parameters."""
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
 @torch.no_grad()
 def token_nll(model, tokens: np.ndarray, *, chunk: int | None = None, token_map: torch.Tensor | None = None,
-              device: torch.device | str = "cpu", on_chunk=None) -> np.ndarray:
+              device: torch.device | str | None = None, on_chunk=None) -> np.ndarray:
     """NLL [L - 1] (nats, float64) of tokens[1:] given the tokens before each, for one sequence
-    of genome-lm token ids. ``token_map``: genome-lm id -> model id (a pretrained vocabulary).
-    ``on_chunk(n)`` is called after each n predicted tokens (progress)."""
+    of genome-lm token ids, computed on ``device`` (default: the model's). ``token_map``:
+    genome-lm id -> model id (a pretrained vocabulary). ``on_chunk(n)`` is called after each n
+    predicted tokens (progress)."""
     ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
     if token_map is not None:
         ids = token_map[ids]
-    ids = ids.to(device)[None]
+    ids = ids.to(device or model_device(model))[None]
     inputs, targets = ids[:, :-1], ids[0, 1:]
     L = inputs.shape[1]
     out = np.empty(L, dtype=np.float64)
@@ -84,8 +92,8 @@ def token_nll(model, tokens: np.ndarray, *, chunk: int | None = None, token_map:
 
 @torch.no_grad()
 def score_split(model, dataset, split: str, *, windows: list[int] | None = None, max_windows: int | None = None,
-                chunk: int | None = None, token_map: torch.Tensor | None = None, device: torch.device | str = "cpu",
-                on_chunk=None) -> TokenScores:
+                chunk: int | None = None, token_map: torch.Tensor | None = None,
+                device: torch.device | str | None = None, on_chunk=None) -> TokenScores:
     """Scores of every non-N target of the chosen windows (``windows``, else ``select_windows``
     with ``max_windows``); a window is always scored whole, from its first base."""
     from genome_lm.data.loader import SplitReader
