@@ -359,7 +359,8 @@ def parity(
     Loads the checkpoint in transformers and through genome-lm's loader, runs both on the same
     random DNA tokens at each length, prints the largest |logit difference| per length, and exits
     with status 1 when any length exceeds --tol. Works for any glm5_next text config that
-    genome-lm supports (NoPE MLA, one router group)."""
+    genome-lm supports (NoPE MLA without attention bias, the tail pool always selected; any
+    router grouping); other configs are refused with the field named."""
     from genome_lm.model.parity import run_parity
 
     sizes = [parse_size(x) for x in lengths.split(",") if x.strip()]
