@@ -26,6 +26,7 @@ Each function changes the model in place and returns nothing; ``apply_memory`` a
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -67,8 +68,9 @@ def chunk_moe(moe: nn.Module, chunks: int, recompute_chunks: bool = False) -> No
     def one(part: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return inner(part, *args, **kwargs)[0]
 
+    run = functools.partial(checkpointed, one) if recompute_chunks else one
+
     def forward(x: torch.Tensor, *args, **kwargs):
-        run = (lambda *a, **k: checkpointed(one, *a, **k)) if recompute_chunks else one
         return torch.cat([run(part, *args, **kwargs) for part in x.chunk(chunks, dim=0)], dim=0), None
 
     moe.forward = forward
@@ -88,17 +90,18 @@ def apply_recompute(model, mode: str, modules=("attention",), nested: bool = Fal
     if mode == "none":
         return
     for layer in model.layers:
+        mlp_checkpointed = getattr(layer.mlp, "recompute_chunks", False)  # a MoE whose chunks are checkpointed
         if mode == "full":
             if nested:
                 recompute(layer.self_attention)
-                if not getattr(layer.mlp, "recompute_chunks", False):  # its chunks are checkpointed already
+                if not mlp_checkpointed:
                     recompute(layer.mlp)
             recompute(layer)
             continue
         if "attention" in modules:
             recompute(layer.self_attention)
         if ("mlp" in modules and not _is_moe(layer.mlp)) or ("moe" in modules and _is_moe(layer.mlp)):
-            if not getattr(layer.mlp, "recompute_chunks", False):  # its chunks are checkpointed already
+            if not mlp_checkpointed:
                 recompute(layer.mlp)
 
 
