@@ -163,18 +163,28 @@ def test_recompute_keeps_the_dsa_selection(pg, monkeypatch, name, keep):
         assert err < 1e-4, (key, err.item())
 
 
-@pytest.mark.parametrize("recompute", ["none", "full"])
-def test_moe_chunk_recompute_runs_each_chunk_again_in_backward(pg, recompute):
+# forwards of each MoE chunk per step: forward, (the layer's recompute,) the chunk's recompute; a
+# nested or selective-MoE recompute does not checkpoint such a MoE a second time
+CHUNK_RECOMPUTE = {
+    "alone": (dict(), 2),
+    "full": (dict(recompute="full"), 3),
+    "full-nested": (dict(recompute="full", recompute_nested=True), 3),
+    "selective-moe": (dict(recompute="selective", recompute_modules=["moe"]), 2),
+}
+
+
+@pytest.mark.parametrize("name", CHUNK_RECOMPUTE)
+def test_moe_chunk_recompute_runs_each_chunk_again_in_backward(pg, name):
     """With ``moe_chunk_recompute`` each MoE chunk is checkpointed: the router runs once more per
     chunk in backward (on top of a recomputed layer's forward). What it saves in memory is
     measured in tests/plan/test_measured.py."""
+    settings, forwards = CHUNK_RECOMPUTE[name]
     torch.manual_seed(0)
     model = build_model(get_preset("tiny").replace(index_topk=32), pg, ParallelSizes(), kernel_backend="torch")
-    apply_memory(model, MemoryConfig(recompute=recompute, moe_chunks=3, moe_chunk_recompute=True))
+    apply_memory(model, MemoryConfig(moe_chunks=3, moe_chunk_recompute=True, **settings))
     moe_layers = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "router")]
     calls = []
     for moe in moe_layers:
         moe.router.register_forward_hook(lambda *_: calls.append(1))
     _step(model, torch.randint(4, 9, (1, 97)), torch.ones(1, 96))
-    forwards = 3 if recompute == "full" else 2  # forward, (layer recompute,) chunk recompute
     assert len(calls) == len(moe_layers) * 3 * forwards
