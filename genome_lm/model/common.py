@@ -27,11 +27,18 @@ class BuildOptions:
     kernel_backend: backend of the KDA and DSA ops ("reference", "torch", "triton"), already
         resolved with ``genome_lm_kernels.resolve_backend``.
     dtype: parameter dtype.
+    moe_aux_loss_coeff: weight of the MoE routers' auxiliary load-balancing loss (0: none, the
+        expert bias alone balances the load); it joins backward as a gradient only
+        (``router.py``).
+    moe_aux_loss: megatron-core's load-balancing type for it: "seq_aux_loss" (per sequence, as
+        DeepSeek-V3) or "aux_loss" (per micro-batch).
     """
 
     transformer_impl: TransformerImpl = "local"
     kernel_backend: str = "torch"
     dtype: torch.dtype = torch.float32
+    moe_aux_loss_coeff: float = 0.0
+    moe_aux_loss: Literal["seq_aux_loss", "aux_loss"] = "seq_aux_loss"
 
     def spec_provider(self):
         if self.transformer_impl == "transformer_engine":
@@ -44,21 +51,38 @@ class BuildOptions:
 
 
 def megatron_config(cfg: ModelConfig, sizes, options: BuildOptions):
-    """The megatron-core ``TransformerConfig`` its MLP, MoE and parallel linear layers read.
-
-    Attention fields are placeholders megatron-core validates but genome-lm's own KDA and DSA
-    layers do not use. Fusions stay off: the swiglu clamp of glm5_next (gate <= limit, up in
+    """The megatron-core ``MLATransformerConfig`` (a ``TransformerConfig``) its MLP, MoE and
+    parallel linear layers read, with the MLA, DSA-indexer and linear-attention sizes filled in
+    from the model config. genome-lm's own KDA and DSA layers read their sizes from the model
+    config, not from these fields. Fusions stay off: the swiglu clamp of glm5_next (gate <= limit, up in
     [-limit, limit]) is applied by megatron-core's unfused GLU through
     ``activation_func_clamp_value``."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig
 
     on_gpu = torch.cuda.is_available()
-    return TransformerConfig(
+    return MLATransformerConfig(
         num_layers=cfg.num_hidden_layers,
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_attention_heads,
         kv_channels=cfg.v_head_dim,
+        # the DSA layers' MLA: low-rank q and kv, no positional part (qk_rope_head_dim = 0)
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_head_dim=cfg.qk_nope_head_dim,
+        qk_pos_emb_head_dim=0,
+        v_head_dim=cfg.v_head_dim,
+        rope_type="rope",
+        # the DSA indexer and the KDA layers, for readers of the config (genome-lm's layers
+        # take them from the model config)
+        dsa_indexer_n_heads=cfg.index_n_heads,
+        dsa_indexer_head_dim=cfg.index_head_dim,
+        dsa_indexer_topk=cfg.index_topk,
+        linear_key_head_dim=cfg.linear_head_dim,
+        linear_value_head_dim=cfg.linear_head_dim,
+        linear_num_key_heads=cfg.linear_num_heads,
+        linear_num_value_heads=cfg.linear_num_heads,
+        linear_conv_kernel_dim=cfg.linear_conv_kernel_dim,
         layernorm_epsilon=cfg.rms_norm_eps,
         normalization="RMSNorm",
         init_method_std=cfg.initializer_range,
@@ -87,8 +111,8 @@ def megatron_config(cfg: ModelConfig, sizes, options: BuildOptions):
         moe_router_enable_expert_bias=True,
         moe_router_topk_scaling_factor=cfg.routed_scaling_factor,
         moe_router_dtype="fp32",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
+        moe_router_load_balancing_type=options.moe_aux_loss if options.moe_aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=options.moe_aux_loss_coeff,
         moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
         moe_grouped_gemm=False,
     )
@@ -206,17 +230,23 @@ class HyperConnection(nn.Module):
         return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + comb.to(dtype).transpose(-1, -2) @ streams
 
 
-def column_linear(options: BuildOptions, tf_config, tp_group, n_in: int, n_out: int):
-    """A column-parallel projection (output features split over tensor-parallel ranks), no bias."""
-    return options.spec_provider().column_parallel_linear()(
-        n_in, n_out, config=tf_config, init_method=tf_config.init_method, bias=False, gather_output=False,
+def column_linear(spec, tf_config, tp_group, n_in: int, n_out: int):
+    """A column-parallel projection (output features split over tensor-parallel ranks), no bias;
+    ``spec``: the spec provider's column-parallel class (or a ``ModuleSpec`` of one)."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    return build_module(
+        spec, n_in, n_out, config=tf_config, init_method=tf_config.init_method, bias=False, gather_output=False,
         skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None, tp_group=tp_group)
 
 
-def row_linear(options: BuildOptions, tf_config, tp_group, n_in: int, n_out: int):
-    """A row-parallel output projection (input features split, result summed over ranks), no bias."""
-    return options.spec_provider().row_parallel_linear()(
-        n_in, n_out, config=tf_config, init_method=tf_config.output_layer_init_method, bias=False,
+def row_linear(spec, tf_config, tp_group, n_in: int, n_out: int):
+    """A row-parallel output projection (input features split, result summed over ranks), no
+    bias; ``spec``: the spec provider's row-parallel class (or a ``ModuleSpec`` of one)."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    return build_module(
+        spec, n_in, n_out, config=tf_config, init_method=tf_config.output_layer_init_method, bias=False,
         input_is_parallel=True, skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None, tp_group=tp_group)
 
 

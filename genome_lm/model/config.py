@@ -4,7 +4,7 @@
 checkpoint's ``config.json`` maps onto it one to one (``from_hf``) and back (``to_hf``). The
 per-layer lists (which layers are KDA or DSA, dense or MoE, own or shared indexer) are spelled
 out, never recomputed in a second place. ``megatron_config`` turns it into the
-``TransformerConfig`` that megatron-core's linear, MLP and MoE modules read.
+``MLATransformerConfig`` that megatron-core's linear, MLP and MoE modules read.
 """
 
 from __future__ import annotations

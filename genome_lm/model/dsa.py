@@ -42,6 +42,7 @@ from genome_lm.engine.context_parallel import gather_sequence, group_size, heads
 from . import recompute_memo
 from .common import BuildOptions, RMSNorm, column_linear, replicated_linear, row_linear
 from .config import SHARED, ModelConfig
+from .specs import AttentionSubmodules, attention_submodules
 
 IndexerLossMode = Literal["off", "dense", "sparse"]
 
@@ -76,8 +77,11 @@ class Indexer(nn.Module):
 
 
 class DSAAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, tf_config, options: BuildOptions, tp_group, cp_group=None):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tf_config, options: BuildOptions, tp_group, cp_group=None,
+                 submodules: AttentionSubmodules | None = None):
         super().__init__()
+        if submodules is None:  # built directly, not from a spec: the options' spec provider
+            submodules = attention_submodules(options.spec_provider())
         tp = group_size(tp_group)
         heads_per_rank(cfg.num_attention_heads, tp, group_size(cp_group), "num_attention_heads")
         self.cfg, self.backend, self.tp_group, self.cp_group = cfg, options.kernel_backend, tp_group, cp_group
@@ -91,7 +95,7 @@ class DSAAttention(nn.Module):
         H = cfg.num_attention_heads
 
         def column(n_in: int, n_out: int):
-            return column_linear(options, tf_config, tp_group, n_in, n_out)
+            return column_linear(submodules.linear_column, tf_config, tp_group, n_in, n_out)
 
         self.q_a_proj = replicated_linear(cfg.hidden_size, cfg.q_lora_rank, cfg, dtype)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
@@ -99,7 +103,7 @@ class DSAAttention(nn.Module):
         self.kv_a_proj_with_mqa = replicated_linear(cfg.hidden_size, cfg.kv_lora_rank, cfg, dtype)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype)
         self.kv_b_proj = column(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
-        self.o_proj = row_linear(options, tf_config, tp_group, H * cfg.v_head_dim, cfg.hidden_size)
+        self.o_proj = row_linear(submodules.linear_row, tf_config, tp_group, H * cfg.v_head_dim, cfg.hidden_size)
         self.indexer = None if cfg.indexer_types[layer_idx] == SHARED else Indexer(cfg, dtype)
 
     def forward(self, x: torch.Tensor, shared_idx: torch.Tensor | None = None,

@@ -30,6 +30,7 @@ from genome_lm.engine.context_parallel import group_size, head_slice, heads_per_
 
 from .common import BuildOptions, column_linear, replicated_linear, row_linear, tp_shared
 from .config import ModelConfig
+from .specs import AttentionSubmodules, attention_submodules
 
 
 class KDAState:
@@ -42,8 +43,11 @@ class KDAState:
 
 
 class KDAAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tf_config, options: BuildOptions, tp_group, cp_group=None):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tf_config, options: BuildOptions, tp_group, cp_group=None,
+                 submodules: AttentionSubmodules | None = None):
         super().__init__()
+        if submodules is None:  # built directly, not from a spec: the options' spec provider
+            submodules = attention_submodules(options.spec_provider())
         tp, cp = group_size(tp_group), group_size(cp_group)
         heads_per_rank(cfg.linear_num_heads, tp, cp, "linear_num_heads")
         self.cfg, self.backend, self.tp_group, self.cp_group = cfg, options.kernel_backend, tp_group, cp_group
@@ -53,7 +57,7 @@ class KDAAttention(nn.Module):
         dtype = options.dtype
 
         def column(n_in: int, n_out: int):
-            return column_linear(options, tf_config, tp_group, n_in, n_out)
+            return column_linear(submodules.linear_column, tf_config, tp_group, n_in, n_out)
 
         self.q_proj, self.k_proj, self.v_proj = column(cfg.hidden_size, width), column(cfg.hidden_size, width), \
             column(cfg.hidden_size, width)
@@ -77,7 +81,7 @@ class KDAAttention(nn.Module):
 
         for param, dim in ((self.conv_weight, 1), (self.dt_bias, 0), (self.A_log, 0)):
             set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
-        self.o_proj = row_linear(options, tf_config, tp_group, width, cfg.hidden_size)
+        self.o_proj = row_linear(submodules.linear_row, tf_config, tp_group, width, cfg.hidden_size)
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """Per-channel log-decay g <= 0, [S, B, H_local, K] fp32."""

@@ -4,9 +4,11 @@
            -> layers: [mHC -> RMSNorm -> KDA or DSA -> mHC merge] [mHC -> RMSNorm -> MLP or MoE -> merge]
            -> mean over streams -> RMSNorm -> output layer (column-parallel over the vocabulary)
 
-Dense MLP layers are megatron-core's ``MLP``, MoE layers its ``MoELayer`` (sigmoid router with
-expert bias, top-k scaling, shared expert, token dispatcher, expert parallel); linear layers
-come from megatron-core's spec provider (local torch on CPU, Transformer Engine on GPU).
+Each decoder layer is built from a megatron-core ``ModuleSpec`` (``specs.decoder_layer_spec``):
+dense MLP layers are megatron-core's ``MLP``, MoE layers its ``MoELayer`` (sigmoid router with
+expert bias, top-k scaling, shared expert, token dispatcher, expert parallel); the KDA and DSA
+layers' parallel linears, like the MLPs', are the classes of megatron-core's spec provider
+(local torch on CPU, Transformer Engine on GPU).
 Process groups arrive explicitly as a ``ProcessGroupCollection``; nothing here reads
 megatron-core's globals. Under context parallel the model takes and returns this CP rank's
 zigzag part of each sequence (``genome_lm.engine.context_parallel.zigzag_split``); only the KDA
@@ -30,9 +32,9 @@ import torch
 from torch import nn
 
 from .common import BuildOptions, HyperConnection, RMSNorm, megatron_config
-from .config import DENSE, LINEAR, ModelConfig
-from .dsa import DSAAttention, IndexerLossMode
-from .kda import KDAAttention
+from .config import LINEAR, ModelConfig
+from .dsa import IndexerLossMode
+from .specs import DecoderLayerSubmodules, decoder_layer_spec, is_dense_mlp
 
 
 class ModelOutput(NamedTuple):
@@ -41,39 +43,31 @@ class ModelOutput(NamedTuple):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, tf_config, options: BuildOptions, pg):
+    """One layer, built from ``specs.decoder_layer_spec``: mHC -> RMSNorm -> attention (KDA or
+    DSA) -> merge, then mHC -> RMSNorm -> MLP (dense or MoE) -> merge."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tf_config, options: BuildOptions, pg,
+                 submodules: DecoderLayerSubmodules):
         super().__init__()
+        from megatron.core.transformer.spec_utils import build_module
+
         self.is_kda = cfg.layer_types[layer_idx] == LINEAR
         self.attn_hc = HyperConnection(cfg)
         self.ffn_hc = HyperConnection(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.dtype)
-        if self.is_kda:
-            self.self_attention = KDAAttention(cfg, tf_config, options, pg.tp, pg.cp)
-        else:
-            self.self_attention = DSAAttention(cfg, layer_idx, tf_config, options, pg.tp, pg.cp)
-        provider = options.spec_provider()
-        if cfg.mlp_layer_types[layer_idx] == DENSE:
-            from megatron.core.transformer.mlp import MLP, MLPSubmodules
-
-            self.mlp = MLP(tf_config, MLPSubmodules(linear_fc1=provider.column_parallel_linear(),
-                                                    linear_fc2=provider.row_parallel_linear()),
-                           ffn_hidden_size=cfg.intermediate_size, tp_group=pg.tp)
+        self.self_attention = build_module(submodules.attention, cfg, layer_idx, tf_config, options, pg.tp, pg.cp)
+        if is_dense_mlp(submodules.mlp):
+            self.mlp = build_module(submodules.mlp, tf_config, ffn_hidden_size=cfg.intermediate_size, tp_group=pg.tp)
         else:
             import dataclasses
-
-            from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
-
-            from .router import router_class
 
             # Under tensor parallel the MoE layer runs sequence-parallel (megatron-core refuses to
             # train it otherwise): each rank routes its slice of the tokens, see forward().
             self.moe_sequence_parallel = pg.tp.size() > 1
             moe_config = dataclasses.replace(tf_config, sequence_parallel=True) if self.moe_sequence_parallel \
                 else tf_config
-            builder = get_moe_module_spec_for_backend(provider, num_experts=cfg.n_routed_experts)
-            builder.keywords["submodules"].router = router_class(cfg)
-            self.mlp = builder(config=moe_config, layer_number=layer_idx + 1, pg_collection=pg)
+            self.mlp = submodules.mlp(config=moe_config, layer_number=layer_idx + 1, pg_collection=pg)
             self.mlp.register_forward_hook(_drop_dispatcher_state)
         self.tp_group = pg.tp
 
@@ -155,7 +149,9 @@ def _drop_dispatcher_state(moe, args, output) -> None:
 class GLM5Model(nn.Module):
     """GLM-5.3-Flash text model. ``forward(input_ids [B, T]) -> ModelOutput``."""
 
-    def __init__(self, cfg: ModelConfig, pg, sizes, options: BuildOptions = BuildOptions()):
+    def __init__(self, cfg: ModelConfig, pg, sizes, options: BuildOptions = BuildOptions(), layer_specs=None):
+        """``layer_specs``: one megatron-core ``ModuleSpec`` per layer; default
+        ``specs.decoder_layer_spec`` with the options' spec provider."""
         super().__init__()
         from megatron.core import tensor_parallel
 
@@ -163,9 +159,17 @@ class GLM5Model(nn.Module):
         self.tf_config = tf_config = megatron_config(cfg, sizes, options)
         self.embedding = tensor_parallel.VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden_size, init_method=tf_config.init_method, config=tf_config, tp_group=pg.tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tf_config, options, pg) for i in range(cfg.num_hidden_layers))
+        from megatron.core.transformer.spec_utils import build_module
+
+        provider = options.spec_provider()
+        if layer_specs is None:
+            layer_specs = [decoder_layer_spec(cfg, i, provider) for i in range(cfg.num_hidden_layers)]
+        if len(layer_specs) != cfg.num_hidden_layers:
+            raise ValueError(f"{len(layer_specs)} layer specs for {cfg.num_hidden_layers} layers")
+        self.layers = nn.ModuleList(build_module(spec, cfg, i, tf_config, options, pg)
+                                    for i, spec in enumerate(layer_specs))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.dtype)
-        self.output_layer = options.spec_provider().column_parallel_linear()(
+        self.output_layer = provider.column_parallel_linear()(
             cfg.hidden_size, cfg.vocab_size, config=tf_config, init_method=tf_config.init_method, bias=False,
             gather_output=False, skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None, tp_group=pg.tp)
         self.sequence_parallel = bool(getattr(sizes, "sequence_parallel", False)) and pg.tp.size() > 1

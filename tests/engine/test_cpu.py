@@ -122,3 +122,30 @@ def test_enable_is_idempotent_and_undoable():
     assert torch.cuda.current_device is original
     if was_enabled:
         cpu.enable_cpu_megatron()
+
+
+IMPORT_ONLY = textwrap.dedent(
+    """
+    import importlib, pkgutil, warnings
+    warnings.simplefilter("ignore")
+    import torch
+    device, stream = torch.cuda.current_device, torch.cuda.current_stream
+    import genome_lm
+    names = [m.name for m in pkgutil.walk_packages(genome_lm.__path__, "genome_lm.")
+             if not m.name.endswith("__main__")]
+    for name in names:
+        importlib.import_module(name)
+    from genome_lm.engine import cpu
+    assert len(names) > 40, names
+    assert not cpu._state["enabled"]
+    assert torch.cuda.current_device is device and torch.cuda.current_stream is stream
+    print("OK", len(names))
+    """
+)
+
+
+def test_importing_genome_lm_redirects_nothing():
+    """Importing every genome-lm module (the CLI, the model, the trainer, eval, plan) applies
+    none of the redirections: only building megatron-core modules does."""
+    result = subprocess.run([sys.executable, "-c", IMPORT_ONLY], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]

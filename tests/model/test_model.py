@@ -82,3 +82,22 @@ def test_logits_are_causal(pg):
     # not bit-equal: a different token mix changes GEMM shapes inside the MoE, hence rounding
     assert (a[:, :120] - b[:, :120]).abs().max() < 1e-5
     assert (a[:, 120:] - b[:, 120:]).abs().amax(-1).min() > 1e-3
+
+
+def test_the_swiglu_limit_clamps(pg):
+    """The same weights with a limit the activations exceed give other logits (megatron-core's
+    GLU clamps through ``activation_func_clamp_value``); the values themselves are checked
+    against transformers in test_parity.py."""
+    ids = torch.randint(4, 9, (1, 80), generator=torch.Generator().manual_seed(2))
+    free = _tiny(pg)
+    clamped = _tiny(pg, swiglu_limit=0.05)
+    clamped.load_state_dict(free.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(free(ids).logits, clamped(ids).logits, atol=1e-4)
+        assert torch.equal(free(ids).logits, _same(pg, free, swiglu_limit=1e4)(ids).logits)
+
+
+def _same(pg, model, **changes):
+    other = _tiny(pg, **changes)
+    other.load_state_dict(model.state_dict())
+    return other

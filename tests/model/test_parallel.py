@@ -142,7 +142,7 @@ def test_zigzag_split_and_merge():
         heads_per_rank(6, 2, 2, "linear_num_heads")
 
 
-@pytest.mark.parametrize("sizes", [{"tp": 2}, {"ep": 2}], ids=["tp2", "ep2"])
+@pytest.mark.parametrize("sizes", [{"tp": 2}, {"ep": 2}, {"tp": 2, "etp": 2}], ids=["tp2", "ep2", "tp2-etp2"])
 def test_checkpoint_round_trip_through_a_split_model(setup, sizes):
     root, ckpt = setup
     out = root / ("export-" + "-".join(sizes))

@@ -55,6 +55,16 @@ def test_other_config_softplus_gate_shared_indexer_more_layers(tmp_path):
     assert max(_max_diffs(result.stdout).values()) <= 1e-4
 
 
+def test_swiglu_clamp_matches_transformers(tmp_path):
+    """A swiglu limit the random weights' MLP activations exceed (glm5_next's default, 10, is
+    never reached at this scale), in the dense MLP, the experts and the shared expert; that the
+    limit changes the output is checked in tests/model/test_model.py."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", text=dict(swiglu_limit=0.05), seed=3)
+    result = _parity(ckpt, "--lengths", "1,65,300")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert max(_max_diffs(result.stdout).values()) <= 1e-4
+
+
 def test_parity_fails_when_the_loader_is_wrong(tmp_path):
     """Swap the q and k short convolutions while loading: parity must see it and exit non-zero."""
     ckpt = make_checkpoint(tmp_path / "ckpt", seed=2)
