@@ -185,26 +185,27 @@ def check_logprobs_command(
 def recall_command(
     model: Annotated[str, typer.Option(help="A training run, checkpoint or Hugging Face folder, or preset:tiny.")],
     dataset: Annotated[Optional[Path], typer.Option(help="Draw segments and background from this dataset's evaluation split (N-free stretches); default: the run's data.dataset, else random DNA.")] = None,
-    distances: Annotated[Optional[str], typer.Option(help="Comma-separated distances d (k=1024); default: 64, 256, 1k, ... (x4) up to --max-distance.")] = None,
-    max_distance: Annotated[str, typer.Option(help="Largest default distance (set it to the window length for the full sweep; slow on a CPU).")] = "4k",
+    distances: Annotated[Optional[str], typer.Option(help="Comma-separated distances d (k=1024), instead of the default sweep.")] = None,
+    max_distance: Annotated[Optional[str], typer.Option(help="End the sweep 64, 256, 1k, ... (x4) at this distance instead of at the model's window. Default: the largest d whose probe (64 lead + 2 x segment + d bases) fits the window: the run's longest data.seq_len (with its warm-up), else the --dataset's window length, else 4k when neither is known. Long distances are slow on a CPU (every trial scores two sequences as long as the probe, with the full model); lower this or use --distances for a quick look.")] = None,
     trials: Annotated[int, typer.Option(help="Trials (segment, background draws) per distance.", min=2)] = 8,
     segment: Annotated[int, typer.Option(help="Length of the copied segment in bases.", min=8)] = 256,
     chunk: Annotated[str, typer.Option(help="Chunked prefill above this many tokens.")] = "32k",
     seed: Annotated[int, typer.Option(help="Seed of the draws and the bootstrap.")] = 0,
-    recall_bench: Annotated[bool, typer.Option(help="Also run recall-bench's own sweep through its CallableModel (when installed).")] = True,
+    recall_bench: Annotated[bool, typer.Option(help="Also run recall-bench's own sweep through its CallableModel (when installed; it skips distances whose power-of-two probe exceeds the window).")] = True,
     out: Annotated[Path, typer.Option(help="JSON file for the results.")] = Path("recall.json"),
 ) -> None:
     """Long-range recall probe: the copy advantage CE(control) - CE(repeat) per distance.
 
-    A segment of real (or demo) sequence is repeated after d bases of background; the control puts another segment in the first copy's place. The loss on the final segment in both gives the copy advantage in nats per base, with a 95% bootstrap interval over trials. When recall-bench is installed its own sweep runs too, through its CallableModel interface, with background from the same sequence; both are printed and written to --out.
+    A segment of real (or demo) sequence is repeated after d bases of background; the control puts another segment in the first copy's place. The loss on the final segment in both gives the copy advantage in nats per base, with a 95% bootstrap interval over trials. By default d runs from 64 up to the model's window length (64, 256, 1k, ... then the largest d whose probe fits the window); on a CPU the long distances are slow, so use --max-distance or --distances there. When recall-bench is installed its own sweep runs too, through its CallableModel interface, with background from the same sequence; both are printed and written to --out.
     """
     import json
 
-    from .recall import (SequencePool, copy_probe, default_distances, recall_bench_available,
-                         run_recall_bench)
+    from .recall import (FALLBACK_MAX_DISTANCE, LEAD, SequencePool, copy_probe, default_distances, probe_window,
+                         recall_bench_available, run_recall_bench, window_distances)
 
-    dists = [_size(x) for x in distances.split(",")] if distances else default_distances(_size(max_distance))
     chunk_size = _size(chunk)
+    given = [_size(x) for x in distances.split(",")] if distances else None
+    cap = _size(max_distance) if max_distance else None
     try:
         from genome_lm.engine import quiet_megatron_import
         from genome_lm.engine.parallel import parallel_context
@@ -214,17 +215,39 @@ def recall_command(
 
         with quiet_megatron_import(), parallel_context() as pg:
             lm = load_model(model, pg, seed=seed)
-            source = dataset or (Path(lm.config.data.dataset) if lm.config is not None else None)
-            pool = SequencePool.from_dataset(source, min_run=segment * 2) if source else \
+            config = lm.config
+            source = dataset or (Path(config.data.dataset) if config is not None else None)
+            window, where = probe_window(config, source)
+            if given:
+                dists = given
+                note = "distances from --distances"
+            elif cap is not None:
+                dists = default_distances(cap)
+                dists += [cap] if not dists or dists[-1] != cap else []
+                note = f"distances up to --max-distance {cap:,}"
+            elif window is not None:
+                dists = window_distances(window, segment, LEAD)
+                note = (f"distances up to {dists[-1]:,}, the largest whose probe ({LEAD} + 2 x {segment} + d bases) "
+                        f"fits the model's {window:,}-base window ({where})")
+            else:
+                dists = default_distances(FALLBACK_MAX_DISTANCE)
+                note = (f"window length unknown ({where}): distances up to {FALLBACK_MAX_DISTANCE:,} only; set "
+                        "--max-distance to the model's window length for the full sweep")
+            if window is not None and LEAD + 2 * segment + max(dists) > window:
+                note += (f"; note: the longest probe ({LEAD + 2 * segment + max(dists):,} bases) exceeds the model's "
+                         f"{window:,}-base window ({where})")
+            console.print(f"{note}: {', '.join(f'{d:,}' for d in dists)}", highlight=False, soft_wrap=True)
+            split = config.data.eval_split if config is not None and dataset is None else "eval"
+            pool = SequencePool.from_dataset(source, split, min_run=segment * 2) if source else \
                 SequencePool.random(max(dists) * 4 + 4 * segment, seed)
-            rows = copy_probe(lm.model, pool, dists, segment=segment, trials=trials, seed=seed, chunk=chunk_size,
-                              token_map=lm.token_map,
+            rows = copy_probe(lm.model, pool, dists, segment=segment, lead=LEAD, trials=trials, seed=seed,
+                              chunk=chunk_size, token_map=lm.token_map,
                               on_trial=lambda d, i: console.print(f"d={d:,} trial {i + 1}/{trials}", highlight=False)
                               if i + 1 == trials else None)
             bench = None
             if recall_bench and recall_bench_available():
                 bench = run_recall_bench(lm.model, pool, dists, trials=trials, seed=seed, segment=segment,
-                                         chunk=chunk_size, token_map=lm.token_map)
+                                         chunk=chunk_size, token_map=lm.token_map, max_ctx=window)
     except ValueError as exc:
         _fail(GenomeLMError(f"{dataset or model}: {exc}"))
     except GenomeLMError as exc:
@@ -243,7 +266,8 @@ def recall_command(
                       f"{r.advantage:+.4f} [{r.ci_low:+.4f}, {r.ci_high:+.4f}]", rb_text)
     console.print(table)
     doc = {"schema": "genome-lm.recall/1", "model": model, "source": str(source) if source else "random",
-           "segment": segment, "trials": trials, "seed": seed, "rows": [r.to_json() for r in rows],
+           "segment": segment, "lead": LEAD, "trials": trials, "seed": seed, "window": window, "window_from": where,
+           "rows": [r.to_json() for r in rows],
            "recall_bench": bench}
     atomic_write(out, (json.dumps(doc, indent=1, default=str) + "\n").encode())
     console.print(f"wrote {out}", highlight=False)

@@ -181,11 +181,22 @@ def demo_note(section: dict, cfg=None, name: str = "model") -> str:
     steps = cfg.train.steps if cfg is not None else None
     crop = cfg.data.seq_len if cfg is not None else None
     trained = f"{steps} steps on {crop:,}-base crops" if cfg is not None else "a few steps"
-    return (f"Not shown by this demo: the tuned tiny model (trained {trained} from random weights) has no "
-            "measurable advantage on planted copies whose first copy is in the window; its interval includes "
-            "zero. Planted copies lie 1-500 kbp after their source, mostly beyond a training crop, so training "
-            "rarely shows a copy with its source in view, and a ~0.3M-parameter model spends its first steps on "
-            "base composition. What it would take (untested estimate): training crops as long as the copy "
-            "distances (a seq_len warm-up towards the window length), thousands of steps rather than tens, and a "
-            "curriculum that starts with short-range copies (the recall probe's copy task at 64 bp-1 kbp) before "
-            "the genome: hours of CPU or a GPU, beyond the demo's few minutes.")
+    model = f"the tuned tiny model (trained {trained} from random weights)"
+    if adv is None:
+        finding = (f"{model} could not be compared: too few scored bases of planted copies in and out of context "
+                   f"({section['tokens_in_context']:,} in, {section['tokens_out_of_context']:,} out).")
+    else:
+        lo, hi = adv["ci"]
+        numbers = f"copy advantage {adv['nats']:+.4f} nats/base, 95% CI {lo:+.4f} to {hi:+.4f}"
+        if hi < 0:
+            finding = (f"{model} does worse, not better, on planted copies whose first copy is in the window "
+                       f"({numbers}: the interval lies below zero), no sign that it uses the first copy.")
+        else:
+            finding = (f"{model} has no measurable advantage on planted copies whose first copy is in the window "
+                       f"({numbers}): its interval includes zero.")
+    return ("Not shown by this demo: " + finding + " Planted copies lie 1-500 kbp after their source, mostly beyond "
+            "a training crop, so training rarely shows a copy with its source in view, and a ~0.3M-parameter model "
+            "spends its first steps on base composition. What it would take (untested estimate): training crops as "
+            "long as the copy distances (a seq_len warm-up towards the window length), thousands of steps rather "
+            "than tens, and a curriculum that starts with short-range copies (the recall probe's copy task at "
+            "64 bp-1 kbp) before the genome: hours of CPU or a GPU, beyond the demo's few minutes.")

@@ -13,6 +13,11 @@ are identical everywhere else. Pieces are drawn (seeded) from N-free stretches o
 sequence (a prepared dataset's evaluation split), or uniform random bases when none is given.
 The interval is a percentile bootstrap over trials.
 
+The default sweep runs d = 64, 256, 1k, ... (x4) up to the largest d whose probe
+(lead + 2 * segment + d bases) fits the model's window, and ends at that d: the window is the
+longest training length of the run (``data.seq_len`` and its warm-up), else the window length of
+the dataset the pieces come from, else unknown (then 4k).
+
 This follows the protocol of recall-bench (PyPI; its default "native" control keeps the
 background that really preceded D, ours puts a foreign segment there, so that both sequences
 carry one out-of-place piece). When recall-bench is installed, ``run_recall_bench`` also runs
@@ -33,6 +38,8 @@ from genome_lm.data.tokenizer import A, C, G, N, T
 from .score import model_device, token_nll
 
 LETTERS = {A: "A", C: "C", G: "G", T: "T", N: "N"}
+LEAD = 64  # background bases before the first piece of every probe
+FALLBACK_MAX_DISTANCE = 4096  # largest default distance when the window length is unknown
 
 
 @dataclass
@@ -64,15 +71,21 @@ class SequencePool:
         soft-mask is not part of the token ids)."""
         from genome_lm.data.loader import SplitReader
 
+        from genome_lm.errors import GenomeLMError
+
         reader = SplitReader(dataset, split)
-        runs = []
+        runs, longest = [], 0
         for w in range(len(reader)):
             tokens = reader.tokens(w)
             bad = np.flatnonzero(tokens == N)
             edges = np.concatenate([[-1], bad, [tokens.size]])
             for a, b in zip(edges[:-1], edges[1:]):
+                longest = max(longest, int(b - a - 1))
                 if b - a - 1 >= min_run:
                     runs.append(tokens[a + 1:b].astype(np.int64))
+        if not runs:
+            raise GenomeLMError(f"{dataset}: split {split!r} has no N-free stretch of at least {min_run:,} bases to "
+                                f"draw probe pieces from ({len(reader)} windows, longest stretch {longest:,} bases)")
         return cls(runs)
 
     @classmethod
@@ -103,7 +116,7 @@ def probe_sequences(pool: SequencePool, rng: np.random.Generator, distance: int,
     return repeat, control, lead + segment + distance
 
 
-def copy_probe(model, pool: SequencePool, distances: list[int], *, segment: int = 256, lead: int = 64,
+def copy_probe(model, pool: SequencePool, distances: list[int], *, segment: int = 256, lead: int = LEAD,
                trials: int = 8, seed: int = 0, chunk: int | None = None, token_map=None, resamples: int = 1000,
                on_trial=None) -> list[RecallRow]:
     """Copy advantage per distance (nats per base) with a 95% bootstrap interval over trials."""
@@ -134,6 +147,41 @@ def default_distances(max_distance: int) -> list[int]:
     return out
 
 
+def largest_distance(window: int, segment: int, lead: int = LEAD) -> int:
+    """The largest d whose probe (``lead + 2 * segment + d`` bases) fits in ``window``."""
+    d = window - lead - 2 * segment
+    if d < 1:
+        raise ValueError(f"a {window:,}-base window leaves no room for the probe ({lead} lead bases and two "
+                         f"{segment}-base segments); use a shorter --segment")
+    return d
+
+
+def window_distances(window: int, segment: int, lead: int = LEAD) -> list[int]:
+    """The default sweep for a model with this window: 64, 256, 1k, ... (x4) below the largest
+    distance that fits (:func:`largest_distance`), then that distance."""
+    fit = largest_distance(window, segment, lead)
+    out = default_distances(fit)
+    if not out or out[-1] != fit:
+        out.append(fit)
+    return out
+
+
+def probe_window(config=None, dataset: str | Path | None = None) -> tuple[int | None, str]:
+    """(window length, where it comes from) for the default sweep: the longest training length of
+    a run's config (``data.seq_len`` and the ``data.seq_len_warmup`` lengths), else the window
+    length of ``dataset``, else (None, why not)."""
+    if config is not None:
+        seq_len = config.data.seq_len
+        longest = max([seq_len] + [length for _, length in config.data.seq_len_warmup])
+        field = "data.seq_len" if longest == seq_len else "data.seq_len_warmup"
+        return longest, f"the run's {field}"
+    if dataset is not None:
+        from genome_lm.data.manifest import Manifest
+
+        return int(Manifest.load(Path(dataset)).data["windows"]["window"]), f"the window length of dataset {dataset}"
+    return None, "no run config and no dataset"
+
+
 def recall_bench_available() -> bool:
     import importlib.util
 
@@ -141,9 +189,12 @@ def recall_bench_available() -> bool:
 
 
 def run_recall_bench(model, pool: SequencePool, distances: list[int], *, trials: int = 8, seed: int = 0,
-                     segment: int = 256, chunk: int | None = None, token_map=None) -> list[dict]:
+                     segment: int = 256, chunk: int | None = None, token_map=None,
+                     max_ctx: int | None = None) -> list[dict]:
     """recall-bench's own copy-advantage sweep through its ``CallableModel`` interface, with
-    background drawn from ``pool`` (no download). Returns its rows (copy_advantage, stderr, ...)."""
+    background drawn from ``pool`` (no download). Returns its rows (copy_advantage, stderr, ...).
+    ``max_ctx``: the model's window; recall-bench skips the distances whose probe (it rounds the
+    length up to a power of two) is longer."""
     import recall_bench as rb
 
     to_id = np.full(128, N, dtype=np.int64)
@@ -168,7 +219,7 @@ def run_recall_bench(model, pool: SequencePool, distances: list[int], *, trials:
     for token, letter in LETTERS.items():
         letters[token] = ord(letter)
     background = rb.DNABackground.from_strings([letters[s].tobytes().decode() for s in pool.stretches])
-    adapter = rb.CallableModel(logits_fn=logits_fn, tokenize=tokenize, causal=True, max_ctx=1 << 30,
+    adapter = rb.CallableModel(logits_fn=logits_fn, tokenize=tokenize, causal=True, max_ctx=max_ctx or 1 << 30,
                                name="genome-lm", device="cpu")
     return rb.evaluate(adapter, distances=distances, seg=segment, trials=trials, seed=seed, background=background,
                        verbose=False)

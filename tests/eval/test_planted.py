@@ -1,9 +1,10 @@
 """Planted-copies analysis: source bases, in/out-of-context split and the copy advantage."""
 
 import numpy as np
+import pytest
 
 from genome_lm.data.manifest import Window
-from genome_lm.eval.planted import analyse, copy_positions, verdict
+from genome_lm.eval.planted import analyse, copy_positions, demo_note, verdict
 from genome_lm.eval.score import TokenScores
 
 
@@ -83,3 +84,61 @@ def test_copy_advantage_and_its_interval():
     again = analyse({"model": TokenScores(used, s.context, s.window, s.softmasked)}, windows, planted,
                     resamples=300, seed=0)
     assert again["models"]["model"]["advantage"] == adv  # seeded
+
+
+def _section(advantage, tokens_in=6000, tokens_out=5000):
+    """A hand-built planted-copies section (the shape ``analyse`` returns) with one model."""
+    entry = {"in_context": {"nats": 1.1}, "out_of_context": {"nats": 1.3}, "background_nats": 1.35,
+             "advantage": advantage, "by_distance": []}
+    return {"copies_total": 40, "tokens_on_copies": tokens_in + tokens_out, "tokens_in_context": tokens_in,
+            "tokens_out_of_context": tokens_out, "distance_edges": [0, 1024], "models": {"model": entry}}
+
+
+def _cfg(steps, seq_len):
+    from genome_lm.config import DataConfig, RunConfig, TrainConfig
+
+    return RunConfig(data=DataConfig(seq_len=seq_len), train=TrainConfig(steps=steps))
+
+
+WHAT_IT_WOULD_TAKE = ("What it would take", "thousands of steps", "seq_len warm-up", "curriculum", "short-range copies")
+
+
+def test_demo_note_when_the_interval_excludes_zero_above():
+    note = demo_note(_section({"nats": 0.1234, "ci": [0.0456, 0.2011], "excludes_zero": True}), _cfg(40, 4096))
+    assert note.startswith("long context helps on the demo genome")
+    assert "0.1234 nats/base less" in note and "95% CI 0.0456 to 0.2011" in note
+    assert "Not shown" not in note and "What it would take" not in note
+
+
+@pytest.mark.parametrize("ci", [[-0.0312, 0.0587], [0.0, 0.05], [-0.02, 0.0]])
+def test_demo_note_when_the_interval_includes_zero(ci):
+    note = demo_note(_section({"nats": 0.0138, "ci": ci, "excludes_zero": False}), _cfg(40, 4096))
+    assert note.startswith("Not shown by this demo")
+    assert "no measurable advantage" in note and "includes zero" in note
+    assert f"copy advantage +0.0138 nats/base, 95% CI {ci[0]:+.4f} to {ci[1]:+.4f}" in note
+    assert "trained 40 steps on 4,096-base crops from random weights" in note  # from the run's config
+    assert all(phrase in note for phrase in WHAT_IT_WOULD_TAKE), note
+    assert "long context helps" not in note
+    # without the run's config: no invented step count or crop length
+    plain = demo_note(_section({"nats": 0.0138, "ci": ci, "excludes_zero": False}))
+    assert "trained a few steps from random weights" in plain and "-base crops" not in plain
+    assert "What it would take" in plain
+    other = demo_note(_section({"nats": 0.0138, "ci": ci, "excludes_zero": False}), _cfg(1500, 65536))
+    assert "trained 1500 steps on 65,536-base crops" in other
+
+
+def test_demo_note_when_the_advantage_is_negative():
+    note = demo_note(_section({"nats": -0.0821, "ci": [-0.1504, -0.0213], "excludes_zero": True}), _cfg(40, 4096))
+    assert note.startswith("Not shown by this demo")
+    assert "copy advantage -0.0821 nats/base, 95% CI -0.1504 to -0.0213" in note
+    assert "does worse" in note and "below zero" in note
+    assert "includes zero" not in note and "long context helps" not in note  # the interval does exclude zero
+    assert all(phrase in note for phrase in WHAT_IT_WOULD_TAKE)
+
+
+def test_demo_note_without_copies_to_compare():
+    note = demo_note(_section(None, tokens_in=0, tokens_out=1234), _cfg(40, 4096))
+    assert note.startswith("Not shown by this demo") and "could not be compared" in note
+    assert "(0 in, 1,234 out)" in note and "includes zero" not in note and "CI" not in note
+    missing = demo_note(_section(None), name="baseline")  # a model the section does not have
+    assert "could not be compared" in missing

@@ -1,14 +1,25 @@
 """The copy probe measures recall: an oracle that copies shows a large advantage, a model
-without memory none; recall-bench's own sweep agrees through its CallableModel interface."""
+without memory none; recall-bench's own sweep agrees through its CallableModel interface. The
+default sweep ends at the model's window; probe pieces come from a prepared dataset's N-free
+stretches."""
 
+import json
+import re
 from types import SimpleNamespace
 
 import numpy as np
+import pyfaidx
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from genome_lm.cli import app
 from genome_lm.data.tokenizer import A, T
-from genome_lm.eval.recall import SequencePool, copy_probe, default_distances, probe_sequences, run_recall_bench
+from genome_lm.errors import GenomeLMError
+from genome_lm.eval import recall
+from genome_lm.eval.recall import (SequencePool, copy_probe, default_distances, largest_distance, probe_sequences,
+                                   probe_window, run_recall_bench, window_distances)
+from tests.conftest import write_fasta
 
 K = 12
 
@@ -79,12 +90,6 @@ def test_default_distances():
 
 
 def test_recall_command_writes_its_rows(tmp_path):
-    import json
-
-    from typer.testing import CliRunner
-
-    from genome_lm.cli import app
-
     out = tmp_path / "recall.json"
     result = CliRunner().invoke(app, ["recall", "--model", "preset:tiny", "--distances", "64,200", "--trials", "2", "--no-recall-bench",
                                       "--segment", "32", "--out", str(out)])
@@ -94,3 +99,189 @@ def test_recall_command_writes_its_rows(tmp_path):
     assert [r["distance"] for r in doc["rows"]] == [64, 200]
     assert all(r["ci_low"] <= r["advantage"] <= r["ci_high"] for r in doc["rows"])
     assert "copy advantage" in result.output
+
+
+# --------------------------------------------------------------------------- a small prepared dataset
+
+WINDOW = 512  # chr22 (eval): 3 windows of 512 bases; chr1 (train): 2 windows
+ACGT = {"A": 4, "C": 5, "G": 6, "T": 7}  # token ids, from the vocabulary table of the docs
+
+
+def _chr22(rng) -> bytes:
+    """Random mixed-case bases with ambiguous bases at chosen places (N, an IUPAC R, a lowercase n):
+    window 0: N-free runs [0,100) and [101,200) and [201,512); window 1: [512,700) and [701,1024);
+    window 2: runs of 89 bases and a last one of 61 (an N every 90 bases)."""
+    seq = bytearray(rng.choice(np.frombuffer(b"ACGTacgt", np.uint8), size=3 * WINDOW).tobytes())
+    seq[100], seq[200], seq[700] = ord("N"), ord("R"), ord("n")
+    for k in range(6):
+        seq[2 * WINDOW + 90 * k] = ord("N")
+    return bytes(seq)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """(dataset folder, FASTA) prepared with `prepare`: chr1 train, chr22 eval, 512-base windows."""
+    from genome_lm.data.prepare import PrepareRequest, prepare
+    from genome_lm.data.windows import WindowSpec
+
+    root = tmp_path_factory.mktemp("recall-data")
+    rng = np.random.default_rng(22)
+    records = {"chr1": rng.choice(np.frombuffer(b"ACGT", np.uint8), size=2 * WINDOW).tobytes(), "chr22": _chr22(rng)}
+    fasta = write_fasta(root / "genome.fa", records, width=70)
+    prepare(PrepareRequest(fasta, root / "dataset", ("chr1",), ("chr22",), WindowSpec(WINDOW, WINDOW, "keep", 64, 0.5)),
+            workers=1, quiet=True, cache_dir=root / "cache")
+    return root / "dataset", fasta
+
+
+def _chrom_text(fasta, name: str) -> str:
+    """A record of the FASTA as written, read with pyfaidx (independent of genome-lm's reader)."""
+    return str(pyfaidx.Fasta(str(fasta), as_raw=True, sequence_always_upper=False)[name][:])
+
+
+def _expected_stretches(fasta, min_run: int) -> list[tuple[int, int]]:
+    """(start, end) on chr22 of every run of A/C/G/T (any case) of at least min_run bases inside one
+    512-base window."""
+    text = _chrom_text(fasta, "chr22")
+    spans = []
+    for start in range(0, len(text), WINDOW):
+        piece = text[start:start + WINDOW]
+        spans += [(start + m.start(), start + m.end()) for m in re.finditer("[ACGTacgt]+", piece)
+                  if m.end() - m.start() >= min_run]
+    return spans
+
+
+@pytest.mark.parametrize("min_run", [100, 101, 200, 312, 323])
+def test_sequence_pool_from_dataset_is_the_n_free_stretches_of_the_eval_split(dataset, min_run):
+    from genome_lm.data.manifest import Manifest
+
+    folder, fasta = dataset
+    windows = Manifest.load(folder).split("eval").windows
+    assert [(w.chrom, w.start, w.end) for w in windows] == [("chr22", 0, 512), ("chr22", 512, 1024),
+                                                            ("chr22", 1024, 1536)]
+    spans = _expected_stretches(fasta, min_run)
+    hand = [(0, 100), (201, 512), (512, 700), (701, 1024)]  # see _chr22; [101, 200) is 99 bases
+    assert spans == [(a, b) for a, b in hand if b - a >= min_run]
+    pool = SequencePool.from_dataset(folder, min_run=min_run)
+    text = _chrom_text(fasta, "chr22").upper()
+    assert [s.tolist() for s in pool.stretches] == [[ACGT[c] for c in text[a:b]] for a, b in spans]
+    assert pool.lengths.tolist() == [b - a for a, b in spans]
+
+
+def test_sequence_pool_from_dataset_reads_the_split_it_is_given(dataset):
+    folder, fasta = dataset
+    train = SequencePool.from_dataset(folder, "train", min_run=100)
+    chr1 = _chrom_text(fasta, "chr1")
+    assert [s.tolist() for s in train.stretches] == [[ACGT[c] for c in chr1[a:a + WINDOW]] for a in (0, WINDOW)]
+
+
+def test_sequence_pool_from_dataset_errors_name_the_dataset(dataset, tmp_path):
+    folder, _ = dataset
+    with pytest.raises(GenomeLMError) as info:
+        SequencePool.from_dataset(folder, min_run=324)  # the longest N-free run is 323 bases
+    text = str(info.value)
+    assert str(folder) in text and "'eval'" in text and "no N-free stretch of at least 324 bases" in text
+    assert "longest stretch 323 bases" in text and "3 windows" in text
+    with pytest.raises(GenomeLMError, match="no split 'validation'"):
+        SequencePool.from_dataset(folder, "validation")
+    with pytest.raises(GenomeLMError, match="not a prepared dataset"):
+        SequencePool.from_dataset(tmp_path / "nothing-here")
+
+
+# --------------------------------------------------------------------------- the default sweep
+
+
+def test_window_distances_end_at_the_largest_probe_that_fits():
+    assert window_distances(1024, 32) == [64, 256, 896]  # 1024 - 64 lead - 2 x 32
+    assert window_distances(64 + 2 * 32 + 256, 32) == [64, 256]  # the largest fitting d is a power of 4
+    assert window_distances(64 + 2 * 32 + 257, 32) == [64, 256, 257]
+    assert window_distances(64 + 2 * 8 + 40, 8) == [40]  # shorter than 64: the one distance that fits
+    full = window_distances(512 * 1024, 256)
+    assert full == [64, 256, 1024, 4096, 16384, 65536, 262144, 524288 - 64 - 512]
+    assert recall.LEAD + 2 * 256 + full[-1] == 512 * 1024
+    for window, segment in ((1024, 32), (4096, 256), (100_000, 256)):
+        assert recall.LEAD + 2 * segment + largest_distance(window, segment) == window
+    with pytest.raises(ValueError, match="leaves no room"):
+        window_distances(64 + 2 * 256, 256)
+    assert recall.FALLBACK_MAX_DISTANCE == 4096
+
+
+def test_probe_window_prefers_the_run_config_then_the_dataset(dataset):
+    from genome_lm.config import DataConfig, RunConfig
+
+    folder, _ = dataset
+    run = RunConfig(data=DataConfig(dataset=str(folder), seq_len=256))
+    assert probe_window(run, folder) == (256, "the run's data.seq_len")
+    warm = RunConfig(data=DataConfig(seq_len=4096, seq_len_warmup=[(30, 65536), (10, 16384)]))
+    assert probe_window(warm, folder) == (65536, "the run's data.seq_len_warmup")
+    assert probe_window(None, folder) == (WINDOW, f"the window length of dataset {folder}")
+    assert probe_window(None, None)[0] is None
+    with pytest.raises(GenomeLMError, match="not a prepared dataset"):
+        probe_window(None, folder.parent / "missing")
+
+
+def _recall(*args):
+    return CliRunner().invoke(app, ["recall", "--model", "preset:tiny", "--trials", "2", "--segment", "32", *args])
+
+
+def test_recall_command_sweeps_up_to_the_dataset_window(dataset, tmp_path):
+    folder, _ = dataset
+    out = tmp_path / "recall.json"
+    result = _recall("--dataset", str(folder), "--out", str(out))
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert [r["distance"] for r in doc["rows"]] == [64, 256, 384]  # 512 - 64 - 2 x 32
+    assert doc["window"] == WINDOW and str(folder) in doc["window_from"] and doc["source"] == str(folder)
+    assert doc["lead"] + 2 * doc["segment"] + doc["rows"][-1]["distance"] == WINDOW
+    assert "fits the model's 512-base window" in result.output and "64, 256, 384" in result.output
+    if doc["recall_bench"] is not None:
+        # recall-bench rounds its probe up to a power of two (1,024 here): above the window, skipped
+        assert all(r["status"].startswith("skip") for r in doc["recall_bench"]), doc["recall_bench"]
+
+
+def test_recall_command_takes_the_window_from_the_run_config(dataset, tmp_path, monkeypatch):
+    """A training run's longest seq_len wins over its dataset's window; --max-distance over both."""
+    import dataclasses
+
+    from genome_lm.config import DataConfig, RunConfig
+    from genome_lm.eval import models
+
+    folder, _ = dataset
+    real = models.load_model
+    run = RunConfig(data=DataConfig(dataset=str(folder), seq_len=256))
+
+    def as_a_run(spec, pg, **kw):  # the tiny preset, as if it were a run trained on 256-base crops of the dataset
+        return dataclasses.replace(real(spec, pg, **kw), config=run)
+
+    monkeypatch.setattr(models, "load_model", as_a_run)
+    out = tmp_path / "recall.json"
+    result = _recall("--no-recall-bench", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert [r["distance"] for r in doc["rows"]] == [64, 128]  # 256 - 64 - 2 x 32, not the dataset's 384
+    assert doc["window"] == 256 and doc["window_from"] == "the run's data.seq_len" and doc["source"] == str(folder)
+
+    result = _recall("--no-recall-bench", "--max-distance", "600", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert [r["distance"] for r in json.loads(out.read_text())["rows"]] == [64, 256, 600]  # ends at the cap
+    assert "up to --max-distance 600" in result.output
+    assert "longest probe (728 bases) exceeds the model's 256-base window" in result.output
+
+
+def test_recall_command_falls_back_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(recall, "FALLBACK_MAX_DISTANCE", 256)  # 4k: too slow for a test on a CPU
+    out = tmp_path / "recall.json"
+    result = _recall("--no-recall-bench", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert [r["distance"] for r in doc["rows"]] == [64, 256] and doc["window"] is None and doc["source"] == "random"
+    assert "window length unknown" in result.output and "--max-distance" in result.output
+
+
+def test_recall_command_names_a_dataset_without_long_enough_stretches(dataset, tmp_path):
+    folder, _ = dataset
+    out = tmp_path / "recall.json"
+    result = CliRunner().invoke(app, ["recall", "--model", "preset:tiny", "--dataset", str(folder), "--segment", "200",
+                                      "--trials", "2", "--out", str(out)])
+    assert result.exit_code == 1
+    assert str(folder) in result.output and "no N-free stretch of at least 400 bases" in result.output
+    assert not out.exists()
