@@ -119,7 +119,12 @@ class TrainConfig(Section):
     adam_beta2: float = 0.95
     grad_clip: float = Field(1.0, ge=0)
     seed: int = 1234
-    moe_aux_loss_coeff: float = Field(0.0, ge=0)
+    moe_aux_loss_coeff: float = Field(0.0, ge=0, description="Weight of the MoE auxiliary load-balancing loss (0 = "
+                                                             "none: the routers' expert bias alone balances the "
+                                                             "load; DeepSeek-V3 used 1e-4). Logged as moe_aux_loss.")
+    moe_aux_loss: Literal["seq_aux_loss", "aux_loss"] = Field(
+        "seq_aux_loss", description="Balance each sequence (seq_aux_loss, as DeepSeek-V3) or each micro-batch "
+                                    "(aux_loss).")
     indexer_loss: Literal["off", "dense", "sparse"] = Field("sparse", description="DSA indexer loss mode after warm-up.")
     indexer_dense_steps: int = Field(0, ge=0, description="Steps of dense indexer warm-up before `indexer_loss`.")
     indexer_loss_coeff: float = Field(1.0, ge=0)
@@ -148,6 +153,13 @@ class RunConfig(Section):
     memory: MemoryConfig = MemoryConfig()
     train: TrainConfig = TrainConfig()
     tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _moe_aux_loss(self):
+        if self.train.moe_aux_loss_coeff > 0 and self.memory.moe_chunks > 1:
+            raise ValueError("train.moe_aux_loss_coeff > 0 needs memory.moe_chunks = 1 (chunked, each chunk of a "
+                             "sequence would be balanced on its own: not the sequence's balance loss)")
+        return self
 
     def resolved(self) -> dict:
         return self.model_dump(mode="json")
@@ -197,6 +209,8 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[st
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
+        if not where:  # a rule across sections: its message names the fields
+            raise GenomeLMError(f"{source}: {first['msg']}") from None
         raise GenomeLMError(f"{source}: {where}: {first['msg']} (got {first.get('input')!r})") from None
 
 

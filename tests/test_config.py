@@ -43,6 +43,14 @@ def test_bad_values_are_one_line_errors(override, message):
     assert "\n" not in str(info.value)
 
 
+
+def test_moe_aux_loss_with_chunked_moe_is_an_error():
+    """Each chunk would be balanced on its own, not the sequence: refused, in one line."""
+    with pytest.raises(GenomeLMError, match="moe_aux_loss_coeff > 0 needs memory.moe_chunks = 1") as info:
+        load_config("demo-cpu", ["train.moe_aux_loss_coeff=0.001", "memory.moe_chunks=4"])
+    assert "\n" not in str(info.value) and "got" not in str(info.value)
+    assert load_config("demo-cpu", ["train.moe_aux_loss_coeff=0", "memory.moe_chunks=4"]).memory.moe_chunks == 4
+
 def test_bad_files(tmp_path):
     (tmp_path / "a.yaml").write_text("train: {steps: 3\n")
     with pytest.raises(GenomeLMError, match="a.yaml: not valid YAML"):

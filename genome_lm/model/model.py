@@ -232,11 +232,14 @@ def allreduce_sequence_parallel_grads(model) -> None:
 
 
 def build_model(cfg: ModelConfig, pg, sizes, *, transformer_impl: str = "local", kernel_backend: str = "auto",
-                dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> GLM5Model:
-    """Build the model for the process groups ``pg`` (from ``engine.parallel.parallel_context``)."""
+                dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                moe_aux_loss_coeff: float = 0.0, moe_aux_loss: str = "seq_aux_loss") -> GLM5Model:
+    """Build the model for the process groups ``pg`` (from ``engine.parallel.parallel_context``);
+    the MoE auxiliary loss options are ``BuildOptions``'."""
     from genome_lm_kernels import resolve_backend
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     options = BuildOptions(transformer_impl=transformer_impl, dtype=dtype,
-                           kernel_backend=resolve_backend(kernel_backend, device))
+                           kernel_backend=resolve_backend(kernel_backend, device),
+                           moe_aux_loss_coeff=moe_aux_loss_coeff, moe_aux_loss=moe_aux_loss)
     return GLM5Model(cfg, pg, sizes, options).to(device)

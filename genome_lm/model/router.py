@@ -10,8 +10,23 @@ sigmoid weights. This router computes glm5_next's routing exactly:
     experts = top-k of choice within kept groups;  weight = s[experts] (/ sum if norm_topk_prob)
     weight *= routed_scaling_factor
 
-and keeps megatron-core's bookkeeping (tokens per expert for the expert-bias update, optional
-auxiliary losses) by reusing the parent class's helpers.
+and keeps megatron-core's bookkeeping (tokens per expert for the expert-bias update, the
+auxiliary load-balancing losses) by reusing the parent class's helpers.
+
+Auxiliary loss (``moe_router_load_balancing_type`` "seq_aux_loss" or "aux_loss" with
+``moe_aux_loss_coeff`` > 0 in the megatron-core config): megatron-core computes it
+(DeepSeek-V3's balance loss E * sum_i f_i P_i on sum-normalised sigmoid scores, per sequence for
+"seq_aux_loss", per micro-batch for "aux_loss"; each tensor/context-parallel rank holds its
+tokens' share) and hands it to ``attach_and_log_load_balancing_loss``, which this router
+replaces: the loss joins backward as a gradient only (like megatron-core's
+``MoEAuxLossAutoScaler``: ``coeff * aux_loss_grad_scale`` on each micro-batch's loss, the
+trainer sets the scale to 1 / (micro-batches x data-parallel size)), and its value (without the
+coefficient) is added to ``aux_loss_sum`` when that gradient is applied, in backward, so a
+forward recomputed under activation checkpointing does not count twice. megatron-core's global
+metrics tracker is not used. ``take_aux_loss`` reads and clears the sum. Positions padded for
+context or sequence parallel (lengths that do not divide) are routed and count in it, as in the
+expert-load statistics; with lengths that divide, CP 2, TP 2 (+ SP) and DP 2 gave the loss and
+gradient norm of one process (checked by hand with torchrun, not a test).
 """
 
 from __future__ import annotations
@@ -40,11 +55,63 @@ def glm_routing(logits: torch.Tensor, bias: torch.Tensor | None, *, topk: int, n
     return weights * scaling, experts
 
 
-def router_class(cfg: ModelConfig):
-    """A TopKRouter subclass bound to ``cfg``'s glm5_next routing fields."""
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on the routing probabilities; in backward, the auxiliary loss's gradient
+    (``coeff * router.aux_loss_grad_scale``, ``aux_loss`` already carries ``coeff``) and its
+    value added to ``router.aux_loss_sum``."""
 
-    class GLMRouter(TopKRouter):
+    @staticmethod
+    def forward(ctx, probs: torch.Tensor, aux_loss: torch.Tensor, router, coeff: float) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        ctx.router, ctx.coeff = router, coeff
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        router = ctx.router
+        router.aux_loss_sum = router.aux_loss_sum.to(aux_loss.device) + aux_loss.detach().float() / ctx.coeff
+        return grad, torch.full_like(aux_loss, router.aux_loss_grad_scale), None, None
+
+
+class GLMRouterBase(TopKRouter):
+    """megatron-core's top-k router with genome-lm's auxiliary-loss bookkeeping (see the module
+    docstring); ``router_class`` binds glm5_next's routing to it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.aux_loss_grad_scale = 1.0  # plain attributes: not in the state dict or checkpoints
+        self.aux_loss_sum = torch.zeros(())
+
+    def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss, aux_loss_name,
+                                           reduce_group=None, needs_dp_avg=True, valid_token_count=None):
+        return _AttachAuxLoss.apply(activation, aux_loss, self, float(aux_loss_coeff))
+
+
+def set_aux_loss_grad_scale(model, scale: float) -> None:
+    """The factor on each micro-batch's auxiliary-loss gradient, in every router of ``model``."""
+    for module in model.modules():
+        if isinstance(module, GLMRouterBase):
+            module.aux_loss_grad_scale = scale
+
+
+def take_aux_loss(model) -> torch.Tensor:
+    """Sum over the routers of ``model`` of the auxiliary losses recorded since the last call
+    (without their coefficient; this rank's share under tensor/context parallel), and reset."""
+    total = torch.zeros((), dtype=torch.float32)
+    for module in model.modules():
+        if isinstance(module, GLMRouterBase):
+            total = total + module.aux_loss_sum.detach().float().cpu()
+            module.aux_loss_sum = torch.zeros(())
+    return total
+
+
+def router_class(cfg: ModelConfig):
+    """A router subclass bound to ``cfg``'s glm5_next routing fields."""
+
+    class GLMRouter(GLMRouterBase):
         def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+            seq_length, bsz = logits.shape[:2]  # [S, B, E] from the gate
             logits = logits.view(-1, self.config.num_moe_experts)
             weights, experts = glm_routing(
                 logits, self.expert_bias, topk=self.topk, n_group=cfg.n_group, topk_group=cfg.topk_group,
@@ -57,6 +124,8 @@ def router_class(cfg: ModelConfig):
                 aux_map, aux_scores = compute_routing_scores_for_aux_loss(
                     logits, self.topk, self.score_function, fused=False, padding_mask=None)
                 probs = self._apply_aux_loss(probs, aux_scores, aux_map, with_padding_mask=False)
+                probs = self._apply_seq_aux_loss(probs, aux_scores, aux_map, seq_length, bsz,
+                                                 with_padding_mask=False)
             self._apply_expert_bias(routing_map, padding_mask=padding_mask)
             return probs, routing_map
 

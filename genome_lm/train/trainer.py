@@ -7,13 +7,24 @@
        (data-parallel reduction, MoE expert-bias update), clip, step, metrics to MLflow
     -> checkpoints every N steps, at the end, and on SIGTERM/SIGINT
 
+Loss parts, each a metric: ``lm_loss`` (weighted cross-entropy), ``indexer_loss`` (sum over the
+DSA layers), ``moe_aux_loss`` (with ``train.moe_aux_loss_coeff`` > 0: the routers' load-balancing
+loss, summed over the MoE layers, averaged over the global batch's micro-batches; absent when the
+coefficient is 0, since it is then not computed); ``loss`` = lm + coefficient x each part. The
+auxiliary loss reaches the parameters as a gradient only (``model.router``).
+
 Non-finite losses: with ``train.nonfinite = "skip"`` the step's update is skipped and reported,
 and three non-finite steps in a row stop the run; with "stop" the first one stops it. Either way
-the last good checkpoint is kept.
+the last good checkpoint is kept. Rank 0 reports each skipped step and the stop once, above the
+progress bar or, without one (``--quiet``), as a logging warning on stderr.
+
+Signals: SIGTERM / SIGINT on any rank stop every rank after the same step (the ranks agree on it
+at the end of each step), which then checkpoints.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import time
@@ -24,6 +35,8 @@ import torch
 import torch.distributed as dist
 
 from genome_lm.errors import GenomeLMError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,6 +53,7 @@ class StepMetrics:
     peak_host_mib: float
     peak_device_mib: float
     moe_max_over_mean: float
+    moe_aux_loss: float | None = None  # None: train.moe_aux_loss_coeff is 0, the loss is not computed
 
     @property
     def tokens_per_s(self) -> float:
@@ -49,7 +63,8 @@ class StepMetrics:
         return {"loss": self.loss, "lm_loss": self.lm_loss, "indexer_loss": self.indexer_loss, "lr": self.lr,
                 "grad_norm": self.grad_norm, "tokens_per_s": self.tokens_per_s, "step_seconds": self.seconds,
                 "peak_host_mib": self.peak_host_mib, "peak_device_mib": self.peak_device_mib,
-                "moe_busiest_expert_over_mean": self.moe_max_over_mean, "skipped": float(self.skipped)}
+                "moe_busiest_expert_over_mean": self.moe_max_over_mean, "skipped": float(self.skipped),
+                **({} if self.moe_aux_loss is None else {"moe_aux_loss": self.moe_aux_loss})}
 
 
 @dataclass
@@ -64,7 +79,8 @@ class TrainResult:
 
 
 class _StopFlag:
-    """SIGTERM / SIGINT ask the loop to checkpoint and stop at the end of the current step."""
+    """SIGTERM / SIGINT ask the loop to checkpoint and stop at the end of the current step
+    (``agreed``: every rank stops after the same step)."""
 
     def __init__(self):
         self.signal: str | None = None
@@ -86,6 +102,17 @@ class _StopFlag:
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def agreed(self) -> str | None:
+        """The signal that stops the run after this step, agreed by all ranks: a rank that got
+        none stops too when another did (the highest signal number names it). One all-reduce of
+        one number over all ranks; call at the same point of every step on every rank."""
+        number = signal.Signals[self.signal].value if self.signal is not None else 0
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([float(number)], device=_device())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            number = int(flag.item())
+        return signal.Signals(number).name if number else None
 
 
 def _peak_host_mib() -> float:
@@ -128,7 +155,8 @@ def build(cfg, pg, sizes):
         impl = "transformer_engine" if torch.cuda.is_available() and _has_te() else "local"
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     model = build_model(model_cfg, pg, sizes, transformer_impl=impl, kernel_backend=cfg.model.kernel_backend,
-                        dtype=dtype)
+                        dtype=dtype, moe_aux_loss_coeff=cfg.train.moe_aux_loss_coeff,
+                        moe_aux_loss=cfg.train.moe_aux_loss)
     if ckpt is not None:
         load_hf_checkpoint(model, ckpt.path)
     return model
@@ -205,6 +233,7 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
     from genome_lm.data.loader import TrainLoader
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
     from genome_lm.model.model import allreduce_sequence_parallel_grads
+    from genome_lm.model.router import set_aux_loss_grad_scale, take_aux_loss
     from genome_lm.tracking import Tracker
 
     from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -226,6 +255,11 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
         cp, cp_rank = pg.cp.size(), pg.cp.rank()
         torch.manual_seed(cfg.train.seed)
         model = build(cfg, pg, sizes)
+        n_micro = per_rank // cfg.train.micro_batch_size
+        # each micro-batch's auxiliary loss counts 1 / (micro-batches of the global batch); the
+        # data- and context-parallel gradient reduction sums (calculate_per_token_loss below)
+        set_aux_loss_grad_scale(model, 1.0 / (dp_size * n_micro))
+        moe_coeff = cfg.train.moe_aux_loss_coeff
         apply_memory(model, cfg.memory)
         model.tf_config.calculate_per_token_loss = True  # the loss is already normalised globally: sum grads
         ddp = DistributedDataParallel(
@@ -274,8 +308,7 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
                 ddp.zero_grad_buffer()
                 optimizer.zero_grad()
                 # every CP rank of a data-parallel rank reads the same batches and keeps its zigzag part
-                micro = [_cp_part(loader.next_batch(), cp, cp_rank)
-                         for _ in range(per_rank // cfg.train.micro_batch_size)]
+                micro = [_cp_part(loader.next_batch(), cp, cp_rank) for _ in range(n_micro)]
                 weight = global_sum(sum(b.loss_weight.sum() for b in micro), dp_cp)
                 lm_sum = torch.zeros(())
                 idx_sum = torch.zeros(())
@@ -298,28 +331,33 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
                 finalize_model_grads([ddp], pg_collection=pg)
                 lm = float(global_sum(lm_sum, dp_cp) / weight)
                 idx = float(global_sum(idx_sum, dp_cp)) / dp_size
+                aux = take_aux_loss(model)  # this rank's share; tensor/context-parallel ranks hold parts
+                moe_aux = float(global_sum(aux, pg.tp_dp_cp)) / (dp_size * n_micro) if moe_coeff > 0 else None
                 stepped, norm = optimizer.step() if math.isfinite(lm) else (False, float("nan"))
                 tokens_all = int(global_sum(torch.tensor(float(tokens)), dp_cp))  # TP ranks share their tokens
-                metrics = StepMetrics(step + 1, lm + cfg.train.indexer_loss_coeff * idx, lm, idx, lr, norm,
-                                      tokens_all, time.perf_counter() - t0, not stepped, _peak_host_mib(),
-                                      _peak_device_mib(), moe_load)
+                total = lm + cfg.train.indexer_loss_coeff * idx + (moe_coeff * moe_aux if moe_aux else 0.0)
+                metrics = StepMetrics(step + 1, total, lm, idx, lr, norm, tokens_all, time.perf_counter() - t0,
+                                      not stepped, _peak_host_mib(), _peak_device_mib(), moe_load, moe_aux)
                 result.history.append(metrics)
                 result.steps_done = step + 1
                 tracker.log_metrics(metrics.as_metrics(), step=step + 1)
                 bar.update(metrics)
-                if not stepped:
+                if not stepped:  # every rank agrees: the loss and the gradient norm are global
                     bad_in_row += 1
-                    bar.note(f"step {step + 1}: non-finite loss or gradient (loss {lm}, grad norm {norm}); "
-                             "update skipped")
+                    _report(bar, rank, f"step {step + 1}: non-finite loss or gradient (loss {lm}, grad norm {norm}); "
+                                       "update skipped")
                     if cfg.train.nonfinite == "stop" or bad_in_row >= 3:
+                        why = "train.nonfinite = stop" if cfg.train.nonfinite == "stop" else "3 in a row"
+                        _report(bar, rank, f"stopping after step {step + 1}: non-finite loss ({why})")
                         result.stopped_by = "non-finite loss"
                         break
                 else:
                     bad_in_row = 0
                 if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
                     result.checkpoint = checkpoint(step + 1)
-                if stop.signal is not None:
-                    result.stopped_by = stop.signal
+                signalled = stop.agreed()
+                if signalled is not None:
+                    result.stopped_by = signalled
                     break
             bar.close()
             if result.checkpoint is None or not result.checkpoint.name.endswith(f"{result.steps_done:06d}"):
@@ -394,6 +432,16 @@ def _log_curve(tracker, result: TrainResult, out: Path, rank: int) -> None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     tracker.log_artifact(path)
+
+
+def _report(bar, rank: int, text: str) -> None:
+    """A note from rank 0: above the progress bar, or a logging warning (stderr) without one."""
+    if rank != 0:
+        return
+    if bar.enabled:
+        bar.note(text)
+    else:
+        log.warning("%s", text)
 
 
 def _progress(enabled: bool, start: int, total: int):

@@ -1,6 +1,7 @@
 """The training loop on CPU: it learns, and a stopped or killed run resumes to the same losses."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -86,7 +87,8 @@ def test_sigkill_then_resume_gives_the_uninterrupted_losses(small_dataset, tmp_p
     assert json.loads(resumed.stdout.strip().splitlines()[-1]) == expected[done:]
 
 
-def test_sigterm_checkpoints_and_stops(small_dataset, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_checkpoints_and_stops(small_dataset, tmp_path, sig):
     args = [f"data.dataset={small_dataset}", "train.steps=50", "data.seq_len=256", "train.global_batch_size=2",
             "model.kernel_backend=torch", f"train.out_dir={tmp_path / 'c'}", "train.save_every=0"]
     proc = subprocess.Popen([sys.executable, "-c", KILLED, json.dumps(args), "fresh"], stdout=subprocess.PIPE,
@@ -96,13 +98,121 @@ def test_sigterm_checkpoints_and_stops(small_dataset, tmp_path):
     while time.time() < deadline and not mlflow_db.exists():
         time.sleep(0.1)
     time.sleep(3)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     losses = json.loads(out.strip().splitlines()[-1])
     assert 0 < len(losses) < 50
     latest = (tmp_path / "c" / "checkpoints" / "latest").read_text().strip()
     assert latest == f"step-{len(losses):06d}"
+
+
+def _poison_steps(monkeypatch, bad_steps):
+    """Make the loss NaN on ``bad_steps`` (1-based; two micro-batches per step here)."""
+    import torch
+
+    from genome_lm.train import trainer
+
+    original, calls = trainer._forward_loss, []
+
+    def poisoned(*args, **kwargs):
+        parts = original(*args, **kwargs)
+        calls.append(1)
+        if (len(calls) - 1) // 2 + 1 in bad_steps:
+            nan = torch.tensor(float("nan"))
+            parts = parts._replace(total=parts.total * nan, lm_sum=parts.lm_sum * nan)
+        return parts
+
+    monkeypatch.setattr(trainer, "_forward_loss", poisoned)
+
+
+def _weights(out, step):
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(out / "checkpoints" / f"step-{step:06d}" / "model-r00000.safetensors"))
+    return {k: v for k, v in tensors.items() if not k.endswith("expert_bias")}  # parameters only
+
+
+def _notes(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "genome_lm.train.trainer"]
+
+
+def test_nonfinite_steps_are_skipped_and_three_in_a_row_stop(small_dataset, tmp_path, monkeypatch, caplog):
+    """nonfinite = skip: a NaN step leaves the parameters alone and training goes on; a good step
+    resets the count; the third NaN step in a row stops. Each is reported without a progress bar."""
+    import torch
+
+    _poison_steps(monkeypatch, {2, 4, 5, 6})
+    out = tmp_path / "nan"
+    result = train(_config(small_dataset, out, steps=8, extra=["train.save_every=1"]), progress=False)
+    before, skipped, after = _weights(out, 1), _weights(out, 2), _weights(out, 3)
+    assert all(torch.equal(before[k], skipped[k]) for k in before)  # step 2 changed nothing
+    assert not all(torch.equal(skipped[k], after[k]) for k in before)  # step 3 trained
+    assert [m.skipped for m in result.history] == [False, True, False, True, True, True]
+    assert result.steps_done == 6 and result.stopped_by == "non-finite loss"
+    assert math.isnan(result.history[1].lm_loss) and math.isfinite(result.history[2].lm_loss)
+    notes = _notes(caplog)
+    assert [n.split(":")[0] for n in notes if "update skipped" in n] == ["step 2", "step 4", "step 5", "step 6"]
+    assert [n for n in notes if n.startswith("stopping")] == ["stopping after step 6: non-finite loss (3 in a row)"]
+
+
+def test_nonfinite_stop_stops_at_the_first(small_dataset, tmp_path, monkeypatch, caplog):
+    _poison_steps(monkeypatch, {2})
+    result = train(_config(small_dataset, tmp_path / "stop", steps=4, extra=["train.nonfinite=stop"]),
+                   progress=False)
+    assert result.steps_done == 2 and result.stopped_by == "non-finite loss"
+    assert [m.skipped for m in result.history] == [False, True]
+    assert _notes(caplog) == [n for n in _notes(caplog) if n.startswith(("step 2:", "stopping"))]
+    assert "stopping after step 2: non-finite loss (train.nonfinite = stop)" in _notes(caplog)
+    assert sum("update skipped" in n for n in _notes(caplog)) == 1
+
+
+RANK = textwrap.dedent("""
+    import json, os, sys
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    from genome_lm.config import load_config
+    from genome_lm.train.trainer import train
+    result = train(load_config("demo-cpu", json.loads(sys.argv[1])), progress=False)
+    print(json.dumps({"steps": result.steps_done, "stopped_by": result.stopped_by}))
+""")
+
+
+def test_sigterm_to_one_rank_stops_both_after_the_same_step(small_dataset, tmp_path):
+    """Two data-parallel ranks (gloo); only rank 1 gets SIGTERM. Both stop after the same step,
+    write one complete checkpoint and exit 0 (deciding per rank, they deadlocked in its collectives)."""
+    from genome_lm.engine.parallel import free_port
+    from genome_lm.train.checkpoint import latest_checkpoint, verify
+
+    out = tmp_path / "two"
+    args = [f"data.dataset={small_dataset}", "train.steps=200", "data.seq_len=128", "train.global_batch_size=2",
+            "model.kernel_backend=torch", f"train.out_dir={out}", "train.save_every=2", "train.indexer_dense_steps=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": "2"}
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK, json.dumps(args)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        latest = out / "checkpoints" / "latest"
+        deadline = time.time() + 300
+        while time.time() < deadline and not latest.exists() and all(r.poll() is None for r in ranks):
+            time.sleep(0.05)
+        assert latest.exists(), ranks[0].communicate()[1][-3000:]
+        ranks[1].send_signal(signal.SIGTERM)
+        done = [r.communicate(timeout=120) for r in ranks]
+    finally:
+        for r in ranks:
+            if r.poll() is None:
+                r.kill()
+                r.wait()
+    for rank, (proc, (stdout, stderr)) in enumerate(zip(ranks, done)):
+        assert proc.returncode == 0, f"rank {rank}: {stderr[-3000:]}"
+    reports = [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in done]
+    assert reports[0] == reports[1] and reports[0]["stopped_by"] == "SIGTERM"
+    steps = reports[0]["steps"]
+    assert 2 <= steps < 200
+    folder = latest_checkpoint(out)
+    assert folder.name == f"step-{steps:06d}"
+    meta = verify(folder)  # every file of both ranks present, with its recorded size and checksum
+    assert meta["world_size"] == 2 and {"model-r00000.safetensors", "model-r00001.safetensors"} <= set(meta["files"])
 
 
 @pytest.mark.parametrize("override,message", [("train.global_batch_size=3", "multiple of micro_batch_size"),
