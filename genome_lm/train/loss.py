@@ -51,11 +51,18 @@ def _loss_parts(lm_sum, w, global_weight, indexer_losses, indexer_coeff) -> Loss
 
 
 def global_sum(value: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum a scalar over ``group`` (the data+context-parallel ranks); identity without one."""
-    value = value.detach().clone().float()
-    if dist.is_initialized() and (group is None or group.size() > 1):
-        dist.all_reduce(value, group=group)
-    return value
+    """Sum a scalar over ``group`` (the data+context-parallel ranks); identity without one. The
+    result is on ``value``'s device; the reduction runs where the group's backend can (NCCL
+    reduces GPU tensors only, so a CPU value goes through the current GPU)."""
+    value = value.detach().float()
+    if not (dist.is_initialized() and (group is None or group.size() > 1)):
+        return value.clone()
+    device = value.device
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    reduced = value.to(device, copy=True)
+    dist.all_reduce(reduced, group=group)
+    return reduced.to(value.device)
 
 
 def _block_ce(output_layer, h_SBD, labels_BT, tp_group):

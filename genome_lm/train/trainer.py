@@ -218,10 +218,44 @@ class _MegatronOptimizer:
         return bool(ok), float(norm) if norm is not None else float("nan")
 
     def state_dict(self):
-        return self.optimizer.state_dict()
+        """megatron-core's optimizer state and, for each distributed optimizer in it, this rank's
+        shard of the fp32 main parameters and Adam moments: ``DistributedOptimizer.state_dict()``
+        leaves those out (megatron-core saves them apart), and without them a resumed run would
+        restart Adam. Tensors, numbers and dtypes only: it loads with ``weights_only=True``."""
+        return {"optimizer": self.optimizer.state_dict(),
+                "param_state": [_param_state(o) for o in _inner_optimizers(self.optimizer)]}
 
     def load_state_dict(self, state):
-        self.optimizer.load_state_dict(state)
+        inner = _inner_optimizers(self.optimizer)
+        if len(state["param_state"]) != len(inner):
+            raise GenomeLMError(f"the checkpoint's optimizer has {len(state['param_state'])} parts, this run's "
+                                f"{len(inner)}: resume with the parallel layout it was saved with")
+        self.optimizer.load_state_dict(state["optimizer"])
+        for optimizer, shard in zip(inner, state["param_state"]):
+            if shard is not None:
+                optimizer.load_parameter_state_from_dp_reshardable(shard)
+
+
+def _inner_optimizers(optimizer) -> list:
+    """The optimizers inside megatron-core's ``ChainedOptimizer`` (dense and expert parameters),
+    or the optimizer itself."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _param_state(optimizer):
+    """A distributed optimizer's shard of main parameters and optimizer states, in megatron-core's
+    own per-bucket layout (``get_parameter_state_dp_reshardable``); None for other optimizers.
+    Its loader skips entries flagged as padding, a flag its getter does not set: set it."""
+    if not hasattr(optimizer, "get_parameter_state_dp_reshardable"):
+        return None
+    state = optimizer.get_parameter_state_dp_reshardable()
+    for key, by_dtype in state.items():
+        if isinstance(key, int):  # one grad buffer: {dtype: [bucket: [per-parameter dict]]}
+            for buckets in by_dtype.values():
+                for bucket in buckets:
+                    for tensors in bucket:
+                        tensors.setdefault("padding", False)
+    return state
 
 
 def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str | None = None,

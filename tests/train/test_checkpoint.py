@@ -100,3 +100,75 @@ def test_layout_mismatch_is_explained(tmp_path):
     (folder / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(GenomeLMError, match="written by 8 ranks"):
         load_checkpoint(folder, model, opt)
+
+
+class _ShardedAdam:
+    """Stands in for megatron-core's ``DistributedOptimizer`` (which needs a GPU to build): its
+    own packing and unpacking of the parameter-state shard run unchanged on fake buckets, and
+    ``state_dict()`` leaves the Adam moments out, as the real one does."""
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as _D
+
+    get_parameter_state_dp_reshardable = _D.get_parameter_state_dp_reshardable
+    load_parameter_state_from_dp_reshardable = _D.load_parameter_state_from_dp_reshardable
+
+    def __init__(self, params, seed):
+        from megatron.core.optimizer.distrib_optimizer import Range
+
+        g = torch.Generator().manual_seed(seed)
+        self.states = {p: {"param": torch.randn(p.numel(), generator=g), "exp_avg": torch.randn(p.numel(), generator=g),
+                           "exp_avg_sq": torch.rand(p.numel(), generator=g)} for p in params}
+        sizes = [p.numel() for p in params]
+        self.per_bucket_numel = {(0, torch.float32): [sum(sizes)]}
+        self.per_bucket_numel_unpadded = {(0, torch.float32): [sum(sizes)]}
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.gbuf_ranges = [{torch.float32: [{"param_map": {
+            p: {"gbuf_local": Range(a, a + n)} for p, a, n in zip(params, starts, sizes)}}]}]
+        self.step_count = seed
+
+    def _get_main_param_and_optimizer_states(self, param):
+        return dict(self.states[param])
+
+    def _set_main_param_and_optimizer_states(self, param, tensors):
+        for key, value in self.states[param].items():
+            value.copy_(tensors[key])
+
+    def state_dict(self):  # like megatron-core's: no moments, no main parameters
+        return {"step": self.step_count}
+
+    def load_state_dict(self, state):
+        self.step_count = state["step"]
+
+
+class _Chained:
+    def __init__(self, parts):
+        self.chained_optimizers = parts
+
+    def state_dict(self):
+        return [p.state_dict() for p in self.chained_optimizers]
+
+    def load_state_dict(self, state):
+        for part, s in zip(self.chained_optimizers, state):
+            part.load_state_dict(s)
+
+
+def test_distributed_optimizer_shards_survive_a_checkpoint(tmp_path):
+    """The GPU path's optimizer wrapper saves each distributed optimizer's shard of main
+    parameters and Adam moments (megatron-core's state_dict() alone would restart Adam) and
+    loads it back through megatron-core's own loader, with weights_only=True."""
+    from genome_lm.train.trainer import _MegatronOptimizer
+
+    model, _ = _model_and_opt(0)
+    dense, expert = list(model[0].parameters()), list(model[1].parameters())
+    saved = _MegatronOptimizer(_Chained([_ShardedAdam(dense, 1), _ShardedAdam(expert, 2)]))
+    folder = save_checkpoint(tmp_path, 3, model, saved, {})
+    fresh = _MegatronOptimizer(_Chained([_ShardedAdam(dense, 7), _ShardedAdam(expert, 8)]))
+    load_checkpoint(folder, model, fresh)
+    for a, b in zip(saved.optimizer.chained_optimizers, fresh.optimizer.chained_optimizers):
+        assert a.step_count == b.step_count
+        for p in a.states:
+            for key in ("param", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(a.states[p][key], b.states[p][key]), key
+    other_layout = _MegatronOptimizer(_Chained([_ShardedAdam(dense + expert, 9)]))
+    with pytest.raises(GenomeLMError, match="optimizer has 2 parts, this run's 1"):
+        load_checkpoint(folder, model, other_layout)
