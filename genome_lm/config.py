@@ -54,8 +54,11 @@ class DataConfig(Section):
 
 class ModelSection(Section):
     preset: str = Field("tiny", description="glm-5.3-flash, glm-5.3-flash-4layer or tiny.")
-    checkpoint: str | None = Field(None, description="Hugging Face glm5_next folder or a genome-lm checkpoint to start from; "
-                                                     "None = random initialisation.")
+    checkpoint: str | None = Field(
+        None, description="Weights to start from: a Hugging Face glm5_next folder, a genome-lm training checkpoint "
+                          "folder (with meta.json; the same model preset and parallel layout, or export it first) or "
+                          "a training run folder (its checkpoints/latest); weights only, the run starts at step 0. "
+                          "None = random initialisation.")
     dtype: Literal["fp32", "bf16"] = "fp32"
     kernel_backend: Literal["auto", "torch", "triton", "reference"] = "auto"
     transformer_impl: Literal["auto", "local", "transformer_engine"] = Field(

@@ -146,6 +146,19 @@ def load_checkpoint(folder: str | Path, model, optimizer=None) -> dict:
     if meta["world_size"] != world:
         raise GenomeLMError(f"{folder}: written by {meta['world_size']} ranks, this run has {world} "
                             "(resume with the same layout, or export to Hugging Face format and start from that)")
+    load_weights(folder, model)
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(folder / f"optim-r{rank:05d}.pt", weights_only=True))
+    state = json.loads((folder / f"state-r{rank:05d}.json").read_text())
+    set_rng_state(state.pop("rng"))
+    return state
+
+
+def load_weights(folder: str | Path, model) -> None:
+    """Copy this rank's saved parameters (and MoE expert biases) into ``model``: weights only, no
+    optimizer, trainer state or RNG. The caller verifies the folder and checks its layout first."""
+    folder = Path(folder)
+    rank, _ = _rank_world()
     tensors = load_file(str(folder / f"model-r{rank:05d}.safetensors"))
     own = _model_tensors(model)
     if tensors.keys() != own.keys():
@@ -156,8 +169,3 @@ def load_checkpoint(folder: str | Path, model, optimizer=None) -> dict:
         buffers = dict(model.named_buffers())
         for name, value in tensors.items():
             (params.get(name) if name in params else buffers[name]).copy_(value)
-    if optimizer is not None:
-        optimizer.load_state_dict(torch.load(folder / f"optim-r{rank:05d}.pt", weights_only=True))
-    state = json.loads((folder / f"state-r{rank:05d}.json").read_text())
-    set_rng_state(state.pop("rng"))
-    return state

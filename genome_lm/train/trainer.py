@@ -140,16 +140,29 @@ def _seq_len(cfg, step: int) -> int:
 
 
 def build(cfg, pg, sizes):
-    """Model (with weights) and its config, for a ``RunConfig``."""
+    """Model (with weights) and its config, for a ``RunConfig``.
+
+    ``model.checkpoint`` may name a Hugging Face glm5_next folder, a genome-lm training checkpoint
+    (a folder with ``meta.json``) or a training run folder (its ``checkpoints/latest``). From a
+    genome-lm checkpoint only the weights are taken (verified first; the caller starts a new run:
+    fresh optimizer, step 0); the architecture is the one it recorded, and its model preset and
+    parallel layout must match this run's. The random generators are left as a random
+    initialisation would leave them: the new run's seeding is its own."""
     from genome_lm.model import get_preset
     from genome_lm.model.hf_checkpoint import HFCheckpoint, load_hf_checkpoint
     from genome_lm.model.model import build_model
 
+    from .checkpoint import load_weights
+
     model_cfg = get_preset(cfg.model.preset)
-    ckpt = None
+    ckpt = run_ckpt = None
     if cfg.model.checkpoint:
-        ckpt = HFCheckpoint(cfg.model.checkpoint)
-        model_cfg = ckpt.config()
+        run_ckpt = _genome_lm_checkpoint(Path(cfg.model.checkpoint))
+        if run_ckpt is not None:
+            model_cfg = _check_start_checkpoint(run_ckpt, cfg, sizes)
+        else:
+            ckpt = HFCheckpoint(cfg.model.checkpoint)
+            model_cfg = ckpt.config()
     impl = cfg.model.transformer_impl
     if impl == "auto":
         impl = "transformer_engine" if torch.cuda.is_available() and _has_te() else "local"
@@ -159,7 +172,57 @@ def build(cfg, pg, sizes):
                         moe_aux_loss=cfg.train.moe_aux_loss)
     if ckpt is not None:
         load_hf_checkpoint(model, ckpt.path)
+    if run_ckpt is not None:
+        load_weights(run_ckpt, model)
     return model
+
+
+def _genome_lm_checkpoint(path: Path) -> Path | None:
+    """The genome-lm training checkpoint ``model.checkpoint`` names: the folder itself when it has
+    ``meta.json``, a run folder's ``checkpoints/latest``; None for anything else (Hugging Face)."""
+    from .checkpoint import latest_checkpoint
+
+    if (path / "meta.json").is_file():
+        return path
+    if (path / "checkpoints").is_dir():
+        folder = latest_checkpoint(path)
+        if folder is None:
+            raise GenomeLMError(f"{path}: a training run folder without checkpoints/latest "
+                                "(no checkpoint to start from)")
+        return folder
+    return None
+
+
+def _check_start_checkpoint(folder: Path, cfg, sizes):
+    """Verify a genome-lm checkpoint (every file against its checksum) and check that this run can
+    load its weights: the same model preset and parallel layout. Returns its model config."""
+    from genome_lm.model.config import ModelConfig
+
+    from .checkpoint import verify
+
+    meta = verify(folder)
+    recorded = meta.get("config", {}).get("model", {})
+    if "model_config" not in meta or "layout" not in meta or "preset" not in recorded:
+        raise GenomeLMError(f"{folder}: meta.json records no model config, preset or layout "
+                            "(not a checkpoint written by genome-lm finetune)")
+    if recorded["preset"] != cfg.model.preset:
+        raise GenomeLMError(f"{folder}: trained with model preset {recorded['preset']!r}, this run has "
+                            f"{cfg.model.preset!r} (set model.preset to {recorded['preset']!r})")
+    ours = {k: v for k, v in vars(sizes).items() if k != "sequence_parallel"}  # no effect on the weights
+    theirs = {k: meta["layout"].get(k) for k in ours}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if theirs != ours or meta.get("world_size") != world:
+        def show(layout, n):
+            return " ".join(f"{k}={v}" for k, v in layout.items()) + f" on {n} rank(s)"
+
+        raise GenomeLMError(f"{folder}: written with parallel layout {show(theirs, meta.get('world_size'))}, this run "
+                            f"has {show(ours, world)}; export it to Hugging Face format first (genome-lm export "
+                            f"--run {folder.parent.parent} --checkpoint {folder.name} --out DIR), which loads "
+                            "under any layout, and start from that")
+    try:
+        return ModelConfig.from_hf(meta["model_config"])
+    except (ValueError, TypeError) as exc:
+        raise GenomeLMError(f"{folder / 'meta.json'}: model_config: {exc}") from None
 
 
 def token_map(cfg, model) -> torch.Tensor | None:
