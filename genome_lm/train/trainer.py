@@ -237,7 +237,26 @@ def token_map(cfg, model) -> torch.Tensor | None:
                             "there is no checkpoint tokenizer to map bases onto it")
     from genome_lm.data.vocab import checkpoint_token_map
 
-    return checkpoint_token_map(cfg.model.checkpoint, model.cfg.pad_token_id)
+    return checkpoint_token_map(_tokenizer_folder(Path(cfg.model.checkpoint)), model.cfg.pad_token_id)
+
+
+def _tokenizer_folder(path: Path) -> Path:
+    """Where the tokenizer of ``model.checkpoint`` lives: the folder itself for a Hugging Face
+    checkpoint; for a genome-lm run or checkpoint, that of the checkpoint its run started from
+    (recorded in its meta.json), followed back to the Hugging Face folder."""
+    import json
+
+    seen = set()
+    while (folder := _genome_lm_checkpoint(path)) is not None:
+        if folder in seen:
+            raise GenomeLMError(f"{path}: its runs' model.checkpoint entries form a loop")
+        seen.add(folder)
+        source = json.loads((folder / "meta.json").read_text()).get("config", {}).get("model", {}).get("checkpoint")
+        if not source:
+            raise GenomeLMError(f"{folder}: the model has a text vocabulary but its run recorded no pretrained "
+                                "checkpoint to take the tokenizer from")
+        path = Path(source)
+    return path
 
 
 def _has_te() -> bool:

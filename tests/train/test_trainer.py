@@ -275,6 +275,14 @@ def test_pretrained_checkpoint_with_its_own_vocabulary(small_dataset, tmp_path):
                                global_weight=weight).lm for b in batches)
     assert result.history[0].lm_loss == pytest.approx(float(total), rel=1e-5)
     assert abs(float(unmapped) - float(total)) > 1e-3
+    # a new run from this run: the tokenizer is found through its meta.json's model.checkpoint
+    from genome_lm.train.trainer import token_map
+
+    again = _config(small_dataset, tmp_path / "run2", steps=1, extra=[f"model.checkpoint={tmp_path / 'run'}"])
+    with parallel_context() as pg:
+        model = build(again, pg, ParallelSizes())
+        assert torch.equal(token_map(again, model), table)
+    assert train(again, progress=False).steps_done == 1
 
 
 def test_sequence_length_warmup(small_dataset, tmp_path):
