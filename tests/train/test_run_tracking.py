@@ -10,21 +10,14 @@ import yaml
 
 from genome_lm.config import load_config
 from genome_lm.train.trainer import StepMetrics, train
-from tests.test_tracking import _free_port, mlflow_server  # noqa: F401 - the real-server fixture
+# the real-server fixture, and the autouse fixture that keeps MLflow quiet and off the environment's URI
+from tests.test_tracking import _free_port, _quiet_mlflow, mlflow_server  # noqa: F401
 
 pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy:DeprecationWarning")
 
 STEPS = 3
 METRICS = ("loss", "lm_loss", "indexer_loss", "lr", "grad_norm", "tokens_per_s", "step_seconds", "peak_host_mib",
            "peak_device_mib", "moe_busiest_expert_over_mean", "skipped")
-
-
-@pytest.fixture(autouse=True)
-def _quiet_mlflow(monkeypatch):
-    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
-    for name in ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
-                 "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "MLFLOW_TRACKING_URI"):
-        monkeypatch.delenv(name, raising=False)
 
 
 def _config(dataset, out, extra=()):
