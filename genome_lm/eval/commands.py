@@ -201,7 +201,7 @@ def recall_command(
     import json
 
     from .recall import (FALLBACK_MAX_DISTANCE, LEAD, SequencePool, copy_probe, default_distances, probe_window,
-                         recall_bench_available, run_recall_bench, window_distances)
+                         recall_bench_available, run_recall_bench, sweep_to, window_distances)
 
     chunk_size = _size(chunk)
     given = [_size(x) for x in distances.split(",")] if distances else None
@@ -222,8 +222,7 @@ def recall_command(
                 dists = given
                 note = "distances from --distances"
             elif cap is not None:
-                dists = default_distances(cap)
-                dists += [cap] if not dists or dists[-1] != cap else []
+                dists = sweep_to(cap)
                 note = f"distances up to --max-distance {cap:,}"
             elif window is not None:
                 dists = window_distances(window, segment, LEAD)

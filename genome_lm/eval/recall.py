@@ -159,10 +159,14 @@ def largest_distance(window: int, segment: int, lead: int = LEAD) -> int:
 def window_distances(window: int, segment: int, lead: int = LEAD) -> list[int]:
     """The default sweep for a model with this window: 64, 256, 1k, ... (x4) below the largest
     distance that fits (:func:`largest_distance`), then that distance."""
-    fit = largest_distance(window, segment, lead)
-    out = default_distances(fit)
-    if not out or out[-1] != fit:
-        out.append(fit)
+    return sweep_to(largest_distance(window, segment, lead))
+
+
+def sweep_to(last: int) -> list[int]:
+    """64, 256, 1k, ... (x4) up to ``last``, ending at ``last`` itself."""
+    out = default_distances(last)
+    if not out or out[-1] != last:
+        out.append(last)
     return out
 
 
