@@ -70,7 +70,8 @@ class ParallelConfig(Section):
     cp: int = Field(1, ge=1, description="Context parallel size (sequence split in zigzag order).")
     ep: int = Field(1, ge=1, description="Expert parallel size.")
     etp: int = Field(1, ge=1, description="Expert tensor parallel size.")
-    pp: int = Field(1, ge=1, le=1, description="Pipeline parallel size (not supported yet: 1).")
+    pp: int = Field(1, ge=1, description="Pipeline parallel size: stages of consecutive layers, megatron-core's "
+                                         "split, trained with a 1F1B schedule over micro-batches.")
     sequence_parallel: bool = Field(False, description="Split the residual streams (mHC, norms, MoE input) over the "
                                                       "tensor-parallel ranks: 1/tp of their activation memory; the "
                                                       "attention and dense MLP still see the whole sequence. No effect "

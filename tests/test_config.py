@@ -32,7 +32,7 @@ def test_overrides_are_typed():
     ("memory.offload_activations=true,", "memory.offload_activations: Input should be a valid boolean"),
     ("train.lr=fast", "train.lr"),
     ("data.softmask_weight=2", "less than or equal to 1"),
-    ("parallel.pp=2", "parallel.pp"),
+    ("parallel.pp=0", "parallel.pp: Input should be greater than or equal to 1"),
     ("parallel.sequence_parallel=maybe", "parallel.sequence_parallel: Input should be a valid boolean"),
     ("nosection", "expected section.field=value"),
     ("memory.moe_chunk_recompute=true", "moe_chunk_recompute needs moe_chunks > 1"),

@@ -43,8 +43,6 @@ class ParallelSizes:
             raise ValueError(f"world size {world_size} is not a multiple of tp*cp*pp = {self.model_parallel}")
         if world_size % (self.ep * self.etp * self.pp):
             raise ValueError(f"world size {world_size} is not a multiple of ep*etp*pp = {self.ep * self.etp * self.pp}")
-        if self.pp != 1:
-            raise ValueError("pipeline parallel is not supported yet (pp must be 1)")
 
 
 def free_port() -> int:

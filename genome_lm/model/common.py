@@ -101,6 +101,10 @@ def megatron_config(cfg: ModelConfig, sizes, options: BuildOptions):
         transformer_impl=options.transformer_impl,
         tensor_model_parallel_size=sizes.tp,
         context_parallel_size=sizes.cp,
+        pipeline_model_parallel_size=getattr(sizes, "pp", 1),
+        pipeline_dtype=options.dtype,
+        # stages exchange the mHC streams with isend/irecv pairs (gloo has no batched p2p sync)
+        batch_p2p_comm=on_gpu,
         expert_model_parallel_size=sizes.ep,
         expert_tensor_parallel_size=sizes.etp,
         num_moe_experts=cfg.n_routed_experts,

@@ -210,12 +210,14 @@ def _gather(local: torch.Tensor, param: torch.Tensor, name: str, group) -> torch
 
 
 def _weights(model):
-    """(name, tensor) of everything a checkpoint holds: parameters and the router's expert bias."""
+    """(name, tensor) of everything a checkpoint holds on this rank: parameters and the router's
+    expert bias, named with the model's layer numbers (``GLM5Model.global_name``)."""
+    rename = getattr(model, "global_name", lambda name: name)
     for name, param in model.named_parameters():
-        yield name, param
+        yield rename(name), param
     for name, buf in model.named_buffers():
         if name.endswith("router.expert_bias"):
-            yield name, buf
+            yield rename(name), buf
 
 
 # ---------------------------------------------------------------------------------- load, export
@@ -264,6 +266,22 @@ def load_hf_checkpoint(model, path: str | Path, *, check_config: bool = True) ->
         ckpt.close()
 
 
+def _stage_tensors(model, prefix: str):
+    """(checkpoint key, full tensor) of this pipeline stage's weights, gathered over the tensor
+    and expert parallel ranks (collective within the stage: every rank of it iterates)."""
+    for name, param in _weights(model):
+        tp_group, ep_group = _groups(model, name)
+        full = _gather(param.detach(), param, name, tp_group)
+        experts = [full]
+        if ep_group is not None and ep_group.size() > 1:
+            experts = [torch.empty_like(full) for _ in range(ep_group.size())]
+            dist.all_gather(experts, full.contiguous(), group=ep_group)
+        local_count = model.cfg.n_routed_experts // (ep_group.size() if ep_group is not None else 1)
+        for ep_rank, tensor in enumerate(experts):
+            keys = hf_keys(name, model.cfg, prefix, ep_rank * local_count if ep_group is not None else 0)
+            yield from zip(keys, _full_to_hf(name, tensor))
+
+
 def _copy_into(param: torch.Tensor, name: str, tensors: list[torch.Tensor], model, ckpt: HFCheckpoint) -> None:
     full = _full_from_hf(name, tensors)
     tp_group, _ = _groups(model, name)
@@ -303,25 +321,41 @@ def export_hf_checkpoint(model, out: str | Path, *, dtype: torch.dtype | None = 
             weight_map.update({k: file for k in pending})
             pending, pending_bytes = {}, 0
 
-    for name, param in _weights(model):
-        tp_group, ep_group = _groups(model, name)
-        full = _gather(param.detach(), param, name, tp_group)
-        experts = [full]
-        if ep_group is not None and ep_group.size() > 1:
-            experts = [torch.empty_like(full) for _ in range(ep_group.size())]
-            dist.all_gather(experts, full.contiguous(), group=ep_group)
-        if not rank0:
-            continue
-        local_count = model.cfg.n_routed_experts // (ep_group.size() if ep_group is not None else 1)
-        for ep_rank, tensor in enumerate(experts):
-            keys = hf_keys(name, model.cfg, prefix, ep_rank * local_count if ep_group is not None else 0)
-            for key, t in zip(keys, _full_to_hf(name, tensor)):
-                want = source.dtype_of(key) if source is not None and source.has(key) else (dtype or t.dtype)
-                t = t.to(want).contiguous().clone()
-                if pending and pending_bytes + t.numel() * t.element_size() > max_shard_bytes:
-                    flush()
-                pending[key] = t
-                pending_bytes += t.numel() * t.element_size()
+    def add(key, t):
+        nonlocal pending_bytes
+        want = source.dtype_of(key) if source is not None and source.has(key) else (dtype or t.dtype)
+        t = t.to(want).contiguous().clone()
+        if pending and pending_bytes + t.numel() * t.element_size() > max_shard_bytes:
+            flush()
+        pending[key] = t
+        pending_bytes += t.numel() * t.element_size()
+
+    pp = model.pg.pp
+    # the ranks that hold rank 0's tensor/expert/data-parallel coordinates in the other stages
+    # send their stage's tensors to rank 0, one at a time
+    sender = pp.size() > 1 and pp.rank() > 0 and dist.get_global_rank(pp, 0) == 0
+    for key, tensor in _stage_tensors(model, prefix):
+        if rank0:
+            add(key, tensor)
+        elif sender:
+            dist.send_object_list([(key, tuple(tensor.shape), tensor.dtype)], dst=0)
+            dist.send(tensor.contiguous(), dst=0)
+    if sender:
+        dist.send_object_list([None], dst=0)
+    if rank0:
+        for stage in range(1, pp.size()):
+            src = dist.get_global_rank(pp, stage)
+            while True:
+                meta = [None]
+                dist.recv_object_list(meta, src=src)
+                if meta[0] is None:
+                    break
+                key, shape, dt = meta[0]
+                on_gpu = dist.get_backend() == "nccl"  # NCCL moves GPU tensors only
+                tensor = torch.empty(shape, dtype=dt, device=f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu")
+                dist.recv(tensor, src=src)
+                tensor = tensor.cpu()
+                add(key, tensor)
     if rank0:
         flush()
         total = len(files)

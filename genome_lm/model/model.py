@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .common import BuildOptions, HyperConnection, RMSNorm, megatron_config
-from .config import LINEAR, ModelConfig
+from .config import LINEAR, SHARED, ModelConfig
 from .dsa import IndexerLossMode
 from .specs import DecoderLayerSubmodules, decoder_layer_spec, is_dense_mlp
 
@@ -156,9 +156,14 @@ class GLM5Model(nn.Module):
         from megatron.core import tensor_parallel
 
         self.cfg, self.options, self.pg = cfg, options, pg
+        self.share_embeddings_and_output_weights = False  # read by megatron-core's finalize_model_grads
+        if pg.pp.size() > 1 and cfg.tie_word_embeddings:
+            raise ValueError("pipeline parallel with tied input and output embeddings is not supported")
         self.tf_config = tf_config = megatron_config(cfg, sizes, options)
-        self.embedding = tensor_parallel.VocabParallelEmbedding(
-            cfg.vocab_size, cfg.hidden_size, init_method=tf_config.init_method, config=tf_config, tp_group=pg.tp)
+        stage, stages = pg.pp.rank(), pg.pp.size()
+        self.pre_process, self.post_process = stage == 0, stage == stages - 1
+        self.layer_offset, count = pipeline_split(cfg, tf_config)[stage]
+        self.global_layers = range(self.layer_offset, self.layer_offset + count)
         from megatron.core.transformer.spec_utils import build_module
 
         provider = options.spec_provider()
@@ -166,47 +171,84 @@ class GLM5Model(nn.Module):
             layer_specs = [decoder_layer_spec(cfg, i, provider) for i in range(cfg.num_hidden_layers)]
         if len(layer_specs) != cfg.num_hidden_layers:
             raise ValueError(f"{len(layer_specs)} layer specs for {cfg.num_hidden_layers} layers")
-        self.layers = nn.ModuleList(build_module(spec, cfg, i, tf_config, options, pg)
-                                    for i, spec in enumerate(layer_specs))
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.dtype)
-        self.output_layer = provider.column_parallel_linear()(
-            cfg.hidden_size, cfg.vocab_size, config=tf_config, init_method=tf_config.init_method, bias=False,
-            gather_output=False, skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None, tp_group=pg.tp)
+        if self.pre_process:
+            self.embedding = tensor_parallel.VocabParallelEmbedding(
+                cfg.vocab_size, cfg.hidden_size, init_method=tf_config.init_method, config=tf_config, tp_group=pg.tp)
+        self.layers = nn.ModuleList(build_module(layer_specs[i], cfg, i, tf_config, options, pg)
+                                    for i in self.global_layers)
+        if self.post_process:
+            self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.dtype)
+            self.output_layer = provider.column_parallel_linear()(
+                cfg.hidden_size, cfg.vocab_size, config=tf_config, init_method=tf_config.init_method, bias=False,
+                gather_output=False, skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None, tp_group=pg.tp)
         self.sequence_parallel = bool(getattr(sizes, "sequence_parallel", False)) and pg.tp.size() > 1
         if self.sequence_parallel:  # replicated, but each rank's gradient covers its slice only
-            sliced = [self.final_norm] + [m for layer in self.layers for m in
-                                          (layer.attn_hc, layer.ffn_hc, layer.input_layernorm,
-                                           layer.post_attention_layernorm)]
+            sliced = ([self.final_norm] if self.post_process else []) + [
+                m for layer in self.layers for m in
+                (layer.attn_hc, layer.ffn_hc, layer.input_layernorm, layer.post_attention_layernorm)]
             for module in sliced:
                 for p in module.parameters():
                     p.sequence_parallel = True
 
-    def hidden(self, input_ids: torch.Tensor, indexer_loss: IndexerLossMode = "off", indexer_tokens: int | None = None,
-               caches: list | None = None):
+    def global_name(self, name: str) -> str:
+        """A parameter's name with the layer numbered as in the whole model (under pipeline
+        parallel a stage's ``layers.0`` is the model's ``layers.<offset>``)."""
+        if self.layer_offset and name.startswith("layers."):
+            i, rest = name[len("layers."):].split(".", 1)
+            return f"layers.{int(i) + self.layer_offset}.{rest}"
+        return name
+
+    def stream_shape(self, batch: int, positions: int) -> tuple[int, int, int, int]:
+        """Shape [S, B, N, D] of the mHC streams one pipeline stage passes to the next for a
+        micro-batch of ``batch`` sequences of ``positions`` local positions (this rank's slice
+        of them under sequence parallel)."""
+        tp = self.pg.tp.size()
+        rows = -(-positions // tp) if self.sequence_parallel else positions
+        return rows, batch, self.cfg.hc_mult, self.cfg.hidden_size
+
+    def hidden(self, input_ids: torch.Tensor | None, indexer_loss: IndexerLossMode = "off",
+               indexer_tokens: int | None = None, caches: list | None = None, *,
+               streams: torch.Tensor | None = None, positions: int | None = None):
         """Final hidden states [S, B, D] and the indexer losses (over the first ``indexer_tokens``
         positions of each whole sequence when given: the rest is padding). ``caches``: one per
-        layer, for chunked prefill (``genome_lm.model.prefill``)."""
-        if self.pg.cp.size() > 1 and input_ids.shape[1] % 2:
-            raise ValueError(f"under context parallel each rank holds two equal zigzag chunks; got "
-                             f"{input_ids.shape[1]} local tokens (the sequence length must be divisible by "
-                             "2 * context parallel)")
-        x = self.embedding(input_ids).transpose(0, 1)  # [S, B, D]
-        sp_len = x.shape[0] if self.sequence_parallel and caches is None else None
-        if sp_len is not None:
-            x = scatter_positions(x, self.pg.tp)
-        streams = x.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
+        layer, for chunked prefill (``genome_lm.model.prefill``).
+
+        Under pipeline parallel this is one stage: a stage after the first takes the previous
+        stage's ``streams`` (``stream_shape``) instead of ``input_ids``, with the number of
+        ``positions`` they cover, and a stage before the last returns its streams instead of the
+        final hidden states; each stage returns the indexer losses of its own DSA layers."""
+        if self.pre_process:
+            if self.pg.cp.size() > 1 and input_ids.shape[1] % 2:
+                raise ValueError(f"under context parallel each rank holds two equal zigzag chunks; got "
+                                 f"{input_ids.shape[1]} local tokens (the sequence length must be divisible by "
+                                 "2 * context parallel)")
+            x = self.embedding(input_ids).transpose(0, 1)  # [S, B, D]
+            positions = x.shape[0]
+            sp_len = positions if self.sequence_parallel and caches is None else None
+            if sp_len is not None:
+                x = scatter_positions(x, self.pg.tp)
+            streams = x.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
+        else:
+            if streams is None or positions is None:
+                raise ValueError("a pipeline stage after the first takes the previous stage's streams and their "
+                                 "number of positions")
+            sp_len = positions if self.sequence_parallel and caches is None else None
         idx, losses = None, []
         for i, layer in enumerate(self.layers):
             streams, idx, loss = layer(streams, idx, indexer_loss, indexer_tokens, None if caches is None else caches[i],
                                        sp_len=sp_len)
             if loss is not None:
                 losses.append(loss)
+        if not self.post_process:
+            return streams, losses
         h = self.final_norm(streams.mean(dim=2))
         return (h if sp_len is None else gather_positions(h, sp_len, self.pg.tp)), losses
 
     def forward(self, input_ids: torch.Tensor, *, gather_logits: bool = True,
                 indexer_loss: IndexerLossMode = "off", indexer_tokens: int | None = None,
                 caches: list | None = None) -> ModelOutput:
+        if self.pg.pp.size() > 1:
+            raise ValueError("under pipeline parallel run each stage with hidden() (genome_lm.train.pipeline)")
         h, losses = self.hidden(input_ids, indexer_loss, indexer_tokens, caches)
         logits = self.output_layer(h)[0]  # [S, B, V / tp]
         if gather_logits and self.pg.tp.size() > 1:
@@ -214,6 +256,40 @@ class GLM5Model(nn.Module):
 
             logits = gather_from_tensor_model_parallel_region(logits, group=self.pg.tp)
         return ModelOutput(logits.transpose(0, 1), losses)
+
+
+def pipeline_split(cfg: ModelConfig, tf_config) -> list[tuple[int, int]]:
+    """(first layer, number of layers) of every pipeline stage, checked: the stages cover the
+    layers in order, each has at least one, and none starts at a DSA layer that reuses the
+    previous layer's token selection (it would have to come from the stage before). Every rank
+    checks every stage, so a bad split is an error on all ranks rather than a hang."""
+    stages = tf_config.pipeline_model_parallel_size
+    splits = [pipeline_layers(tf_config, s) for s in range(stages)]
+    if [o for o, _ in splits] != [sum(n for _, n in splits[:s]) for s in range(stages)] or \
+            sum(n for _, n in splits) != cfg.num_hidden_layers or min(n for _, n in splits) < 1:
+        raise ValueError(f"pipeline parallel {stages} does not split the {cfg.num_hidden_layers} layers into "
+                         f"stages (first layer, count per stage: {splits})")
+    for s, (offset, _) in enumerate(splits):
+        if offset > 0 and cfg.indexer_types[offset] == SHARED:
+            raise ValueError(f"pipeline stage {s} would start at layer {offset}, a DSA layer that reuses the previous "
+                             "layer's token selection; choose a pipeline size that does not split them")
+    return splits
+
+
+def pipeline_layers(tf_config, stage: int) -> tuple[int, int]:
+    """(first layer, number of layers) of pipeline ``stage``, by megatron-core's rule (an even
+    split, or ``num_layers_in_first/last_pipeline_stage`` when the config sets them)."""
+    if tf_config.pipeline_model_parallel_size == 1:
+        return 0, tf_config.num_layers
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    try:
+        return (get_transformer_layer_offset(tf_config, pp_rank=stage),
+                get_num_layers_to_build(tf_config, pp_rank=stage))
+    except AssertionError as exc:  # megatron-core asserts that the stages split the layers evenly
+        raise ValueError(f"pipeline parallel {tf_config.pipeline_model_parallel_size} cannot split the "
+                         f"{tf_config.num_layers} layers: {exc}") from None
 
 
 def allreduce_sequence_parallel_grads(model) -> None:

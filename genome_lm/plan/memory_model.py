@@ -19,7 +19,7 @@ DDP, and the optimizer (fp32 master copy when parameters are bf16, Adam's two mo
 over data parallel by the distributed optimizer on GPU and moved to host by optimizer offload.
 
 Not modelled: the memory allocator's fragmentation and the CUDA context and communication
-buffers (``Hardware.headroom`` leaves room for them), pipeline parallel (not supported).
+buffers (``Hardware.headroom`` leaves room for them), pipeline parallel (refused).
 """
 
 from __future__ import annotations
@@ -259,6 +259,9 @@ def world_size(run: RunConfig, hw: Hardware) -> int:
 def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
     cfg = model_config(run)
     p, mem = run.parallel, run.memory
+    if p.pp > 1:
+        raise GenomeLMError(f"parallel.pp = {p.pp}: the memory plan does not model pipeline stages yet (plan with "
+                            "pp = 1 and divide the layers' share by the number of stages)")
     if cfg.n_routed_experts % p.ep:
         raise GenomeLMError(f"parallel.ep = {p.ep} does not divide the {cfg.n_routed_experts} experts")
     for name, heads in (("linear_num_heads", cfg.linear_num_heads), ("num_attention_heads", cfg.num_attention_heads)):

@@ -137,14 +137,17 @@ def verify(folder: Path) -> dict:
     return meta
 
 
-def load_checkpoint(folder: str | Path, model, optimizer=None) -> dict:
+def load_checkpoint(folder: str | Path, model, optimizer=None, layout: dict | None = None) -> dict:
     """Restore model, optimizer (unless None: weights only) and RNG states; returns the trainer's
-    saved state dict."""
+    saved state dict. ``layout``: this run's parallel sizes, which must be the checkpoint's."""
     folder = Path(folder)
     meta = verify(folder)
     rank, world = _rank_world()
     if meta["world_size"] != world:
         raise GenomeLMError(f"{folder}: written by {meta['world_size']} ranks, this run has {world} "
+                            "(resume with the same layout, or export to Hugging Face format and start from that)")
+    if layout is not None and "layout" in meta and meta["layout"] != layout:
+        raise GenomeLMError(f"{folder}: written with parallel layout {meta['layout']}, this run has {layout} "
                             "(resume with the same layout, or export to Hugging Face format and start from that)")
     load_weights(folder, model)
     if optimizer is not None:

@@ -29,6 +29,7 @@ import math
 import signal
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -121,13 +122,25 @@ def _peak_host_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _moe_load(model) -> float:
-    """Busiest expert's token count over the mean, across MoE layers (megatron-core's router keeps
-    ``local_tokens_per_expert`` for the expert-bias update)."""
+def _moe_load(model, group=None, pp_group=None) -> float:
+    """Busiest expert's token count over the mean, across MoE layers, for the tokens of the whole
+    step: megatron-core's router keeps ``local_tokens_per_expert`` (this rank's tokens) for the
+    expert-bias update; the counts are summed over ``group`` (tensor, data and context parallel
+    ranks) first. Ranks that route the same tokens (tensor parallel without sequence parallel)
+    add the same counts, which leaves the ratio unchanged. Under pipeline parallel each stage
+    has its own MoE layers: the largest ratio over the stages (``pp_group``)."""
+    from .loss import global_sum
+
+    counts = [buf for name, buf in model.named_buffers() if name.endswith("local_tokens_per_expert")]
     worst = 0.0
-    for name, buf in model.named_buffers():
-        if name.endswith("local_tokens_per_expert") and buf.sum() > 0:
-            worst = max(worst, float(buf.max() / buf.mean()))
+    if counts:
+        for row in global_sum(torch.stack([c.float() for c in counts]), group):
+            if row.sum() > 0:
+                worst = max(worst, float(row.max() / row.mean()))
+    if pp_group is not None and pp_group.size() > 1:
+        value = torch.tensor(worst, device=_device())  # NCCL reduces GPU tensors only
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=pp_group)
+        worst = float(value)
     return worst
 
 
@@ -393,7 +406,7 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
             folder = latest_checkpoint(out)
             if folder is None:
                 raise GenomeLMError(f"{out}: nothing to resume (no checkpoints/latest)")
-            state = load_checkpoint(folder, model, optimizer)
+            state = load_checkpoint(folder, model, optimizer, layout=vars(sizes))
             loader.load_state_dict(state["loader"])
             start, run_id = state["step"], state.get("run_id")
         tracker = Tracker(tracking_uri or cfg.tracking.uri, experiment=cfg.tracking.experiment,
@@ -432,23 +445,33 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
                 for batch in micro:
                     if to_model is not None:  # bases -> the checkpoint's single-letter tokens
                         batch.tokens, batch.labels = to_model[batch.tokens], to_model[batch.labels.clamp_min(0)]
+                    tokens += int(batch.tokens.numel())
+                # indexer_tokens: the model already divides each CP rank's indexer loss by cp
+                loss_args = dict(indexer_tokens=seq_len if cp > 1 else None,
+                                 indexer_coeff=cfg.train.indexer_loss_coeff / (dp_size * len(micro)))
+                if pg.pp.size() > 1:
+                    from .pipeline import run_1f1b
+
+                    sums = {"lm": lm_sum, "indexer": idx_sum}
                     with offload_saved_tensors(cfg.memory.offload_activations, cfg.memory.offload_pinned):
-                        parts = _forward_loss(ddp, model, batch, mode, cfg, weight, pg,
-                                              indexer_tokens=seq_len if cp > 1 else None,
-                                              # the model already divides each CP rank's indexer loss by cp
-                                              indexer_coeff=cfg.train.indexer_loss_coeff / (dp_size * len(micro)))
+                        run_1f1b(model, len(micro), model.stream_shape(*micro[0].tokens.shape),
+                                 partial(_stage_loss, model, micro, mode, cfg, weight, pg, sums, **loss_args))
+                    lm_sum, idx_sum = global_sum(sums["lm"], pg.pp), global_sum(sums["indexer"], pg.pp)
+                for batch in micro if pg.pp.size() == 1 else ():
+                    with offload_saved_tensors(cfg.memory.offload_activations, cfg.memory.offload_pinned):
+                        parts = _forward_loss(ddp, model, batch, mode, cfg, weight, pg, **loss_args)
                         parts.total.backward()
                     lm_sum += parts.lm_sum.float().cpu()
                     idx_sum += parts.indexer.float().cpu() / len(micro)
-                    tokens += int(batch.tokens.numel())
                 release_host_cache()
-                moe_load = _moe_load(model)  # read before finalize_model_grads resets the counts
+                moe_load = _moe_load(model, pg.tp_dp_cp, pg.pp)  # read before finalize_model_grads resets the counts
                 allreduce_sequence_parallel_grads(model)
                 finalize_model_grads([ddp], pg_collection=pg)
                 lm = float(global_sum(lm_sum, dp_cp) / weight)
                 idx = float(global_sum(idx_sum, dp_cp)) / dp_size
                 aux = take_aux_loss(model)  # this rank's share; tensor/context-parallel ranks hold parts
-                moe_aux = float(global_sum(aux, pg.tp_dp_cp)) / (dp_size * n_micro) if moe_coeff > 0 else None
+                moe_aux = float(global_sum(global_sum(aux, pg.tp_dp_cp), pg.pp)) / (dp_size * n_micro) \
+                    if moe_coeff > 0 else None
                 stepped, norm = optimizer.step() if math.isfinite(lm) else (False, float("nan"))
                 tokens_all = int(global_sum(torch.tensor(float(tokens)), dp_cp))  # TP ranks share their tokens
                 total = lm + cfg.train.indexer_loss_coeff * idx + (moe_coeff * moe_aux if moe_aux else 0.0)
@@ -500,6 +523,31 @@ def _forward_loss(ddp, model, batch, mode, cfg, weight, pg, *, indexer_tokens, i
     outp = ddp(tokens, gather_logits=False, indexer_loss=mode, indexer_tokens=indexer_tokens)
     return lm_loss(outp.logits, labels, weights, global_weight=weight, indexer_losses=outp.indexer_losses,
                    indexer_coeff=indexer_coeff, tp_group=pg.tp)
+
+
+def _stage_loss(model, micro, mode, cfg, weight, pg, sums, i, streams, *, indexer_tokens, indexer_coeff):
+    """One pipeline stage's forward of micro-batch ``i`` (``pipeline.run_1f1b``): the streams
+    for the next stage and this stage's loss term (its indexer losses; on the last stage the
+    weighted cross-entropy too). Adds the detached parts to ``sums``."""
+    from .loss import chunked_lm_loss, lm_loss
+
+    batch = micro[i]
+    out, losses = model.hidden(batch.tokens.to(_device()) if model.pre_process else None, mode, indexer_tokens,
+                               streams=streams, positions=batch.tokens.shape[1])
+    if losses:
+        sums["indexer"] += sum(loss.detach() for loss in losses).float().cpu() / len(micro)
+    if not model.post_process:
+        return out, indexer_coeff * sum(losses) if losses else None
+    labels, weights = batch.labels.to(_device()), batch.loss_weight.to(_device())
+    if cfg.memory.loss_chunk:
+        parts = chunked_lm_loss(model.output_layer, out, labels, weights, global_weight=weight,
+                                chunk=cfg.memory.loss_chunk, indexer_losses=losses, indexer_coeff=indexer_coeff,
+                                tp_group=pg.tp)
+    else:
+        parts = lm_loss(model.output_layer(out)[0].transpose(0, 1), labels, weights, global_weight=weight,
+                        indexer_losses=losses, indexer_coeff=indexer_coeff, tp_group=pg.tp)
+    sums["lm"] += parts.lm_sum.float().cpu()
+    return None, parts.total
 
 
 def _cp_part(batch, cp: int, rank: int):

@@ -5,7 +5,9 @@ JSON: {"hf": checkpoint dir, "sizes": {"tp": 2, "cp": 2, ...}, "ids": path of a 
        "indexer_loss": "off"|"dense"|"sparse", "out": result file (rank 0 writes it),
        "export": optional dir to export the loaded model to}
 Rank 0 writes {"loss": float, "logits": [B, T, V] in natural order, "grads": {name: full-size
-gradient}} with torch.save.
+gradient}} with torch.save. Under pipeline parallel ("pp" in sizes) each sequence of the batch is
+one micro-batch of genome-lm's 1F1B schedule, and the first rank of each stage writes its part
+to OUT.stage<s> (the last stage's with the loss and logits); ``merge_stages`` joins them.
 """
 
 import json
@@ -48,6 +50,69 @@ def full_grads(model):
     return grads
 
 
+def merge_stages(out, stages):
+    """The per-stage results of a pipeline run as one result: the stages' gradients together,
+    the loss (LM part and each stage's indexer losses) summed."""
+    parts = [torch.load(f"{out}.stage{s}") for s in range(stages)]
+    grads = {k: v for part in parts for k, v in part["grads"].items()}
+    return {"loss": sum(part["loss"] for part in parts), "logits": parts[-1]["logits"], "grads": grads}
+
+
+def pipeline(model, pg, spec, all_ids):
+    """Forward and backward of this data-parallel replica's share of the batch, one sequence per
+    micro-batch, through genome-lm's 1F1B schedule; returns this stage's (loss part, logits or
+    None) for the replica. Losses are normalised as in the one-process run: the cross-entropy by
+    the whole batch's tokens, the indexer losses (per micro-batch) by the number of micro-batches
+    of the whole batch."""
+    from genome_lm.train.pipeline import run_1f1b
+
+    dp = pg.dp
+    ids = all_ids[dp.rank()::dp.size()]
+    rows = ids.shape[0]
+    got = {"loss": torch.zeros(()), "logits": [None] * rows}
+
+    cp = pg.cp
+
+    def stage(i, streams):
+        # context parallel: this rank's zigzag part of the inputs and of the labels
+        inputs, labels = (zigzag_split(t, cp.size(), cp.rank()) for t in (ids[i:i + 1, :-1], ids[i:i + 1, 1:]))
+        out, losses = model.hidden(inputs if model.pre_process else None, spec.get("indexer_loss", "off"),
+                                   streams=streams, positions=inputs.shape[1])
+        loss = sum(losses) / all_ids.shape[0] if losses else None
+        if model.post_process:
+            logits = model.output_layer(out)[0].transpose(0, 1)
+            if pg.tp.size() > 1:
+                from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+                logits = gather_from_tensor_model_parallel_region(logits, group=pg.tp)
+            got["logits"][i] = logits.detach()
+            ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+            loss = ce / all_ids[:, 1:].numel() + (0 if loss is None else loss)
+            out = None
+        if loss is not None:
+            got["loss"] += loss.detach()
+        return out, loss
+
+    run_1f1b(model, rows, model.stream_shape(1, (ids.shape[1] - 1) // cp.size()), stage)
+    if pg.dp_cp.size() > 1:  # what megatron-core's DDP does for the non-expert parameters
+        for name, p in model.named_parameters():
+            if ".experts.local_experts." not in name and p.grad is not None:
+                torch.distributed.all_reduce(p.grad, group=pg.dp_cp)
+        torch.distributed.all_reduce(got["loss"], group=pg.dp_cp)
+    logits = None
+    if model.post_process:
+        logits = torch.cat(got["logits"])
+        if cp.size() > 1:
+            parts = [torch.empty_like(logits) for _ in range(cp.size())]
+            torch.distributed.all_gather(parts, logits.contiguous(), group=cp)
+            logits = zigzag_merge(parts, dim=1)
+        if dp.size() > 1:  # back to the batch's order: replica r holds rows r, r + dp, ...
+            parts = [torch.empty_like(logits) for _ in range(dp.size())]
+            torch.distributed.all_gather(parts, logits.contiguous(), group=dp)
+            logits = torch.stack(parts, dim=1).flatten(0, 1)
+    return got["loss"], logits
+
+
 def main(rank, world, port, spec):
     init_distributed(rank, world, init_method=f"tcp://127.0.0.1:{port}")
     sizes = ParallelSizes(**spec["sizes"])
@@ -58,6 +123,14 @@ def main(rank, world, port, spec):
         if spec.get("export"):
             export_hf_checkpoint(model, spec["export"], like=spec["hf"])
         all_ids = torch.load(spec["ids"])
+        if sizes.pp > 1:
+            loss, logits = pipeline(model, pg, spec, all_ids)
+            allreduce_sequence_parallel_grads(model)
+            grads = {model.global_name(k): v for k, v in full_grads(model).items()}
+            if torch.distributed.get_global_rank(pg.pp, 0) == 0:  # the first rank of each stage
+                torch.save({"loss": float(loss), "logits": logits, "grads": grads},
+                           f"{spec['out']}.stage{pg.pp.rank()}")
+            return
         dp, cp, dp_cp = pg.dp, pg.cp, pg.dp_cp
         ids = all_ids[dp.rank()::dp.size()]  # data parallel: each replica takes its share of the batch
         # context parallel: each rank takes its zigzag part of the inputs and of the labels

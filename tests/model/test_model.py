@@ -101,3 +101,26 @@ def _same(pg, model, **changes):
     other = _tiny(pg, **changes)
     other.load_state_dict(model.state_dict())
     return other
+
+
+def test_pipeline_split_follows_megatron_and_refuses_bad_splits():
+    """megatron-core's split of the layers into stages, checked for every stage: uneven splits
+    and a stage that would start on a DSA layer reusing the previous layer's selection are
+    one-line errors."""
+    from genome_lm.model.common import BuildOptions, megatron_config
+    from genome_lm.model.config import FULL, INDEXED, LINEAR, SHARED
+    from genome_lm.model.model import pipeline_split
+
+    def split(cfg, pp):
+        return pipeline_split(cfg, megatron_config(cfg, ParallelSizes(pp=pp), BuildOptions()))
+
+    tiny = get_preset("tiny")
+    assert split(tiny, 1) == [(0, 4)]
+    assert split(tiny, 2) == [(0, 2), (2, 2)]
+    assert split(tiny, 4) == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    with pytest.raises(ValueError, match="pipeline parallel 3 cannot split the 4 layers"):
+        split(tiny, 3)
+    shared = tiny.replace(layer_types=(LINEAR, INDEXED, INDEXED, LINEAR), indexer_types=(FULL, FULL, SHARED, FULL))
+    assert split(shared, 1) == [(0, 4)]
+    with pytest.raises(ValueError, match="stage 1 would start at layer 2, a DSA layer that reuses"):
+        split(shared, 2)

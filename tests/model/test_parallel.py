@@ -31,7 +31,7 @@ def setup(tmp_path_factory):
     return root, ckpt
 
 
-def _run(root, ckpt, world, sizes, name, indexer_loss="off", export=None, ids="ids"):
+def _run(root, ckpt, world, sizes, name, indexer_loss="off", export=None, ids="ids", result=True):
     spec = {"hf": str(ckpt), "sizes": sizes, "ids": str(root / f"{ids}.pt"), "out": str(root / f"{name}.pt"),
             "indexer_loss": indexer_loss, "export": str(export) if export else None}
     port = free_port()
@@ -40,7 +40,7 @@ def _run(root, ckpt, world, sizes, name, indexer_loss="off", export=None, ids="i
     for p in procs:
         _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-3000:]
-    return torch.load(root / f"{name}.pt")
+    return torch.load(root / f"{name}.pt") if result and not export else None
 
 
 def _one_process(root, ckpt, indexer_loss, ids="ids"):
@@ -147,6 +147,54 @@ def test_checkpoint_round_trip_through_a_split_model(setup, sizes):
     root, ckpt = setup
     out = root / ("export-" + "-".join(sizes))
     _run(root, ckpt, 2, sizes, "export", export=out)
+    src, dst = HFCheckpoint(ckpt), HFCheckpoint(out)
+    keys = [k for k in src.weight_map if "visual" not in k]
+    assert sorted(keys) == sorted(dst.weight_map)
+    for key in keys:
+        assert torch.equal(src.get(key), dst.get(key)), key
+
+
+# DSA layers (with their indexer losses) and MoE layers on both stages of a 2-stage split
+PIPELINE_TEXT = {**TEXT, "layer_types": ["linear_attention", "indexed_attention", "linear_attention",
+                                         "indexed_attention"]}
+
+
+@pytest.fixture(scope="module")
+def pipeline_setup(setup):
+    root, _ = setup
+    return root, make_checkpoint(root / "hf-pipeline", text=PIPELINE_TEXT, seed=12)
+
+
+@pytest.mark.parametrize("sizes,indexer_loss", [
+    pytest.param({"pp": 2}, "sparse", id="pp2-sparse-indexer-loss"),
+    pytest.param({"pp": 2}, "dense", id="pp2-dense-indexer-loss"),
+    pytest.param({"pp": 2, "tp": 2, "sequence_parallel": True}, "sparse", id="pp2-tp2-sp"),  # 4 processes
+    pytest.param({"pp": 2, "ep": 2}, "off", id="pp2-ep2"),  # 4 processes, 2 data-parallel replicas
+    pytest.param({"pp": 2, "cp": 2}, "sparse", id="pp2-cp2"),  # 4 processes, 100 positions per CP rank
+])
+def test_pipeline_parallel_matches_one_process(pipeline_setup, sizes, indexer_loss):
+    """Two stages, each sequence of the batch one micro-batch through genome-lm's 1F1B schedule
+    (warm-up, steady and cool-down phases on the first stage): the loss (LM and both stages'
+    indexer losses), the logits and every gradient equal one process's."""
+    from tests.model.dist_worker import merge_stages
+
+    root, ckpt = pipeline_setup
+    name = "pipeline-" + "-".join(f"{k}{v}" for k, v in sizes.items()) + f"-{indexer_loss}"
+    ids = "ids-cp" if "cp" in sizes else "ids"  # 200 inputs: divisible by 2 * cp
+    one = _run(root, ckpt, 1, {}, f"pipeline-one-{indexer_loss}-{ids}", indexer_loss, ids=ids)
+    world = sizes["pp"] * sizes.get("tp", 1) * sizes.get("ep", 1) * sizes.get("cp", 1)
+    _run(root, ckpt, world, sizes, name, indexer_loss, result=False, ids=ids)
+    two = merge_stages(root / f"{name}.pt", sizes["pp"])
+    torch.testing.assert_close(two["logits"], one["logits"], rtol=1e-5, atol=1e-6)
+    _assert_same(one, two)
+
+
+def test_pipeline_split_follows_megatron_and_exports_bit_for_bit(pipeline_setup):
+    """Stage 0 builds the embedding and layers 0-1, stage 1 layers 2-3, the final norm and the
+    output layer; the checkpoint loaded into the split model exports back bit for bit."""
+    root, ckpt = pipeline_setup
+    out = root / "export-pp2-tp2"
+    _run(root, ckpt, 4, {"pp": 2, "tp": 2}, "pipeline-export", export=out)
     src, dst = HFCheckpoint(ckpt), HFCheckpoint(out)
     keys = [k for k in src.weight_map if "visual" not in k]
     assert sorted(keys) == sorted(dst.weight_map)

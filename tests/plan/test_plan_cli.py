@@ -55,6 +55,7 @@ def test_published_comparison_lists_every_figure():
     (["--recompute", "some"], "expected none, selective or full"),
     (["--tp", "0"], "parallel.tp"),
     (["--seq-len", "12x"], "not a size"),
+    (["--set", "parallel.pp=2"], "parallel.pp = 2: the memory plan does not model pipeline stages"),
 ])
 def test_bad_input_is_one_line_and_nonzero(args, message):
     result = invoke("--config", "demo-cpu", *args)

@@ -102,6 +102,16 @@ def test_layout_mismatch_is_explained(tmp_path):
         load_checkpoint(folder, model, opt)
 
 
+def test_same_world_other_layout_is_explained(tmp_path):
+    """Two ranks as TP 2 or as two pipeline stages: same world size, other shards in each file."""
+    model, opt = _model_and_opt(0)
+    saved = {"tp": 2, "cp": 1, "ep": 1, "etp": 1, "pp": 1, "sequence_parallel": False}
+    folder = save_checkpoint(tmp_path, 4, model, opt, {}, {"layout": saved})
+    with pytest.raises(GenomeLMError, match="written with parallel layout .*'tp': 2.* this run has .*'pp': 2"):
+        load_checkpoint(folder, model, opt, layout={**saved, "tp": 1, "pp": 2})
+    assert load_checkpoint(folder, model, opt, layout=dict(saved)) == {}
+
+
 class _ShardedAdam:
     """Stands in for megatron-core's ``DistributedOptimizer`` (which needs a GPU to build): its
     own packing and unpacking of the parameter-state shard run unchanged on fake buckets, and

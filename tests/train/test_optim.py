@@ -40,10 +40,10 @@ def test_grad_norm_counts_replicated_params_once_and_shards_on_every_rank():
     replicated = torch.nn.Parameter(torch.zeros(2))
     replicated.grad = torch.tensor([0.0, 4.0])
     params = [("a.weight", sharded), ("b.weight", replicated)]
-    one = SimpleNamespace(tp=_Group(), expt_tp=_Group(), ep=_Group())
+    one = SimpleNamespace(tp=_Group(), expt_tp=_Group(), ep=_Group(), pp=_Group())
     assert grad_norm(params, one) == pytest.approx(5.0)
     # on tensor-parallel rank 1 the replicated parameter is not counted again
-    second = SimpleNamespace(tp=_Group(rank=1), expt_tp=_Group(), ep=_Group())
+    second = SimpleNamespace(tp=_Group(rank=1), expt_tp=_Group(), ep=_Group(), pp=_Group())
     assert grad_norm(params, second) == pytest.approx(3.0)
     # main_grad wins over grad when DDP holds the gradient
     replicated.main_grad = torch.tensor([0.0, 0.0])
