@@ -15,6 +15,12 @@ over megatron-core's communicator.
 A stage's own loss terms (the indexer losses of its DSA layers; on the last stage also the
 LM loss) join backward together with the gradient that arrives for its output, so every stage
 ends with exactly the gradients of the whole model's loss.
+
+Once a micro-batch's output streams have been sent, only their autograd history is needed: their
+data is freed (megatron-core's ``deallocate_output_tensor``): a stage keeps no copy of the
+streams of its in-flight micro-batches (the next stage holds them). Backward then calls the
+autograd engine directly, as megatron-core's ``custom_backward`` does, since the freed tensor no
+longer has the gradient's shape.
 """
 
 from __future__ import annotations
@@ -36,11 +42,22 @@ def communicator(model):
     return P2PCommunicator(pp_group=model.pg.pp, config=model.tf_config)
 
 
+def _backward(tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """``torch.autograd.backward`` without its shape check (a sent output's data is freed)."""
+    from torch.autograd import Variable
+
+    Variable._execution_engine.run_backward(tensors=tuple(tensors), grad_tensors=tuple(grads), keep_graph=False,
+                                            create_graph=False, inputs=(), allow_unreachable=True,
+                                            accumulate_grad=True)
+
+
 def run_1f1b(model, n_micro: int, shape: tuple[int, ...], forward: StageForward, comm=None) -> None:
     """Forward and backward of ``n_micro`` micro-batches through this rank's stage.
 
     ``shape``: the streams' shape for every micro-batch (``GLM5Model.stream_shape``). Gradients
     accumulate in the parameters (or megatron-core DDP's buffers) as in a plain loop."""
+    from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+
     comm = comm or communicator(model)
     stage, stages = model.pg.pp.rank(), model.pg.pp.size()
     first, last = stage == 0, stage == stages - 1
@@ -66,15 +83,18 @@ def run_1f1b(model, n_micro: int, shape: tuple[int, ...], forward: StageForward,
             tensors.append(loss)
             grads.append(torch.ones_like(loss))
         if tensors:
-            torch.autograd.backward(tensors, grad_tensors=grads)
+            _backward(tensors, grads)
         return None if received is None else received.grad
 
     for i in range(warmup):
-        comm.send_forward(run_forward(i, comm.recv_forward(shape, first)), last)
+        out = run_forward(i, comm.recv_forward(shape, first))
+        comm.send_forward(out, last)
+        deallocate_output_tensor(out, True)
     received = comm.recv_forward(shape, first) if steady else None
     for j in range(steady):
         out = run_forward(warmup + j, received)
         grad = comm.send_forward_recv_backward(out, shape, last)
+        deallocate_output_tensor(out, True)
         grad_in = run_backward(grad)
         if j == steady - 1:
             comm.send_backward(grad_in, first)

@@ -9,24 +9,16 @@ import pytest
 from genome_lm.config import load_config
 from genome_lm.engine.launch import train_on_ray
 from genome_lm.train.trainer import train
-from tests.train.test_sequence_parallel import _tiny_checkpoint
+from tests.train.parallel_runs import assert_same_history, overrides, tiny_checkpoint
 
 
 @pytest.mark.slow
 def test_ep2_matches_one_process(small_dataset, tmp_path):
-    ckpt = _tiny_checkpoint(tmp_path / "hf")
-    common = [f"data.dataset={small_dataset}", "train.steps=3", "data.seq_len=300", "train.global_batch_size=2",
-              "model.kernel_backend=torch", "train.indexer_dense_steps=1", "train.lr=1e-2",
-              "train.moe_aux_loss_coeff=1e-2", f"model.checkpoint={ckpt}"]
+    common = overrides(small_dataset, tiny_checkpoint(tmp_path / "hf"), seq_len=300, batch=2,
+                       extra=["train.moe_aux_loss_coeff=1e-2"])
     one = train(load_config("demo-cpu", common + [f"train.out_dir={tmp_path / 'one'}"]), progress=False)
     two = train_on_ray(load_config("demo-cpu", common + ["parallel.ep=2", f"train.out_dir={tmp_path / 'ep2'}"]),
                        address="local", workers=2, progress=False)
     assert two.steps_done == 3
-    for a, b in zip(one.history, two.history, strict=True):
-        assert b.tokens == a.tokens == 600
-        assert b.lm_loss == pytest.approx(a.lm_loss, rel=1e-5)
-        assert b.indexer_loss == pytest.approx(a.indexer_loss, rel=1e-4, abs=1e-8)
-        assert b.moe_aux_loss == pytest.approx(a.moe_aux_loss, rel=1e-5)
-        assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-4)
-        assert b.moe_max_over_mean == pytest.approx(a.moe_max_over_mean, rel=1e-6)
+    assert_same_history(one, two, tokens=600, moe=True)
     assert (tmp_path / "ep2" / "checkpoints" / "latest").exists()
