@@ -342,7 +342,8 @@ def export_hf_checkpoint(model, out: str | Path, *, dtype: torch.dtype | None = 
             dist.send(tensor.contiguous(), dst=0)
     if sender:
         dist.send_object_list([None], dst=0)
-    if rank0:
+    if rank0 and pp.size() > 1:
+        device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"  # NCCL: GPU only
         for stage in range(1, pp.size()):
             src = dist.get_global_rank(pp, stage)
             while True:
@@ -351,11 +352,9 @@ def export_hf_checkpoint(model, out: str | Path, *, dtype: torch.dtype | None = 
                 if meta[0] is None:
                     break
                 key, shape, dt = meta[0]
-                on_gpu = dist.get_backend() == "nccl"  # NCCL moves GPU tensors only
-                tensor = torch.empty(shape, dtype=dt, device=f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu")
+                tensor = torch.empty(shape, dtype=dt, device=device)
                 dist.recv(tensor, src=src)
-                tensor = tensor.cpu()
-                add(key, tensor)
+                add(key, tensor.cpu())
     if rank0:
         flush()
         total = len(files)

@@ -137,6 +137,12 @@ def verify(folder: Path) -> dict:
     return meta
 
 
+def weight_layout(layout: dict) -> dict:
+    """The parallel sizes that decide which shards of the weights and optimizer state a rank's
+    files hold (sequence parallel splits activations only)."""
+    return {k: v for k, v in layout.items() if k != "sequence_parallel"}
+
+
 def load_checkpoint(folder: str | Path, model, optimizer=None, layout: dict | None = None) -> dict:
     """Restore model, optimizer (unless None: weights only) and RNG states; returns the trainer's
     saved state dict. ``layout``: this run's parallel sizes, which must be the checkpoint's."""
@@ -146,7 +152,7 @@ def load_checkpoint(folder: str | Path, model, optimizer=None, layout: dict | No
     if meta["world_size"] != world:
         raise GenomeLMError(f"{folder}: written by {meta['world_size']} ranks, this run has {world} "
                             "(resume with the same layout, or export to Hugging Face format and start from that)")
-    if layout is not None and "layout" in meta and meta["layout"] != layout:
+    if layout is not None and "layout" in meta and weight_layout(meta["layout"]) != weight_layout(layout):
         raise GenomeLMError(f"{folder}: written with parallel layout {meta['layout']}, this run has {layout} "
                             "(resume with the same layout, or export to Hugging Face format and start from that)")
     load_weights(folder, model)

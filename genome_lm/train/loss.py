@@ -51,7 +51,7 @@ def _loss_parts(lm_sum, w, global_weight, indexer_losses, indexer_coeff) -> Loss
 
 
 def global_sum(value: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum a scalar over ``group`` (the data+context-parallel ranks); identity without one. The
+    """Sum a tensor over ``group`` (None: every rank); identity without a process group. The
     result is on ``value``'s device; the reduction runs where the group's backend can (NCCL
     reduces GPU tensors only, so a CPU value goes through the current GPU)."""
     value = value.detach().float()

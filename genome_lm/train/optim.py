@@ -57,11 +57,10 @@ def grad_norm(named_params, pg) -> float:
             dist.all_reduce(expert, group=pg.expt_tp)
         if pg.ep.size() > 1:
             dist.all_reduce(expert, group=pg.ep)
-        if pg.pp.size() > 1:  # each pipeline stage holds its own layers
-            total = dense + expert
-            dist.all_reduce(total, group=pg.pp)
-            return math.sqrt(float(total))
-    return math.sqrt(float(dense + expert))
+    total = dense + expert
+    if dist.is_initialized() and pg.pp.size() > 1:  # each pipeline stage holds its own layers
+        dist.all_reduce(total, group=pg.pp)
+    return math.sqrt(float(total))
 
 
 class CPUAdamW:

@@ -211,7 +211,7 @@ def _check_start_checkpoint(folder: Path, cfg, sizes):
     load its weights: the same model preset and parallel layout. Returns its model config."""
     from genome_lm.model.config import ModelConfig
 
-    from .checkpoint import verify
+    from .checkpoint import verify, weight_layout
 
     meta = verify(folder)
     recorded = meta.get("config", {}).get("model", {})
@@ -221,7 +221,7 @@ def _check_start_checkpoint(folder: Path, cfg, sizes):
     if recorded["preset"] != cfg.model.preset:
         raise GenomeLMError(f"{folder}: trained with model preset {recorded['preset']!r}, this run has "
                             f"{cfg.model.preset!r} (set model.preset to {recorded['preset']!r})")
-    ours = {k: v for k, v in vars(sizes).items() if k != "sequence_parallel"}  # no effect on the weights
+    ours = weight_layout(vars(sizes))
     theirs = {k: meta["layout"].get(k) for k in ours}
     world = dist.get_world_size() if dist.is_initialized() else 1
     if theirs != ours or meta.get("world_size") != world:
@@ -457,21 +457,22 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
                         run_1f1b(model, len(micro), model.stream_shape(*micro[0].tokens.shape),
                                  partial(_stage_loss, model, micro, mode, cfg, weight, pg, sums, **loss_args))
                     lm_sum, idx_sum = global_sum(sums["lm"], pg.pp), global_sum(sums["indexer"], pg.pp)
-                for batch in micro if pg.pp.size() == 1 else ():
-                    with offload_saved_tensors(cfg.memory.offload_activations, cfg.memory.offload_pinned):
-                        parts = _forward_loss(ddp, model, batch, mode, cfg, weight, pg, **loss_args)
-                        parts.total.backward()
-                    lm_sum += parts.lm_sum.float().cpu()
-                    idx_sum += parts.indexer.float().cpu() / len(micro)
+                else:
+                    for batch in micro:
+                        with offload_saved_tensors(cfg.memory.offload_activations, cfg.memory.offload_pinned):
+                            parts = _forward_loss(model, batch, mode, cfg, weight, pg, **loss_args)
+                            parts.total.backward()
+                        lm_sum += parts.lm_sum.float().cpu()
+                        idx_sum += parts.indexer.float().cpu() / len(micro)
                 release_host_cache()
                 moe_load = _moe_load(model, pg.tp_dp_cp, pg.pp)  # read before finalize_model_grads resets the counts
                 allreduce_sequence_parallel_grads(model)
                 finalize_model_grads([ddp], pg_collection=pg)
                 lm = float(global_sum(lm_sum, dp_cp) / weight)
                 idx = float(global_sum(idx_sum, dp_cp)) / dp_size
-                aux = take_aux_loss(model)  # this rank's share; tensor/context-parallel ranks hold parts
-                moe_aux = float(global_sum(global_sum(aux, pg.tp_dp_cp), pg.pp)) / (dp_size * n_micro) \
-                    if moe_coeff > 0 else None
+                # this rank's share: tensor/context-parallel ranks and pipeline stages hold parts
+                aux = take_aux_loss(model)
+                moe_aux = float(global_sum(aux, None)) / (dp_size * n_micro) if moe_coeff > 0 else None  # all ranks
                 stepped, norm = optimizer.step() if math.isfinite(lm) else (False, float("nan"))
                 tokens_all = int(global_sum(torch.tensor(float(tokens)), dp_cp))  # TP ranks share their tokens
                 total = lm + cfg.train.indexer_loss_coeff * idx + (moe_coeff * moe_aux if moe_aux else 0.0)
@@ -509,28 +510,16 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
         return result
 
 
-def _forward_loss(ddp, model, batch, mode, cfg, weight, pg, *, indexer_tokens, indexer_coeff):
-    """The step's loss parts for one micro-batch: the model and the weighted cross-entropy,
-    in blocks of ``memory.loss_chunk`` positions when set."""
-    from .loss import chunked_lm_loss, lm_loss
-
-    tokens, labels, weights = (t.to(_device()) for t in (batch.tokens, batch.labels, batch.loss_weight))
-    if cfg.memory.loss_chunk:
-        h, indexer_losses = model.hidden(tokens, mode, indexer_tokens)
-        return chunked_lm_loss(model.output_layer, h, labels, weights, global_weight=weight,
-                               chunk=cfg.memory.loss_chunk, indexer_losses=indexer_losses,
-                               indexer_coeff=indexer_coeff, tp_group=pg.tp)
-    outp = ddp(tokens, gather_logits=False, indexer_loss=mode, indexer_tokens=indexer_tokens)
-    return lm_loss(outp.logits, labels, weights, global_weight=weight, indexer_losses=outp.indexer_losses,
-                   indexer_coeff=indexer_coeff, tp_group=pg.tp)
+def _forward_loss(model, batch, mode, cfg, weight, pg, *, indexer_tokens, indexer_coeff):
+    """The step's loss parts for one micro-batch: the model and the weighted cross-entropy."""
+    h, indexer_losses = model.hidden(batch.tokens.to(_device()), mode, indexer_tokens)
+    return _head_loss(model, h, batch, indexer_losses, cfg, weight, pg, indexer_coeff)
 
 
 def _stage_loss(model, micro, mode, cfg, weight, pg, sums, i, streams, *, indexer_tokens, indexer_coeff):
     """One pipeline stage's forward of micro-batch ``i`` (``pipeline.run_1f1b``): the streams
     for the next stage and this stage's loss term (its indexer losses; on the last stage the
     weighted cross-entropy too). Adds the detached parts to ``sums``."""
-    from .loss import chunked_lm_loss, lm_loss
-
     batch = micro[i]
     out, losses = model.hidden(batch.tokens.to(_device()) if model.pre_process else None, mode, indexer_tokens,
                                streams=streams, positions=batch.tokens.shape[1])
@@ -538,16 +527,23 @@ def _stage_loss(model, micro, mode, cfg, weight, pg, sums, i, streams, *, indexe
         sums["indexer"] += sum(loss.detach() for loss in losses).float().cpu() / len(micro)
     if not model.post_process:
         return out, indexer_coeff * sum(losses) if losses else None
-    labels, weights = batch.labels.to(_device()), batch.loss_weight.to(_device())
-    if cfg.memory.loss_chunk:
-        parts = chunked_lm_loss(model.output_layer, out, labels, weights, global_weight=weight,
-                                chunk=cfg.memory.loss_chunk, indexer_losses=losses, indexer_coeff=indexer_coeff,
-                                tp_group=pg.tp)
-    else:
-        parts = lm_loss(model.output_layer(out)[0].transpose(0, 1), labels, weights, global_weight=weight,
-                        indexer_losses=losses, indexer_coeff=indexer_coeff, tp_group=pg.tp)
+    parts = _head_loss(model, out, batch, losses, cfg, weight, pg, indexer_coeff)
     sums["lm"] += parts.lm_sum.float().cpu()
     return None, parts.total
+
+
+def _head_loss(model, h, batch, indexer_losses, cfg, weight, pg, indexer_coeff):
+    """Loss parts from the final hidden states: the output layer and the weighted cross-entropy,
+    in blocks of ``memory.loss_chunk`` positions when set, plus the indexer losses."""
+    from .loss import chunked_lm_loss, lm_loss
+
+    labels, weights = batch.labels.to(_device()), batch.loss_weight.to(_device())
+    if cfg.memory.loss_chunk:
+        return chunked_lm_loss(model.output_layer, h, labels, weights, global_weight=weight,
+                               chunk=cfg.memory.loss_chunk, indexer_losses=indexer_losses,
+                               indexer_coeff=indexer_coeff, tp_group=pg.tp)
+    return lm_loss(model.output_layer(h)[0].transpose(0, 1), labels, weights, global_weight=weight,
+                   indexer_losses=indexer_losses, indexer_coeff=indexer_coeff, tp_group=pg.tp)
 
 
 def _cp_part(batch, cp: int, rank: int):

@@ -4,10 +4,11 @@
 JSON: {"hf": checkpoint dir, "sizes": {"tp": 2, "cp": 2, ...}, "ids": path of a saved id tensor,
        "indexer_loss": "off"|"dense"|"sparse", "out": result file (rank 0 writes it),
        "export": optional dir to export the loaded model to}
-Rank 0 writes {"loss": float, "logits": [B, T, V] in natural order, "grads": {name: full-size
-gradient}} with torch.save. Under pipeline parallel ("pp" in sizes) each sequence of the batch is
-one micro-batch of genome-lm's 1F1B schedule, and the first rank of each stage writes its part
-to OUT.stage<s> (the last stage's with the loss and logits); ``merge_stages`` joins them.
+The first rank of each pipeline stage s writes OUT.stage<s> with torch.save: {"loss": its part
+of the loss, "logits": [B, T, V] in natural order (last stage; else None), "grads": {name in the
+whole model's numbering: full-size gradient}}; without pipeline parallel that is rank 0 writing
+OUT.stage0. Under pipeline parallel ("pp" in sizes) each sequence of the batch is one
+micro-batch of genome-lm's 1F1B schedule.
 """
 
 import json
@@ -50,14 +51,6 @@ def full_grads(model):
     return grads
 
 
-def merge_stages(out, stages):
-    """The per-stage results of a pipeline run as one result: the stages' gradients together,
-    the loss (LM part and each stage's indexer losses) summed."""
-    parts = [torch.load(f"{out}.stage{s}") for s in range(stages)]
-    grads = {k: v for part in parts for k, v in part["grads"].items()}
-    return {"loss": sum(part["loss"] for part in parts), "logits": parts[-1]["logits"], "grads": grads}
-
-
 def pipeline(model, pg, spec, all_ids):
     """Forward and backward of this data-parallel replica's share of the batch, one sequence per
     micro-batch, through genome-lm's 1F1B schedule; returns this stage's (loss part, logits or
@@ -66,12 +59,10 @@ def pipeline(model, pg, spec, all_ids):
     of the whole batch."""
     from genome_lm.train.pipeline import run_1f1b
 
-    dp = pg.dp
+    dp, cp = pg.dp, pg.cp
     ids = all_ids[dp.rank()::dp.size()]
     rows = ids.shape[0]
     got = {"loss": torch.zeros(()), "logits": [None] * rows}
-
-    cp = pg.cp
 
     def stage(i, streams):
         # context parallel: this rank's zigzag part of the inputs and of the labels
@@ -94,23 +85,36 @@ def pipeline(model, pg, spec, all_ids):
         return out, loss
 
     run_1f1b(model, rows, model.stream_shape(1, (ids.shape[1] - 1) // cp.size()), stage)
-    if pg.dp_cp.size() > 1:  # what megatron-core's DDP does for the non-expert parameters
-        for name, p in model.named_parameters():
-            if ".experts.local_experts." not in name and p.grad is not None:
-                torch.distributed.all_reduce(p.grad, group=pg.dp_cp)
-        torch.distributed.all_reduce(got["loss"], group=pg.dp_cp)
-    logits = None
-    if model.post_process:
-        logits = torch.cat(got["logits"])
-        if cp.size() > 1:
-            parts = [torch.empty_like(logits) for _ in range(cp.size())]
-            torch.distributed.all_gather(parts, logits.contiguous(), group=cp)
-            logits = zigzag_merge(parts, dim=1)
-        if dp.size() > 1:  # back to the batch's order: replica r holds rows r, r + dp, ...
-            parts = [torch.empty_like(logits) for _ in range(dp.size())]
-            torch.distributed.all_gather(parts, logits.contiguous(), group=dp)
-            logits = torch.stack(parts, dim=1).flatten(0, 1)
-    return got["loss"], logits
+    return got["loss"], torch.cat(got["logits"]) if model.post_process else None
+
+
+def one_pass(model, pg, spec, all_ids):
+    """Forward and backward of this data-parallel replica's share of the batch in one pass;
+    returns (loss part, this rank's logits)."""
+    dp, cp = pg.dp, pg.cp
+    ids = all_ids[dp.rank()::dp.size()]  # data parallel: each replica takes its share of the batch
+    # context parallel: each rank takes its zigzag part of the inputs and of the labels
+    inputs, labels = (zigzag_split(t, cp.size(), cp.rank()) for t in (ids[:, :-1], ids[:, 1:]))
+    out = model(inputs, indexer_loss=spec.get("indexer_loss", "off"))
+    ce = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    # the indexer losses are per sequence batch, already divided by cp under context parallel
+    total = ce / all_ids[:, 1:].numel() + sum(out.indexer_losses) / dp.size()
+    total.backward()
+    return total.detach().clone(), out.logits.detach()
+
+
+def whole_logits(logits, pg):
+    """This rank's logits -> the batch's, in natural order: the context-parallel zigzag parts
+    merged, then the data-parallel replicas' rows (replica r holds rows r, r + dp, ...)."""
+    if pg.cp.size() > 1:
+        parts = [torch.empty_like(logits) for _ in range(pg.cp.size())]
+        torch.distributed.all_gather(parts, logits.contiguous(), group=pg.cp)
+        logits = zigzag_merge(parts, dim=1)
+    if pg.dp.size() > 1:
+        parts = [torch.empty_like(logits) for _ in range(pg.dp.size())]
+        torch.distributed.all_gather(parts, logits.contiguous(), group=pg.dp)
+        logits = torch.stack(parts, dim=1).flatten(0, 1)
+    return logits
 
 
 def main(rank, world, port, spec):
@@ -123,39 +127,18 @@ def main(rank, world, port, spec):
         if spec.get("export"):
             export_hf_checkpoint(model, spec["export"], like=spec["hf"])
         all_ids = torch.load(spec["ids"])
-        if sizes.pp > 1:
-            loss, logits = pipeline(model, pg, spec, all_ids)
-            allreduce_sequence_parallel_grads(model)
-            grads = {model.global_name(k): v for k, v in full_grads(model).items()}
-            if torch.distributed.get_global_rank(pg.pp, 0) == 0:  # the first rank of each stage
-                torch.save({"loss": float(loss), "logits": logits, "grads": grads},
-                           f"{spec['out']}.stage{pg.pp.rank()}")
-            return
-        dp, cp, dp_cp = pg.dp, pg.cp, pg.dp_cp
-        ids = all_ids[dp.rank()::dp.size()]  # data parallel: each replica takes its share of the batch
-        # context parallel: each rank takes its zigzag part of the inputs and of the labels
-        inputs, labels = (zigzag_split(t, cp.size(), cp.rank()) for t in (ids[:, :-1], ids[:, 1:]))
-        out = model(inputs, indexer_loss=spec.get("indexer_loss", "off"))
-        ce = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-        # the indexer losses are per sequence batch, already divided by cp under context parallel
-        total = ce / all_ids[:, 1:].numel() + sum(out.indexer_losses) / dp.size()
-        total.backward()
+        loss, logits = (pipeline if sizes.pp > 1 else one_pass)(model, pg, spec, all_ids)
         allreduce_sequence_parallel_grads(model)
-        if dp_cp.size() > 1:  # what megatron-core's DDP does for the non-expert parameters
+        if pg.dp_cp.size() > 1:  # what megatron-core's DDP does for the non-expert parameters
             for name, p in model.named_parameters():
                 if ".experts.local_experts." not in name and p.grad is not None:
-                    torch.distributed.all_reduce(p.grad, group=dp_cp)
-        grads = full_grads(model)
-        loss = total.detach().clone()
-        torch.distributed.all_reduce(loss, group=dp_cp)
-        logits = out.logits.detach().contiguous()
-        if cp.size() > 1:
-            parts = [torch.empty_like(logits) for _ in range(cp.size())]
-            torch.distributed.all_gather(parts, logits, group=cp)
-            logits = zigzag_merge(parts, dim=1)
-        if rank == 0:
-            torch.save({"loss": float(loss), "logits": logits, "grads": grads}, spec["out"])
-
+                    torch.distributed.all_reduce(p.grad, group=pg.dp_cp)
+        grads = {model.global_name(k): v for k, v in full_grads(model).items()}
+        torch.distributed.all_reduce(loss, group=pg.dp_cp)
+        if logits is not None:
+            logits = whole_logits(logits, pg)
+        if torch.distributed.get_global_rank(pg.pp, 0) == 0:  # the first rank of each stage
+            torch.save({"loss": float(loss), "logits": logits, "grads": grads}, f"{spec['out']}.stage{pg.pp.rank()}")
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))

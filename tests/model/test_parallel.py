@@ -31,7 +31,7 @@ def setup(tmp_path_factory):
     return root, ckpt
 
 
-def _run(root, ckpt, world, sizes, name, indexer_loss="off", export=None, ids="ids", result=True):
+def _run(root, ckpt, world, sizes, name, indexer_loss="off", export=None, ids="ids"):
     spec = {"hf": str(ckpt), "sizes": sizes, "ids": str(root / f"{ids}.pt"), "out": str(root / f"{name}.pt"),
             "indexer_loss": indexer_loss, "export": str(export) if export else None}
     port = free_port()
@@ -40,15 +40,23 @@ def _run(root, ckpt, world, sizes, name, indexer_loss="off", export=None, ids="i
     for p in procs:
         _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-3000:]
-    return torch.load(root / f"{name}.pt") if result and not export else None
+    return _merge_stages(root / f"{name}.pt", sizes.get("pp", 1))
+
+
+def _merge_stages(out, stages):
+    """The stages' results (``OUT.stage<s>``, see dist_worker.py) as one: the gradients together,
+    the loss parts (LM and each stage's indexer losses) summed, the last stage's logits."""
+    parts = [torch.load(f"{out}.stage{s}") for s in range(stages)]
+    grads = {k: v for part in parts for k, v in part["grads"].items()}
+    return {"loss": sum(part["loss"] for part in parts), "logits": parts[-1]["logits"], "grads": grads}
 
 
 def _one_process(root, ckpt, indexer_loss, ids="ids"):
     """The single-process reference, computed once per (ids, indexer loss) in this module."""
-    out = root / f"one-{ids}-{indexer_loss}.pt"
-    if out.exists():
-        return torch.load(out)
-    return _run(root, ckpt, 1, {}, out.stem, indexer_loss, ids=ids)
+    name = f"one-{ids}-{indexer_loss}"
+    if (root / f"{name}.pt.stage0").exists():
+        return _merge_stages(root / f"{name}.pt", 1)
+    return _run(root, ckpt, 1, {}, name, indexer_loss, ids=ids)
 
 
 def _assert_same(one, two):
@@ -147,6 +155,11 @@ def test_checkpoint_round_trip_through_a_split_model(setup, sizes):
     root, ckpt = setup
     out = root / ("export-" + "-".join(sizes))
     _run(root, ckpt, 2, sizes, "export", export=out)
+    _assert_same_text_weights(ckpt, out)
+
+
+def _assert_same_text_weights(ckpt, out):
+    """``out`` holds exactly the checkpoint's text tensors, bit for bit."""
     src, dst = HFCheckpoint(ckpt), HFCheckpoint(out)
     keys = [k for k in src.weight_map if "visual" not in k]
     assert sorted(keys) == sorted(dst.weight_map)
@@ -179,15 +192,12 @@ def test_pipeline_parallel_matches_one_process(pipeline_setup, sizes, indexer_lo
     """Two stages, each sequence of the batch one micro-batch through genome-lm's 1F1B schedule
     (warm-up, steady and cool-down phases on the first stage): the loss (LM and both stages'
     indexer losses), the logits and every gradient equal one process's."""
-    from tests.model.dist_worker import merge_stages
-
     root, ckpt = pipeline_setup
     name = "-".join(f"{k}{v}" for k, v in sizes.items()) + f"-{indexer_loss}"
     ids = "ids-cp" if "cp" in sizes else "ids"  # 200 inputs: divisible by 2 * cp
     one = _one_process(root, ckpt, indexer_loss, ids=ids)
     world = sizes["pp"] * sizes.get("tp", 1) * sizes.get("ep", 1) * sizes.get("cp", 1)
-    _run(root, ckpt, world, sizes, name, indexer_loss, result=False, ids=ids)
-    two = merge_stages(root / f"{name}.pt", sizes["pp"])
+    two = _run(root, ckpt, world, sizes, name, indexer_loss, ids=ids)
     torch.testing.assert_close(two["logits"], one["logits"], rtol=1e-5, atol=1e-6)
     _assert_same(one, two)
 
@@ -198,8 +208,4 @@ def test_checkpoint_round_trip_through_pipeline_stages(pipeline_setup):
     root, ckpt = pipeline_setup
     out = root / "export-pp2-tp2"
     _run(root, ckpt, 4, {"pp": 2, "tp": 2}, "export", export=out)
-    src, dst = HFCheckpoint(ckpt), HFCheckpoint(out)
-    keys = [k for k in src.weight_map if "visual" not in k]
-    assert sorted(keys) == sorted(dst.weight_map)
-    for key in keys:
-        assert torch.equal(src.get(key), dst.get(key)), key
+    _assert_same_text_weights(ckpt, out)
