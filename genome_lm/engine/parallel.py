@@ -19,6 +19,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from genome_lm.errors import GenomeLMError
+
 from .cpu import enable_cpu_megatron
 
 
@@ -40,9 +42,11 @@ class ParallelSizes:
 
     def check(self, world_size: int) -> None:
         if world_size % self.model_parallel:
-            raise ValueError(f"world size {world_size} is not a multiple of tp*cp*pp = {self.model_parallel}")
+            raise GenomeLMError(f"world size {world_size} is not a multiple of tp*cp*pp = {self.model_parallel} "
+                                "(start that many ranks: torchrun --nproc-per-node, or --workers on Ray)")
         if world_size % (self.ep * self.etp * self.pp):
-            raise ValueError(f"world size {world_size} is not a multiple of ep*etp*pp = {self.ep * self.etp * self.pp}")
+            raise GenomeLMError(f"world size {world_size} is not a multiple of ep*etp*pp = "
+                                f"{self.ep * self.etp * self.pp}")
 
 
 def free_port() -> int:

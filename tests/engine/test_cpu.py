@@ -149,3 +149,14 @@ def test_importing_genome_lm_redirects_nothing():
     none of the redirections: only building megatron-core modules does."""
     result = subprocess.run([sys.executable, "-c", IMPORT_ONLY], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_a_layout_the_ranks_cannot_hold_is_a_one_line_error():
+    """e.g. `genome-lm finetune --set parallel.pp=2` in one process: an error the CLI prints in one line."""
+    from genome_lm.engine.parallel import ParallelSizes
+    from genome_lm.errors import GenomeLMError
+
+    for sizes, message in ((ParallelSizes(pp=2), "tp\\*cp\\*pp = 2"), (ParallelSizes(ep=2), "ep\\*etp\\*pp = 2")):
+        with pytest.raises(GenomeLMError, match=f"world size 1 is not a multiple of {message}") as info:
+            sizes.check(1)
+        assert "\n" not in str(info.value)
