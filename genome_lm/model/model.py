@@ -31,6 +31,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from genome_lm.errors import GenomeLMError
+
 from .common import BuildOptions, HyperConnection, RMSNorm, megatron_config
 from .config import LINEAR, SHARED, ModelConfig
 from .dsa import IndexerLossMode
@@ -158,7 +160,7 @@ class GLM5Model(nn.Module):
         self.cfg, self.options, self.pg = cfg, options, pg
         self.share_embeddings_and_output_weights = False  # read by megatron-core's finalize_model_grads
         if pg.pp.size() > 1 and cfg.tie_word_embeddings:
-            raise ValueError("pipeline parallel with tied input and output embeddings is not supported")
+            raise GenomeLMError("pipeline parallel with tied input and output embeddings is not supported")
         self.tf_config = tf_config = megatron_config(cfg, sizes, options)
         stage, stages = pg.pp.rank(), pg.pp.size()
         self.pre_process, self.post_process = stage == 0, stage == stages - 1
@@ -267,11 +269,11 @@ def pipeline_split(cfg: ModelConfig, tf_config) -> list[tuple[int, int]]:
     splits = [pipeline_layers(tf_config, s) for s in range(stages)]
     if [o for o, _ in splits] != [sum(n for _, n in splits[:s]) for s in range(stages)] or \
             sum(n for _, n in splits) != cfg.num_hidden_layers or min(n for _, n in splits) < 1:
-        raise ValueError(f"pipeline parallel {stages} does not split the {cfg.num_hidden_layers} layers into "
+        raise GenomeLMError(f"pipeline parallel {stages} does not split the {cfg.num_hidden_layers} layers into "
                          f"stages (first layer, count per stage: {splits})")
     for s, (offset, _) in enumerate(splits):
         if offset > 0 and cfg.indexer_types[offset] == SHARED:
-            raise ValueError(f"pipeline stage {s} would start at layer {offset}, a DSA layer that reuses the previous "
+            raise GenomeLMError(f"pipeline stage {s} would start at layer {offset}, a DSA layer that reuses the previous "
                              "layer's token selection; choose a pipeline size that does not split them")
     return splits
 
@@ -288,7 +290,7 @@ def pipeline_layers(tf_config, stage: int) -> tuple[int, int]:
         return (get_transformer_layer_offset(tf_config, pp_rank=stage),
                 get_num_layers_to_build(tf_config, pp_rank=stage))
     except AssertionError as exc:  # megatron-core asserts that the stages split the layers evenly
-        raise ValueError(f"pipeline parallel {tf_config.pipeline_model_parallel_size} cannot split the "
+        raise GenomeLMError(f"pipeline parallel {tf_config.pipeline_model_parallel_size} cannot split the "
                          f"{tf_config.num_layers} layers: {exc}") from None
 
 

@@ -77,7 +77,7 @@ def saved_rmsnorm(width: int, s: Shard) -> float:
 
 def saved_kda(cfg: ModelConfig, s: Shard) -> float:
     """``model.kda.KDAAttention`` with its kernel (torch chunked on CPU, Triton on GPU)."""
-    h, K, D, c = cfg.linear_num_heads // s.tp, cfg.linear_head_dim, cfg.hidden_size, cfg.linear_conv_kernel_dim
+    h, K, D = cfg.linear_num_heads // s.tp, cfg.linear_head_dim, cfg.hidden_size
     V = K
     W = h * K
     projections = D * s.a + K * s.a + W * F32 + W * F32 + h * F32  # x, f_a out, decay logits + sigmoid, beta

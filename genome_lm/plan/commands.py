@@ -28,13 +28,14 @@ def plan(
     cp: Annotated[Optional[int], typer.Option(help="Context parallel size.")] = None,
     ep: Annotated[Optional[int], typer.Option(help="Expert parallel size.")] = None,
     etp: Annotated[Optional[int], typer.Option(help="Expert tensor parallel size.")] = None,
+    pp: Annotated[Optional[int], typer.Option(help="Pipeline parallel size (the plan is the busiest stage's).")] = None,
     recompute: Annotated[Optional[str], typer.Option(help="none, selective or full.")] = None,
     offload: Annotated[Optional[bool], typer.Option("--offload/--no-offload", help="Offload saved activations to host memory.")] = None,
     optimizer_offload: Annotated[Optional[bool], typer.Option("--optimizer-offload/--no-optimizer-offload", help="Optimizer state in host memory.")] = None,
     moe_chunks: Annotated[Optional[int], typer.Option(help="MoE layers in this many chunks.")] = None,
     gpu: Annotated[str, typer.Option(help="B200 (180 GB), H200 (141 GB) or H100 (80 GB).")] = "B200",
     gpu_mem: Annotated[Optional[float], typer.Option(help="GPU memory in GB (overrides --gpu).")] = None,
-    gpus: Annotated[Optional[int], typer.Option(help="GPUs in the run (default: tp x cp x global batch / micro batch).")] = None,
+    gpus: Annotated[Optional[int], typer.Option(help="GPUs in the run (default: tp x cp x pp x global batch / micro batch, one micro-batch per rank).")] = None,
     gpus_per_node: Annotated[int, typer.Option(help="GPUs per node, for host memory per node.")] = 8,
     moe_imbalance: Annotated[float, typer.Option(help="Busiest expert-parallel rank's tokens over the mean (4 on real genome data).")] = 4.0,
     headroom: Annotated[float, typer.Option(help="Fraction of GPU memory kept free (CUDA context, NCCL, fragmentation).")] = 0.05,
@@ -72,7 +73,7 @@ def plan(
         if config is None:
             raise GenomeLMError("--config is required (a shipped config name or a YAML path)")
         fields = {"data.seq_len": _size(seq_len), "parallel.tp": tp, "parallel.cp": cp, "parallel.ep": ep,
-                  "parallel.etp": etp, "memory.recompute": recompute, "memory.offload_activations": offload,
+                  "parallel.etp": etp, "parallel.pp": pp, "memory.recompute": recompute, "memory.offload_activations": offload,
                   "memory.optimizer_offload": optimizer_offload, "memory.moe_chunks": moe_chunks}
         options = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items() if v is not None]
         run = load_config(config, [*(set_ or []), *options])  # validated like the trainer's config

@@ -1,5 +1,6 @@
 """Measured peak memory and time of one training step of a model on this CPU, for checking the
-planner (``tests/plan``) and for ``genome-lm bench sweep``.
+planner (``tests/plan``) and for ``genome-lm bench sweep``; ``measure_pipeline_step`` measures
+each stage of a pipeline-parallel step.
 
 One forward + backward of ``RunConfig``'s model (random weights, random DNA tokens) with its
 memory switches applied, in a fresh Python process, so that nothing an earlier measurement
@@ -92,6 +93,92 @@ def _worker(spec: dict) -> dict:
     return {"seq_len": T, "seconds": seconds, "peak_bytes": peak}
 
 
+def _pipeline_worker(spec: dict) -> dict:
+    """One pipeline rank of ``measure_pipeline_step``: the 1F1B schedule of the trainer
+    (``train.pipeline.run_1f1b``) over ``global_batch_size / micro_batch_size`` micro-batches."""
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    import torch
+
+    from genome_lm.config import RunConfig
+    from genome_lm.engine.parallel import ParallelSizes, init_distributed, parallel_context
+    from genome_lm.model.model import build_model
+    from genome_lm.plan.memory_model import model_config
+    from genome_lm.train.loss import lm_loss
+    from genome_lm.train.memory import apply_memory, offload_saved_tensors
+    from genome_lm.train.pipeline import run_1f1b
+
+    torch.set_num_threads(spec["threads"])
+    run = RunConfig.model_validate_json(spec["run"])
+    T, B = run.data.seq_len, run.train.micro_batch_size
+    n_micro = run.train.global_batch_size // B
+    init_distributed(spec["rank"], run.parallel.pp, init_method=spec["init_method"])
+    sizes = ParallelSizes(pp=run.parallel.pp)
+    with parallel_context(sizes) as pg:
+        torch.manual_seed(run.train.seed)
+        model = build_model(model_config(run), pg, sizes, kernel_backend="torch", device="cpu")
+        apply_memory(model, run.memory)
+        ids = torch.randint(4, 8, (n_micro, B, T + 1))
+        weights = torch.ones(B, T)
+        mode = run.train.indexer_loss
+
+        def step(n: int) -> None:
+            def forward(i, streams):
+                out, losses = model.hidden(ids[i, :, :n] if model.pre_process else None, mode, streams=streams,
+                                           positions=n)
+                if not model.post_process:
+                    return out, sum(losses) if losses else None
+                logits = model.output_layer(out)[0].transpose(0, 1)
+                parts = lm_loss(logits, ids[i, :, 1:n + 1], weights[:, :n], global_weight=weights[:, :n].sum(),
+                                indexer_losses=losses)
+                return None, parts.total
+
+            with offload_saved_tensors(run.memory.offload_activations, pinned=False):
+                run_1f1b(model, n_micro, model.stream_shape(B, n), forward)
+
+        step(min(T, WARM_UP_TOKENS))
+        model.zero_grad(set_to_none=True)
+        torch.distributed.barrier()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = _status("VmRSS")
+        t0 = time.perf_counter()
+        step(T)
+        seconds = time.perf_counter() - t0
+        peak = _status("VmHWM") - base
+    return {"seq_len": T * n_micro, "seconds": seconds, "peak_bytes": peak}
+
+
+def measure_pipeline_step(run, threads: int = 1, timeout: float = 900) -> list[Measured]:
+    """One training step of ``run`` split into ``parallel.pp`` pipeline stages, one process per
+    stage (gloo), all its micro-batches through the 1F1B schedule: each stage's peak, measured as
+    in ``measure_step``. ``parallel`` must hold pipeline parallel only (data parallel 1)."""
+    from genome_lm.engine.parallel import free_port
+
+    p = run.parallel
+    if (p.tp, p.cp, p.ep, p.etp) != (1, 1, 1, 1):
+        raise ValueError("measure_pipeline_step measures pipeline parallel alone")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "TORCHDYNAMO_DISABLE": "1",
+           "PYTHONWARNINGS": "ignore"}
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-m", "genome_lm.plan.measure",
+                               json.dumps({"run": run.model_dump_json(), "threads": threads, "rank": rank,
+                                           "init_method": init_method, "pipeline": True})],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(p.pp)]
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            if proc.returncode != 0:
+                raise RuntimeError(f"measurement failed: {err.strip().splitlines()[-1] if err else proc.returncode}")
+            results.append(Measured(**json.loads(out.strip().splitlines()[-1])))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return results
+
+
 def measure_step(run, threads: int = 1, timeout: float = 600) -> Measured:
     """Run one step of ``run`` (a ``RunConfig``) in a fresh process; see the module docstring."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "TORCHDYNAMO_DISABLE": "1",
@@ -105,4 +192,5 @@ def measure_step(run, threads: int = 1, timeout: float = 600) -> Measured:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_worker(json.loads(sys.argv[1]))))
+    spec = json.loads(sys.argv[1])
+    print(json.dumps(_pipeline_worker(spec) if spec.get("pipeline") else _worker(spec)))

@@ -18,8 +18,14 @@ to host memory instead. Static memory: parameters, the fp32 gradient buffer of m
 DDP, and the optimizer (fp32 master copy when parameters are bf16, Adam's two moments), sharded
 over data parallel by the distributed optimizer on GPU and moved to host by optimizer offload.
 
+Under pipeline parallel each stage is planned with its own layers (the embedding on the first,
+the loss head on the last), and its activations grow by what its layers keep for each further
+micro-batch in flight under 1F1B (the first stage holds min(pp, micro-batches per rank) of them,
+the last one); the plan is the busiest stage's.
+
 Not modelled: the memory allocator's fragmentation and the CUDA context and communication
-buffers (``Hardware.headroom`` leaves room for them), pipeline parallel (refused).
+buffers (``Hardware.headroom`` leaves room for them); the streams in transit between pipeline
+stages (one micro-batch's [S, B, N, D] in each direction; a sent output is freed).
 """
 
 from __future__ import annotations
@@ -72,7 +78,11 @@ class Plan:
     savings: list[Item] = field(default_factory=list)  # what the memory switches save, at the peak
     host: list[Item] = field(default_factory=list)  # per GPU
     peak_where: str = ""
-    offloaded_per_token: float = 0.0  # layer inputs offloaded per residual-stream position this GPU holds
+    offloaded_per_token: float = 0.0
+    stage: int = 0  # the pipeline stage this plan is for (the busiest one)
+    stages: int = 1
+    layers: range = range(0)
+    in_flight: int = 1  # micro-batches whose activations the stage holds at once  # layer inputs offloaded per residual-stream position this GPU holds
 
     @property
     def peak(self) -> float:
@@ -109,10 +119,13 @@ def model_config(run: RunConfig) -> ModelConfig:
 
 
 # --------------------------------------------------------------------------------- parameters
-def parameter_split(cfg: ModelConfig) -> dict[str, int]:
+def parameter_split(cfg: ModelConfig, layers: range | None = None, first: bool = True,
+                    last: bool = True) -> dict[str, int]:
     """Parameters by how they are sharded: "replicated" (every TP rank holds them: low-rank
     projections, norms, mHC, indexer, routers), "tensor" (split over TP: heads, MLPs, the shared
-    expert, embedding and output layer), "expert" (split over EP x ETP)."""
+    expert, embedding and output layer), "expert" (split over EP x ETP). A pipeline stage holds
+    ``layers``, the embedding when it is the ``first`` stage, the final norm and the output layer
+    when it is the ``last`` (all of the model by default)."""
     D, n = cfg.hidden_size, cfg.hc_mult
     H, K = cfg.linear_num_heads, cfg.linear_head_dim
     W = H * K
@@ -124,8 +137,10 @@ def parameter_split(cfg: ModelConfig) -> dict[str, int]:
     Hi, Di = cfg.index_n_heads, cfg.index_head_dim
     indexer = rq * Hi * Di + D * Di + 2 * Di + D * Hi + cfg.index_kpool * Di + Di * D
     mhc = 2 * ((2 + n) * n * (n * D) + (2 + n) * n + 3)
-    out = {"replicated": D, "tensor": cfg.vocab_size * D * (1 if cfg.tie_word_embeddings else 2), "expert": 0}
-    for i in range(cfg.num_hidden_layers):
+    head = cfg.vocab_size * D
+    tied = cfg.tie_word_embeddings and first and last
+    out = {"replicated": D if last else 0, "tensor": head * (first + last - tied), "expert": 0}
+    for i in (range(cfg.num_hidden_layers) if layers is None else layers):
         out["replicated"] += 2 * D + mhc
         if cfg.layer_types[i] == LINEAR:
             out["tensor"] += kda_tp
@@ -256,18 +271,82 @@ def world_size(run: RunConfig, hw: Hardware) -> int:
     return gpus
 
 
-def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
+def pipeline_stages(cfg: ModelConfig, run: RunConfig) -> list[tuple[int, int]]:
+    """(first layer, number of layers) per pipeline stage, as the trainer splits them
+    (``genome_lm.model.model.pipeline_split``: megatron-core's rule, checked)."""
+    p = run.parallel
+    if p.pp == 1:
+        return [(0, cfg.num_hidden_layers)]
+    from genome_lm.engine import quiet_megatron_import
+    from genome_lm.engine.parallel import ParallelSizes
+    from genome_lm.model.common import BuildOptions, megatron_config
+    from genome_lm.model.model import pipeline_split
+
+    with quiet_megatron_import():
+        tf_config = megatron_config(cfg, ParallelSizes(tp=p.tp, cp=p.cp, pp=p.pp), BuildOptions())
+    return pipeline_split(cfg, tf_config)
+
+
+def in_flight(run: RunConfig, gpus: int, stage: int) -> int:
+    """Micro-batches whose activations pipeline ``stage`` holds at once under the 1F1B schedule
+    (``genome_lm.train.pipeline``): its warm-up forwards and the one before its first backward,
+    at most the micro-batches a rank runs per step."""
+    p = run.parallel
+    micro = run.train.global_batch_size // (run.train.micro_batch_size * (gpus // (p.tp * p.cp * p.pp)))
+    return max(1, min(p.pp - stage, micro))
+
+
+def stage_plans(run: RunConfig, hw: Hardware = Hardware()) -> list[Plan]:
+    """One plan per pipeline stage (one in all without pipeline parallel)."""
     cfg = model_config(run)
-    p, mem = run.parallel, run.memory
-    if p.pp > 1:
-        raise GenomeLMError(f"parallel.pp = {p.pp}: the memory plan does not model pipeline stages yet (plan with "
-                            "pp = 1 and divide the layers' share by the number of stages)")
+    p = run.parallel
     if cfg.n_routed_experts % p.ep:
         raise GenomeLMError(f"parallel.ep = {p.ep} does not divide the {cfg.n_routed_experts} experts")
     for name, heads in (("linear_num_heads", cfg.linear_num_heads), ("num_attention_heads", cfg.num_attention_heads)):
         if heads % (p.tp * p.cp):
             raise GenomeLMError(f"tp x cp = {p.tp * p.cp} does not divide the model's {heads} {name}")
     gpus = world_size(run, hw)
+    stages = pipeline_stages(cfg, run)
+    return [_stage_plan(run, hw, cfg, gpus, i, offset, count, len(stages)) for i, (offset, count) in enumerate(stages)]
+
+
+def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
+    """The plan of the rank with the highest peak (under pipeline parallel, of the busiest
+    stage), with what each memory switch saves."""
+    plan = max(stage_plans(run, hw), key=lambda pl: pl.peak)
+    mem = run.memory
+    on_gpu = hw.device == "gpu"
+    offload = mem.offload_activations and on_gpu
+
+    # what the switches save (each against the same run without it): device peak, host memory
+    def saving(name: str, **without) -> None:
+        other = estimate(with_changes(run, memory=without), hw)
+        plan.savings.append(Item(name, other.peak - plan.peak,
+                                 f"host {(other.host_per_gpu - plan.host_per_gpu) / GiB:+,.2f} GiB per GPU"))
+
+    if mem.recompute != "none":
+        saving(f"recompute {mem.recompute}", recompute="none")
+    if offload:
+        saving("activation offload", offload_activations=False)
+    if mem.optimizer_offload and on_gpu:
+        saving("optimizer offload", optimizer_offload=False)
+    if mem.moe_chunks > 1:  # dispatch buffers only: a saved or recomputed layer keeps every chunk's activations
+        saving(f"MoE in {mem.moe_chunks} chunks", moe_chunks=1, moe_chunk_recompute=False)
+    if mem.moe_chunk_recompute and mem.moe_chunks > 1:
+        saving("MoE chunks recomputed", moe_chunk_recompute=False)
+    if mem.dsa_query_chunk:  # against the model's default of 64 queries per block
+        saving(f"DSA query chunk {mem.dsa_query_chunk} (vs {act.DSA_DEFAULT_CHUNK})", dsa_query_chunk=None)
+    return plan
+
+
+def _stage_plan(run: RunConfig, hw: Hardware, cfg: ModelConfig, gpus: int, stage: int, offset: int, count: int,
+                stages: int) -> Plan:
+    """The plan of one pipeline stage's rank (the whole model when ``stages`` is 1): its layers
+    ``offset .. offset + count``, the embedding on the first stage, the loss head on the last,
+    and the kept activations of every micro-batch in flight on it."""
+    p, mem = run.parallel, run.memory
+    first, last = stage == 0, stage == stages - 1
+    flight = in_flight(run, gpus, stage)
     s = shard_for(run, hw)
     # under CP the trainer pads a sequence to a multiple of 2 x cp (two zigzag chunks per rank)
     padded = -(-run.data.seq_len // (2 * p.cp)) * 2 * p.cp if p.cp > 1 else run.data.seq_len
@@ -275,7 +354,7 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
     on_gpu = hw.device == "gpu"
 
     # static: parameters, gradients, optimizer
-    split = parameter_split(cfg)
+    split = parameter_split(cfg, range(offset, offset + count), first, last)
     local = split["replicated"] + split["tensor"] / p.tp + split["expert"] / (p.ep * p.etp)
     dense_local = split["replicated"] + split["tensor"] / p.tp
     expert_local = split["expert"] / (p.ep * p.etp)
@@ -285,7 +364,8 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
     shard_params = dense_local / dp_dense + expert_local / dp_expert if distributed else local
     master = 4 if s.a == 2 else 0
     optimizer = shard_params * (master + 8)
-    plan = Plan(run, cfg, hw, gpus, T, local)
+    plan = Plan(run, cfg, hw, gpus, T, local, stage=stage, stages=stages, layers=range(offset, offset + count),
+                in_flight=flight)
     plan.device.append(Item("parameters", local * s.a, f"{local / 1e9:.2f}B on this GPU"))
     plan.device.append(Item("gradients (fp32 buffer)", local * 4, "megatron-core DDP, grad_reduce_in_fp32"))
     if mem.optimizer_offload and on_gpu:
@@ -297,7 +377,7 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
         plan.device.append(Item("optimizer state", optimizer, note))
 
     # activations
-    layers = layer_bytes(cfg, s, run.data.seq_len, run.train.micro_batch_size)
+    layers = layer_bytes(cfg, s, run.data.seq_len, run.train.micro_batch_size)[offset:offset + count]
     if mem.moe_chunk_recompute and mem.moe_chunks > 1:  # a MoE keeps its input, and one chunk in backward
         moe_input = cfg.hidden_size * s.a * s.stream_tokens
         layers = [replace(lay, mlp_saved=moe_input + lay.mlp_saved / mem.moe_chunks)
@@ -310,29 +390,34 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
     head_tokens = min(T, mem.loss_chunk * run.train.micro_batch_size) if mem.loss_chunk else T
     head_bytes = (act.saved_head(cfg, s) + act.head_transient(cfg, s) - vocab) * T + vocab * head_tokens
     on_device = [0.0 if offload else k for k in keeps]
-    candidates = [(sum(on_device) * T + head_bytes, "loss (end of forward)")]
+    if not last:
+        head_bytes = 0.0
+    # under 1F1B the stage's other micro-batches in flight keep what its layers keep meanwhile
+    others = (flight - 1) * sum(on_device) * T
+    candidates = [(sum(on_device) * T + head_bytes, "loss (end of forward)" if last else "end of forward")]
     # recompute of layer i's attention in backward runs the forward's working blocks again
     recomputes_attention = mem.recompute == "full" or (mem.recompute == "selective"
                                                         and "attention" in mem.recompute_modules)
     for i, layer in enumerate(layers):
+        n = offset + i  # the layer's number in the model
         if layer.mlp == "MoE":  # the dispatcher's buffers, one MoE chunk at a time
             before = 0.0 if offload else sum(on_device[:i])
             dispatch = act.moe_dispatch(cfg, s, mem.moe_chunks)
-            candidates.append(((before + layer.saved + dispatch) * T, f"forward of layer {i} (MoE dispatch)"))
+            candidates.append(((before + layer.saved + dispatch) * T, f"forward of layer {n} (MoE dispatch)"))
             if mem.recompute == "full":
                 grads = act.layer_input(cfg, s)
                 candidates.append(((before + (0.0 if offload else on_device[i]) + grads + layer.saved + dispatch) * T,
-                                   f"recompute of layer {i} (MoE dispatch)"))
+                                   f"recompute of layer {n} (MoE dispatch)"))
         if layer.forward_fixed:
             before = 0.0 if offload else sum(on_device[:i])
             candidates.append(((before + layer.partial) * T + layer.forward_fixed,
-                               f"forward of layer {i} ({layer.kind} indexer blocks)"))
+                               f"forward of layer {n} ({layer.kind} indexer blocks)"))
             if recomputes_attention:
                 grads = act.layer_input(cfg, s)  # the layer's output gradient is waiting
                 # the recompute replays a kept selection: only the indexer loss's blocks run
                 fixed = layer.replay_fixed if kept_selection(layer, mem) else layer.forward_fixed
                 candidates.append(((before + (0.0 if offload else on_device[i]) + grads + layer.partial) * T
-                                   + fixed, f"recompute of layer {i} ({layer.kind} indexer blocks)"))
+                                   + fixed, f"recompute of layer {n} ({layer.kind} indexer blocks)"))
     # A layer's backward runs its MLP half first, with everything the layer saved alive; autograd
     # frees the MLP half's saved tensors (and its mHC's and norm's) before the attention's
     # backward starts, so the attention's buffers and working blocks meet only the first half.
@@ -341,6 +426,7 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
     nested = mem.recompute == "full" and getattr(mem, "recompute_nested", False)
     block_input = cfg.hidden_size * s.a
     for i, layer in enumerate(layers):
+        n = offset + i
         if nested:
             mlp_half = layer.rest + 2 * block_input + layer.mlp_saved
             attention_half = layer.rest / 2 + block_input + layer.attention
@@ -353,10 +439,15 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
         if layer.loss_fixed:  # the indexer loss's backward runs after the sparse attention's
             phases.append((before + attention_half - layer.attention_kernel + layer.backward_streams
                            + layer.backward_attention) * T + layer.loss_fixed)
-        candidates.append((max(phases), f"backward of layer {i} ({layer.kind}, {layer.mlp})"))
+        candidates.append((max(phases), f"backward of layer {n} ({layer.kind}, {layer.mlp})"))
     act_peak, where = max(candidates, key=lambda c: c[0])
+    if stages > 1:
+        where = f"stage {stage} of {stages}: {where}"
+        plan.device.append(Item("activations at the peak", act_peak + others,
+                                f"{where}; {flight} micro-batch{'es' if flight > 1 else ''} in flight"))
+    else:
+        plan.device.append(Item("activations at the peak", act_peak, where))
     plan.peak_where = where
-    plan.device.append(Item("activations at the peak", act_peak, where))
 
     # per layer type, saved (before recompute / offload)
     for kind in ("KDA", "DSA"):
@@ -373,15 +464,9 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
                     note += (f"; dispatch buffers {act.moe_dispatch(cfg, s, mem.moe_chunks) * T / GiB:.2f} GiB "
                              f"({mem.moe_chunks} chunks, busiest rank x{s.moe_imbalance if p.ep > 1 else 1:g})")
                 plan.activations.append(Item(f"{len(group)} x {kind} + {mlp}", lay.saved * T, note))
-    plan.activations.append(Item("loss head", head_bytes, f"vocabulary {cfg.vocab_size} / tp {p.tp}"
-                                 + (f", in blocks of {mem.loss_chunk} positions" if mem.loss_chunk else "")))
-
-    # what the switches save (each against the same run without it): device peak, host memory
-    def saving(name: str, **without) -> None:
-        other = estimate(with_changes(run, memory=without), hw)
-        plan.savings.append(Item(name, other.peak - plan.peak,
-                                 f"host {(other.host_per_gpu - plan.host_per_gpu) / GiB:+,.2f} GiB per GPU"))
-
+    if last:
+        plan.activations.append(Item("loss head", head_bytes, f"vocabulary {cfg.vocab_size} / tp {p.tp}"
+                                     + (f", in blocks of {mem.loss_chunk} positions" if mem.loss_chunk else "")))
 
     if offload:
         # a recomputed DSA layer's kept selection is a host block of its own, beside the layer's
@@ -390,23 +475,13 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
         for layer, k in zip(layers, keeps):
             selection = kept_selection(layer, mem)
             blocks += [(k - selection) * T, selection * T]
-        host = sum(pinned_size(b) for b in blocks) if mem.offload_pinned else sum(blocks)
+        host = flight * (sum(pinned_size(b) for b in blocks) if mem.offload_pinned else sum(blocks))
         # the layers' inputs (per position of this GPU's stream slice), the published figure
         plan.offloaded_per_token = sum(blocks[::2]) / T / s.stream_tokens
         note = "pinned: blocks rounded up to powers of two" if mem.offload_pinned else "pageable"
+        if flight > 1:
+            note += f", {flight} micro-batches in flight"
         plan.host.append(Item("offloaded activations", host, note))
-    if mem.recompute != "none":
-        saving(f"recompute {mem.recompute}", recompute="none")
-    if offload:
-        saving("activation offload", offload_activations=False)
-    if mem.optimizer_offload and on_gpu:
-        saving("optimizer offload", optimizer_offload=False)
-    if mem.moe_chunks > 1:  # dispatch buffers only: a saved or recomputed layer keeps every chunk's activations
-        saving(f"MoE in {mem.moe_chunks} chunks", moe_chunks=1, moe_chunk_recompute=False)
-    if mem.moe_chunk_recompute and mem.moe_chunks > 1:
-        saving("MoE chunks recomputed", moe_chunk_recompute=False)
-    if mem.dsa_query_chunk:  # against the model's default of 64 queries per block
-        saving(f"DSA query chunk {mem.dsa_query_chunk} (vs {act.DSA_DEFAULT_CHUNK})", dsa_query_chunk=None)
     return plan
 
 
@@ -416,5 +491,5 @@ def with_changes(run: RunConfig, **sections) -> RunConfig:
     return run.model_copy(update=update)
 
 
-__all__ = ["Hardware", "Plan", "Item", "estimate", "parameter_split", "model_config", "with_changes", "GiB",
+__all__ = ["Hardware", "Plan", "Item", "estimate", "stage_plans", "parameter_split", "model_config", "with_changes", "GiB",
            "pinned_size"]

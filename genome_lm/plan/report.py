@@ -27,10 +27,19 @@ def length_label(n: int) -> str:
     return str(n)
 
 
+def _stage_label(plan: Plan) -> str:
+    if plan.stages == 1:
+        return ""
+    layers = (f"layer {plan.layers.start}" if len(plan.layers) == 1 else
+              f"layers {plan.layers.start}-{plan.layers.stop - 1}")
+    return (f", pp {plan.stages} (stage {plan.stage}, {layers}, "
+            f"{plan.in_flight} micro-batch{'es' if plan.in_flight > 1 else ''} in flight)")
+
+
 def budget_table(plan: Plan) -> Table:
     run, p = plan.run, plan.run.parallel
     title = (f"{run.model.preset} at {length_label(run.data.seq_len)} tokens on {plan.gpus} x {plan.hw.gpu_name}: "
-             f"tp {p.tp}, cp {p.cp}, ep {p.ep}, etp {p.etp}; recompute {run.memory.recompute}, "
+             f"tp {p.tp}, cp {p.cp}, ep {p.ep}, etp {p.etp}{_stage_label(plan)}; recompute {run.memory.recompute}, "
              f"offload {'on' if run.memory.offload_activations else 'off'}, "
              f"optimizer offload {'on' if run.memory.optimizer_offload else 'off'}")
     table = Table(title=title, title_justify="left")

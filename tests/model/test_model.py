@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from genome_lm.engine.parallel import ParallelSizes, parallel_context
+from genome_lm.errors import GenomeLMError
 from genome_lm.model import get_preset
 from genome_lm.model.model import build_model
 
@@ -118,9 +119,9 @@ def test_pipeline_split_follows_megatron_and_refuses_bad_splits():
     assert split(tiny, 1) == [(0, 4)]
     assert split(tiny, 2) == [(0, 2), (2, 2)]
     assert split(tiny, 4) == [(0, 1), (1, 1), (2, 1), (3, 1)]
-    with pytest.raises(ValueError, match="pipeline parallel 3 cannot split the 4 layers"):
+    with pytest.raises(GenomeLMError, match="pipeline parallel 3 cannot split the 4 layers"):
         split(tiny, 3)
     shared = tiny.replace(layer_types=(LINEAR, INDEXED, INDEXED, LINEAR), indexer_types=(FULL, FULL, SHARED, FULL))
     assert split(shared, 1) == [(0, 4)]
-    with pytest.raises(ValueError, match="stage 1 would start at layer 2, a DSA layer that reuses"):
+    with pytest.raises(GenomeLMError, match="stage 1 would start at layer 2, a DSA layer that reuses"):
         split(shared, 2)

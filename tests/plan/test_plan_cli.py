@@ -31,6 +31,14 @@ def test_cpu_demo_fits_and_options_override_the_config():
     assert "64k tokens" in result.output and "recompute full" in result.output and "fits" in result.output
 
 
+def test_pipeline_plan_names_the_busiest_stage():
+    result = invoke("--config", "demo-cpu", "--device", "cpu", "--pp", "2", "--gpus", "2",
+                    "--set", "train.global_batch_size=4")
+    assert result.exit_code == 0, result.output
+    assert "pp 2 (stage 0, layers 0-1, 2 micro-batches in flight)" in result.output
+    assert "stage 0 of 2: backward of layer" in result.output
+
+
 def test_sweep_has_one_row_per_length():
     result = invoke("--config", "glm-5.3-flash-512k-64xb200", "--sweep")
     assert result.exit_code == 0, result.output
@@ -55,7 +63,7 @@ def test_published_comparison_lists_every_figure():
     (["--recompute", "some"], "expected none, selective or full"),
     (["--tp", "0"], "parallel.tp"),
     (["--seq-len", "12x"], "not a size"),
-    (["--set", "parallel.pp=2"], "parallel.pp = 2: the memory plan does not model pipeline stages"),
+    (["--pp", "3"], "pipeline parallel 3 cannot split the 4 layers"),
 ])
 def test_bad_input_is_one_line_and_nonzero(args, message):
     result = invoke("--config", "demo-cpu", *args)
