@@ -119,6 +119,8 @@ def eval_command(
 
     Scores every non-N base of the chromosome's windows (each window from its first base, so a base's context is its offset in the window), in nats and bits per base, overall and apart for soft-masked and unmasked bases, and groups them by context length (powers of two up to the window length) with 95% bootstrap intervals over windows. With --baseline the same tokens are scored by a second model and the relative change is reported per bucket.
 
+    Each window's scores are kept in <out>/.scores as soon as it is scored: an interrupted evaluation re-run with the same arguments scores only the windows it had not (delete the folder to free the space).
+
     Writes eval.json (schema genome-lm.eval/1), eval.csv and loss_by_context.png, and logs them to MLflow next to the training run. On the demo genome it also compares the loss on planted later copies whose first copy lies inside the window with those whose first copy lies outside it.
     """
     from .evaluate import EvalRequest, evaluate

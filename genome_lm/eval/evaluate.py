@@ -6,7 +6,9 @@
    ``data.dataset``), limited to the windows of ``--chrom``; or ``--fasta``: the chromosome is
    prepared first (``genome-lm prepare`` into ``<out>/prepared``, reused on a re-run).
 2. Models: ``--model`` and optionally ``--baseline`` (``models.load_model``), scored on exactly
-   the same windows and tokens (``score.score_split``, chunked prefill with ``--chunk``).
+   the same windows and tokens (``score.score_split``, chunked prefill with ``--chunk``). Each
+   window's scores are kept in ``<out>/.scores`` as soon as they exist (``cache``), so an
+   interrupted evaluation re-run with the same arguments scores only the windows it had not.
 3. Report (``report``): overall, unmasked and soft-masked loss, per context bucket with
    bootstrap intervals over windows, the relative change against the baseline, and for the demo
    genome the planted-copies analysis (``planted``). Written as JSON, CSV and PNG into
@@ -81,6 +83,7 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict:
     from genome_lm.progress import progress_bar
 
     from .buckets import default_edges, parse_edges
+    from .cache import WindowCache, score_key
     from .models import load_model
     from .score import score_split, select_windows
 
@@ -112,11 +115,20 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict:
                               else default_edges(window_length))
         total = sum(split.windows[i].length - 1 for i in windows)
         scores = {}
+        caches = {}
+        for name, lm in loaded.items():
+            key = score_key(lm.model, lm.token_map, Path(dataset), req.split, req.chunk)
+            caches[name] = cache = WindowCache(out / ".scores" / f"{name}-{key}")
+            done = sum(cache.has(i) for i in windows)
+            if done:
+                note(f"{name}: {done} of {len(windows)} windows already scored in {cache.folder} (an earlier, "
+                     "interrupted run with the same model and settings): reusing them")
         with progress_bar(quiet=not progress) as bar:
             for name, lm in loaded.items():
                 task = bar.add_task(f"eval {name}", total=total, unit="bp")
                 scores[name] = score_split(lm.model, dataset, req.split, windows=windows, chunk=req.chunk,
-                                           token_map=lm.token_map, on_chunk=lambda n, t=task: bar.advance(t, n))
+                                           token_map=lm.token_map, on_chunk=lambda n, t=task: bar.advance(t, n),
+                                           cache=caches[name])
     results, comparison = rep.summarize(scores, edges, resamples=req.resamples, seed=req.seed)
     planted_path = req.planted or _planted_beside(manifest)
     planted = None
