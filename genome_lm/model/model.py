@@ -320,4 +320,11 @@ def build_model(cfg: ModelConfig, pg, sizes, *, transformer_impl: str = "local",
     options = BuildOptions(transformer_impl=transformer_impl, dtype=dtype,
                            kernel_backend=resolve_backend(kernel_backend, device),
                            moe_aux_loss_coeff=moe_aux_loss_coeff, moe_aux_loss=moe_aux_loss)
+    if torch.cuda.is_available():  # megatron_config: use_cpu_initialization only without a GPU
+        # megatron-core initialises its parallel layers on the GPU from the CUDA RNG tracker's
+        # states (data-, tensor- and expert-parallel), which must be seeded first; the callers'
+        # torch.manual_seed picks the seed
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(torch.initial_seed())
     return GLM5Model(cfg, pg, sizes, options).to(device)

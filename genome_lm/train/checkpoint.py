@@ -157,7 +157,11 @@ def load_checkpoint(folder: str | Path, model, optimizer=None, layout: dict | No
                             "(resume with the same layout, or export to Hugging Face format and start from that)")
     load_weights(folder, model)
     if optimizer is not None:
-        optimizer.load_state_dict(torch.load(folder / f"optim-r{rank:05d}.pt", weights_only=True))
+        # to host memory first: a GPU rank's tensors are tagged with the device they were saved
+        # from (cuda:<local rank> under torchrun, cuda:0 in a Ray actor), which need not exist
+        # now; the optimizer copies them into its own tensors
+        optimizer.load_state_dict(torch.load(folder / f"optim-r{rank:05d}.pt", weights_only=True,
+                                             map_location="cpu"))
     state = json.loads((folder / f"state-r{rank:05d}.json").read_text())
     set_rng_state(state.pop("rng"))
     return state

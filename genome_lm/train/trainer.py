@@ -287,12 +287,36 @@ def _optimizer(cfg, ddp, pg):
         return CPUAdamW(ddp, cfg.train, pg)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    optimizer = get_megatron_optimizer(OptimizerConfig(**megatron_optimizer_options(cfg, ddp.module.options.dtype)),
+                                       [ddp], pg_collection=pg, use_gloo_process_groups=False)
+    apply_weight_decay_multipliers(optimizer.param_groups, cfg.train.weight_decay)
+    return _MegatronOptimizer(optimizer)
+
+
+def megatron_optimizer_options(cfg, params_dtype) -> dict:
+    """megatron-core's ``OptimizerConfig`` fields for a run (GPU path):
+
+    - ``loss_scale=1.0``: a constant grad scaler, the only way megatron-core's optimizer checks
+      the gradients for inf/NaN (across ranks) when training in bf16; without one it clips with
+      a NaN norm (which scales nothing) and applies the step;
+    - ``use_precision_aware_optimizer`` with ``optimizer_cpu_offload``: the hybrid CPU/GPU
+      optimizer reuses that path, and without it the fp32 main parameters stay on the GPU
+      (Megatron-LM refuses the combination)."""
     t = cfg.train
-    config = OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
-                             adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, clip_grad=t.grad_clip,
-                             bf16=cfg.model.dtype == "bf16", params_dtype=ddp.module.options.dtype,
-                             use_distributed_optimizer=True, optimizer_cpu_offload=cfg.memory.optimizer_offload)
-    return _MegatronOptimizer(get_megatron_optimizer(config, [ddp], pg_collection=pg, use_gloo_process_groups=False))
+    offload = cfg.memory.optimizer_offload
+    return dict(optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+                adam_beta2=t.adam_beta2, clip_grad=t.grad_clip, bf16=cfg.model.dtype == "bf16",
+                params_dtype=params_dtype, loss_scale=1.0, use_distributed_optimizer=True,
+                optimizer_cpu_offload=offload, use_precision_aware_optimizer=offload)
+
+
+def apply_weight_decay_multipliers(param_groups, weight_decay: float) -> None:
+    """Each group's weight decay from megatron-core's ``wd_mult`` (0 for 1-D parameters and
+    biases): megatron-core leaves that to its ``OptimizerParamScheduler``, which genome-lm does
+    not use (it sets the learning rate itself), so without this every parameter, norms and
+    KDA's ``A_log``/``dt_bias`` included, would decay. The CPU optimizer follows the same rule."""
+    for group in param_groups:
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
 
 
 class _MegatronOptimizer:
@@ -316,11 +340,19 @@ class _MegatronOptimizer:
         """megatron-core's optimizer state and, for each distributed optimizer in it, this rank's
         shard of the fp32 main parameters and Adam moments: ``DistributedOptimizer.state_dict()``
         leaves those out (megatron-core saves them apart), and without them a resumed run would
-        restart Adam. Tensors, numbers and dtypes only: it loads with ``weights_only=True``."""
-        return {"optimizer": self.optimizer.state_dict(),
-                "param_state": [_param_state(o) for o in _inner_optimizers(self.optimizer)]}
+        restart Adam. Tensors, numbers and dtypes only: it loads with ``weights_only=True``.
+
+        Before the first update Adam has no state yet (every step so far was skipped), and
+        megatron-core can neither save nor reload that: the checkpoint then says so, and a resume
+        starts the optimizer afresh, which is what it is."""
+        inner = _inner_optimizers(self.optimizer)
+        if not any(len(getattr(o, "state", {})) for o in inner):
+            return {"optimizer": None, "param_state": [None] * len(inner), "no_step_yet": True}
+        return {"optimizer": self.optimizer.state_dict(), "param_state": [_param_state(o) for o in inner]}
 
     def load_state_dict(self, state):
+        if state.get("no_step_yet"):
+            return
         inner = _inner_optimizers(self.optimizer)
         if len(state["param_state"]) != len(inner):
             raise GenomeLMError(f"the checkpoint's optimizer has {len(state['param_state'])} parts, this run's "

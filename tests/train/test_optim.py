@@ -48,3 +48,73 @@ def test_grad_norm_counts_replicated_params_once_and_shards_on_every_rank():
     # main_grad wins over grad when DDP holds the gradient
     replicated.main_grad = torch.tensor([0.0, 0.0])
     assert grad_norm(params, one) == pytest.approx(3.0)
+
+
+# ---- the GPU optimizer's settings (megatron-core's optimizer needs CUDA to be built; its
+# ---- parameter groups and its config do not)
+def test_megatron_weight_decay_groups_follow_the_cpu_optimizers_rule():
+    """megatron-core's own parameter groups (the ones get_megatron_optimizer steps) with
+    apply_weight_decay_multipliers decay exactly the parameters the CPU optimizer decays: none
+    of the 1-D ones (norms, mHC, KDA's A_log and dt_bias)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups, get_standard_config_overrides
+
+    from genome_lm.config import load_config
+    from genome_lm.engine.parallel import ParallelSizes, parallel_context
+    from genome_lm.train.optim import CPUAdamW
+    from genome_lm.train.trainer import apply_weight_decay_multipliers, build, megatron_optimizer_options
+
+    cfg = load_config("demo-cpu", ["train.weight_decay=0.1"])
+    with parallel_context() as pg:
+        torch.manual_seed(0)
+        model = build(cfg, pg, ParallelSizes())
+        ddp = DistributedDataParallel(model.tf_config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model,
+                                      pg_collection=pg)
+        config = OptimizerConfig(**megatron_optimizer_options(cfg, torch.float32))
+        groups = _get_param_groups([ddp], config, get_standard_config_overrides(config))
+        apply_weight_decay_multipliers(groups, cfg.train.weight_decay)
+        megatron = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
+        cpu = {id(p): g["weight_decay"] for g in CPUAdamW(ddp, cfg.train, pg).optimizer.param_groups
+               for p in g["params"]}
+        names = {id(p): n for n, p in model.named_parameters()}
+    assert megatron == cpu
+    assert {names[i] for i, wd in megatron.items() if wd == 0.0} >= {n for n in names.values() if "A_log" in n}
+    assert set(megatron.values()) == {0.0, 0.1}
+
+
+@pytest.mark.parametrize("name", ["demo-cpu", "glm-5.3-flash-512k-64xb200", "glm-5.3-flash-1m-64xb200",
+                                  "glm-5.3-flash-4layer-1gpu"])
+def test_megatron_optimizer_config_checks_gradients_and_offloads_whole(name):
+    from megatron.core.optimizer import OptimizerConfig
+
+    from genome_lm.config import load_config
+    from genome_lm.train.trainer import megatron_optimizer_options
+
+    cfg = load_config(name)
+    config = OptimizerConfig(**megatron_optimizer_options(cfg, torch.bfloat16))  # megatron-core's own checks pass
+    assert config.loss_scale == 1.0  # a constant grad scaler: megatron-core's inf/NaN check runs in bf16 too
+    assert config.use_precision_aware_optimizer == config.optimizer_cpu_offload == cfg.memory.optimizer_offload
+
+
+def test_checkpoint_before_any_update_saves_no_optimizer_state():
+    """All steps skipped so far: Adam has no state, which megatron-core cannot save or reload;
+    the checkpoint records that and a resume keeps the fresh optimizer."""
+    from genome_lm.train.trainer import _MegatronOptimizer
+
+    class Inner:
+        def __init__(self, state):
+            self.state, self.loaded = state, []
+
+        def state_dict(self):
+            return {"inner": len(self.state)}
+
+        def load_state_dict(self, state):
+            self.loaded.append(state)
+
+    fresh = _MegatronOptimizer(Inner({}))
+    state = fresh.state_dict()
+    assert state == {"optimizer": None, "param_state": [None], "no_step_yet": True}
+    fresh.load_state_dict(state)
+    assert fresh.optimizer.loaded == []
+    stepped = _MegatronOptimizer(Inner({"p": {"exp_avg": torch.zeros(1)}}))
+    assert stepped.state_dict() == {"optimizer": {"inner": 1}, "param_state": [None]}
