@@ -58,7 +58,7 @@ def _chunk_prepare_kernel(
     T, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STORE_YP: tl.constexpr,
 ):
-    c, bh = tl.program_id(0), tl.program_id(1)
+    c, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # bh * T * K passes 2^31 at 512k, tp 1
     NT = tl.num_programs(0)
     rows = tl.arange(0, BT)
     cols_t = tl.arange(0, BT)
@@ -120,7 +120,7 @@ def _chunk_state_kernel(
     NT, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_S0: tl.constexpr, STORE_H: tl.constexpr, WRITE_O: tl.constexpr,
 ):
-    bh = tl.program_id(0)
+    bh = tl.program_id(0).to(tl.int64)  # 64-bit offsets (see _chunk_prepare_kernel)
     rows = tl.arange(0, BT)
     ck, cv = tl.arange(0, BK), tl.arange(0, BV)
     mk, mv = ck < K, cv < V
@@ -160,7 +160,7 @@ def _chunk_state_bwd_kernel(
     the chunk) in registers. Per chunk, with S0 the entering state and delta = U - W S0:
         d_delta = M^T do + Kd dS,  dS0 = e^{G_last} dS + Qg^T do - W^T d_delta,
     and the gradients of the chunk's W, U, M, Qg, Kd, e^{G_last} for ``_chunk_prepare_bwd_kernel``."""
-    bh = tl.program_id(0)
+    bh = tl.program_id(0).to(tl.int64)  # 64-bit offsets (see _chunk_prepare_kernel)
     rows = tl.arange(0, BT)
     ck, cv = tl.arange(0, BK), tl.arange(0, BV)
     mk, mv = ck < K, cv < V
@@ -209,7 +209,7 @@ def _chunk_prepare_bwd_kernel(
     e^{G_last - G} k and e^{G_last}; then dg = reverse cumulative sum of dG over the chunk.
     The diagonal of M (e^0 = 1) and the last row of Kd carry no G dependence and are kept out
     of dG, so no O(1) terms cancel there in rounding."""
-    c, bh = tl.program_id(0), tl.program_id(1)
+    c, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # bh * T * K passes 2^31 at 512k, tp 1
     NT = tl.num_programs(0)
     rows = tl.arange(0, BT)
     cols_t = tl.arange(0, BT)
