@@ -46,6 +46,19 @@ class _Worker:
         return result if self.rank == 0 else None
 
 
+def check_layout(cfg, world_size: int) -> None:
+    """The parallel layout's one-line errors for ``world_size`` ranks, raised here instead of on
+    every rank once the workers are placed: the sizes against the world, and the pipeline split
+    of the model's layers (``model.model.pipeline_split``, as the ranks will build it)."""
+    from genome_lm.plan.memory_model import model_config, pipeline_stages
+
+    from .parallel import ParallelSizes
+
+    p = cfg.parallel
+    ParallelSizes(tp=p.tp, cp=p.cp, ep=p.ep, etp=p.etp, pp=p.pp).check(world_size)
+    pipeline_stages(model_config(cfg), cfg)
+
+
 def train_on_ray(cfg, *, address: str, workers: int, cpus_per_worker: int = 1, gpus: bool | None = None,
                  resume: bool = False, tracking_uri: str | None = None, progress: bool = True,
                  max_steps: int | None = None):
@@ -54,6 +67,7 @@ def train_on_ray(cfg, *, address: str, workers: int, cpus_per_worker: int = 1, g
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    check_layout(cfg, workers)  # before a cluster is asked for anything
     # actors do not share the driver's working folder: hand them absolute paths (on a multi-node
     # cluster these must be on storage every node sees)
     data = cfg.data.model_copy(update={"dataset": os.path.abspath(cfg.data.dataset)})

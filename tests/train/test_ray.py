@@ -21,3 +21,18 @@ def test_two_ray_workers_match_one_process(small_dataset, tmp_path):
         assert b.lm_loss == pytest.approx(a.lm_loss, rel=1e-5)
         assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-4)
     assert (tmp_path / "two" / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.parametrize("changes, workers, message", [
+    (["parallel.pp=3"], 3, "pipeline parallel 3 cannot split the 4 layers"),
+    (["parallel.pp=2"], 3, "world size 3 is not a multiple of tp\\*cp\\*pp = 2"),
+])
+def test_a_bad_layout_is_refused_before_ray_starts(tmp_path, changes, workers, message):
+    import ray
+
+    from genome_lm.errors import GenomeLMError
+
+    cfg = load_config("demo-cpu", changes + [f"train.out_dir={tmp_path / 'run'}"])
+    with pytest.raises(GenomeLMError, match=message):
+        train_on_ray(cfg, address="local", workers=workers, progress=False)
+    assert not ray.is_initialized() and not (tmp_path / "run").exists()
