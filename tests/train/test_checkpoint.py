@@ -136,6 +136,10 @@ class _ShardedAdam:
             p: {"gbuf_local": Range(a, a + n)} for p, a, n in zip(params, starts, sizes)}}]}]
         self.step_count = seed
 
+    @property
+    def state(self):  # megatron-core's optimizers promote their torch optimizer's state
+        return self.states
+
     def _get_main_param_and_optimizer_states(self, param):
         return dict(self.states[param])
 
