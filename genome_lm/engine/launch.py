@@ -54,8 +54,7 @@ def check_layout(cfg, world_size: int) -> None:
 
     from .parallel import ParallelSizes
 
-    p = cfg.parallel
-    ParallelSizes(tp=p.tp, cp=p.cp, ep=p.ep, etp=p.etp, pp=p.pp).check(world_size)
+    ParallelSizes.of(cfg.parallel).check(world_size)
     pipeline_stages(model_config(cfg), cfg)
 
 

@@ -36,6 +36,12 @@ class ParallelSizes:
     pp: int = 1
     sequence_parallel: bool = False  # residual streams split over the TP ranks (genome_lm.model.model)
 
+    @classmethod
+    def of(cls, parallel) -> "ParallelSizes":
+        """The sizes of a config's ``parallel`` section (``config.ParallelConfig``)."""
+        p = parallel
+        return cls(tp=p.tp, cp=p.cp, ep=p.ep, etp=p.etp, pp=p.pp, sequence_parallel=p.sequence_parallel)
+
     @property
     def model_parallel(self) -> int:
         return self.tp * self.cp * self.pp

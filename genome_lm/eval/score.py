@@ -93,12 +93,11 @@ def token_nll(model, tokens: np.ndarray, *, chunk: int | None = None, token_map:
 @torch.no_grad()
 def score_split(model, dataset, split: str, *, windows: list[int] | None = None, max_windows: int | None = None,
                 chunk: int | None = None, token_map: torch.Tensor | None = None,
-                device: torch.device | str | None = None, on_chunk=None, cache=None,
-                on_reuse=None) -> TokenScores:
+                device: torch.device | str | None = None, on_chunk=None, cache=None) -> TokenScores:
     """Scores of every non-N target of the chosen windows (``windows``, else ``select_windows``
     with ``max_windows``); a window is always scored whole, from its first base. ``cache``
     (``eval.cache.WindowCache``): windows scored earlier are read from it, each newly scored
-    one is written to it at once; ``on_reuse(window)`` is called for each one read."""
+    one is written to it at once."""
     from genome_lm.data.loader import SplitReader
 
     reader = SplitReader(dataset, split)
@@ -116,11 +115,8 @@ def score_split(model, dataset, split: str, *, windows: list[int] | None = None,
                 nll = token_nll(model, tokens, chunk=chunk, token_map=token_map, device=device, on_chunk=on_chunk)
                 if cache is not None:
                     cache.store(w, nll)
-            else:
-                if on_reuse is not None:
-                    on_reuse(w)
-                if on_chunk is not None:
-                    on_chunk(len(nll))
+            elif on_chunk is not None:  # a window read back counts as scored
+                on_chunk(len(nll))
             context = np.arange(1, len(tokens), dtype=np.int64)
             keep = tokens[1:] != N
             parts.append(TokenScores(nll[keep], context[keep], np.full(int(keep.sum()), w, dtype=np.int64),

@@ -50,6 +50,27 @@ def _status(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def _timed_peak(model, step, T: int, barrier=None) -> tuple[float, int]:
+    """Seconds and added resident bytes of ``step(T)``, after a warm-up ``step`` (its gradients
+    dropped) that pages in the code and the libraries' one-time buffers; ``barrier``: all ranks
+    reset their high-water marks before any of them starts the measured step."""
+    step(min(T, WARM_UP_TOKENS))
+    model.zero_grad(set_to_none=True)
+    if barrier is not None:
+        barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the high-water mark to the current resident set
+    base = _status("VmRSS")
+    t0 = time.perf_counter()
+    step(T)
+    return time.perf_counter() - t0, _status("VmHWM") - base
+
+
+def _worker_env() -> dict:
+    return {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "TORCHDYNAMO_DISABLE": "1",
+            "PYTHONWARNINGS": "ignore"}
+
+
 def _worker(spec: dict) -> dict:
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
     import torch
@@ -81,15 +102,7 @@ def _worker(spec: dict) -> dict:
                                 indexer_losses=out.indexer_losses)
                 parts.total.backward()
 
-        step(min(T, WARM_UP_TOKENS))  # pages in the code and the libraries' one-time buffers
-        model.zero_grad(set_to_none=True)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the high-water mark to the current resident set
-        base = _status("VmRSS")
-        t0 = time.perf_counter()
-        step(T)
-        seconds = time.perf_counter() - t0
-        peak = _status("VmHWM") - base
+        seconds, peak = _timed_peak(model, step, T)
     return {"seq_len": T, "seconds": seconds, "peak_bytes": peak}
 
 
@@ -135,16 +148,7 @@ def _pipeline_worker(spec: dict) -> dict:
             with offload_saved_tensors(run.memory.offload_activations, pinned=False):
                 run_1f1b(model, n_micro, model.stream_shape(B, n), forward)
 
-        step(min(T, WARM_UP_TOKENS))
-        model.zero_grad(set_to_none=True)
-        torch.distributed.barrier()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = _status("VmRSS")
-        t0 = time.perf_counter()
-        step(T)
-        seconds = time.perf_counter() - t0
-        peak = _status("VmHWM") - base
+        seconds, peak = _timed_peak(model, step, T, barrier=torch.distributed.barrier)
     return {"seq_len": T * n_micro, "seconds": seconds, "peak_bytes": peak}
 
 
@@ -157,8 +161,7 @@ def measure_pipeline_step(run, threads: int = 1, timeout: float = 900) -> list[M
     p = run.parallel
     if (p.tp, p.cp, p.ep, p.etp) != (1, 1, 1, 1):
         raise ValueError("measure_pipeline_step measures pipeline parallel alone")
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "TORCHDYNAMO_DISABLE": "1",
-           "PYTHONWARNINGS": "ignore"}
+    env = _worker_env()
     init_method = f"tcp://127.0.0.1:{free_port()}"
     procs = [subprocess.Popen([sys.executable, "-m", "genome_lm.plan.measure",
                                json.dumps({"run": run.model_dump_json(), "threads": threads, "rank": rank,
@@ -181,8 +184,7 @@ def measure_pipeline_step(run, threads: int = 1, timeout: float = 900) -> list[M
 
 def measure_step(run, threads: int = 1, timeout: float = 600) -> Measured:
     """Run one step of ``run`` (a ``RunConfig``) in a fresh process; see the module docstring."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "TORCHDYNAMO_DISABLE": "1",
-           "PYTHONWARNINGS": "ignore"}
+    env = _worker_env()
     spec = json.dumps({"run": run.model_dump_json(), "threads": threads})
     proc = subprocess.run([sys.executable, "-m", "genome_lm.plan.measure", spec], env=env, capture_output=True,
                           text=True, timeout=timeout)

@@ -403,7 +403,7 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
     from .optim import learning_rate
 
     p = cfg.parallel
-    sizes = ParallelSizes(tp=p.tp, cp=p.cp, ep=p.ep, etp=p.etp, pp=p.pp, sequence_parallel=p.sequence_parallel)
+    sizes = ParallelSizes.of(p)
     out = Path(cfg.train.out_dir)
     with parallel_context(sizes) as pg, _StopFlag() as stop:
         rank = dist.get_rank()
