@@ -27,11 +27,15 @@ def test_two_ray_workers_match_one_process(small_dataset, tmp_path):
     (["parallel.pp=3"], 3, "pipeline parallel 3 cannot split the 4 layers"),
     (["parallel.pp=2"], 3, "world size 3 is not a multiple of tp\\*cp\\*pp = 2"),
 ])
-def test_a_bad_layout_is_refused_before_ray_starts(tmp_path, changes, workers, message):
+def test_a_bad_layout_is_refused_before_ray_starts(tmp_path, monkeypatch, changes, workers, message):
     import ray
 
     from genome_lm.errors import GenomeLMError
 
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started for a layout the ranks cannot hold")
+
+    monkeypatch.setattr(ray, "init", no_ray)
     cfg = load_config("demo-cpu", changes + [f"train.out_dir={tmp_path / 'run'}"])
     with pytest.raises(GenomeLMError, match=message):
         train_on_ray(cfg, address="local", workers=workers, progress=False)
