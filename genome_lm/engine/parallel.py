@@ -4,8 +4,8 @@
 ``parallel_context(sizes)`` initialises the default process group if nobody has (a one-process
 group on a free local port: the CPU demo and the tests), sets up megatron-core's tensor /
 context / expert / pipeline groups, and yields the ``ProcessGroupCollection`` that every model
-module receives explicitly. On exit it tears megatron-core's groups down again, so tests can
-build models with different layouts in one process.
+module receives explicitly. On exit it destroys the groups it created (and the default group, when it
+started it), so one process can build models with different layouts, many times over.
 """
 
 from __future__ import annotations
@@ -89,16 +89,33 @@ def parallel_context(sizes: ParallelSizes = ParallelSizes()) -> Iterator["Proces
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     enable_cpu_megatron()  # no-op on a GPU machine
+    started_here = not dist.is_initialized()
     init_distributed()
-    sizes.check(dist.get_world_size())
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=sizes.tp,
-        pipeline_model_parallel_size=sizes.pp,
-        context_parallel_size=sizes.cp,
-        expert_model_parallel_size=sizes.ep,
-        expert_tensor_parallel_size=sizes.etp,
-    )
+    before = set(_process_groups())
     try:
+        sizes.check(dist.get_world_size())
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=sizes.tp,
+            pipeline_model_parallel_size=sizes.pp,
+            context_parallel_size=sizes.cp,
+            expert_model_parallel_size=sizes.ep,
+            expert_tensor_parallel_size=sizes.etp,
+        )
         yield ProcessGroupCollection.use_mpu_process_groups()
     finally:
         parallel_state.destroy_model_parallel()
+        # megatron-core forgets its groups but does not destroy them: each gloo group keeps two
+        # threads and a socket alive, so a process that builds many models (a notebook, the
+        # tests) would pile them up. Destroy what this context created.
+        if started_here:
+            dist.destroy_process_group()  # the default group and every group made under it
+        else:
+            for group in set(_process_groups()) - before:
+                dist.destroy_process_group(group)
+
+
+def _process_groups() -> list:
+    """Every process group of this process (torch keeps the registry private)."""
+    from torch.distributed import distributed_c10d
+
+    return list(distributed_c10d._world.pg_map)
