@@ -310,17 +310,22 @@ def stage_plans(run: RunConfig, hw: Hardware = Hardware()) -> list[Plan]:
     return [_stage_plan(run, hw, cfg, gpus, i, offset, count, len(stages)) for i, (offset, count) in enumerate(stages)]
 
 
-def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
+def busiest(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
     """The plan of the rank with the highest peak (under pipeline parallel, of the busiest
-    stage), with what each memory switch saves."""
-    plan = max(stage_plans(run, hw), key=lambda pl: pl.peak)
+    stage), without the savings of ``estimate``: enough to tell whether a run fits."""
+    return max(stage_plans(run, hw), key=lambda pl: pl.peak)
+
+
+def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
+    """``busiest`` with what each memory switch saves."""
+    plan = busiest(run, hw)
     mem = run.memory
     on_gpu = hw.device == "gpu"
     offload = mem.offload_activations and on_gpu
 
     # what the switches save (each against the same run without it): device peak, host memory
     def saving(name: str, **without) -> None:
-        other = estimate(with_changes(run, memory=without), hw)
+        other = busiest(with_changes(run, memory=without), hw)
         plan.savings.append(Item(name, other.peak - plan.peak,
                                  f"host {(other.host_per_gpu - plan.host_per_gpu) / GiB:+,.2f} GiB per GPU"))
 
@@ -491,5 +496,5 @@ def with_changes(run: RunConfig, **sections) -> RunConfig:
     return run.model_copy(update=update)
 
 
-__all__ = ["Hardware", "Plan", "Item", "estimate", "stage_plans", "parameter_split", "model_config", "with_changes", "GiB",
+__all__ = ["Hardware", "Plan", "Item", "busiest", "estimate", "stage_plans", "parameter_split", "model_config", "with_changes", "GiB",
            "pinned_size"]

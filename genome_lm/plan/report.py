@@ -10,7 +10,7 @@ from rich.table import Table
 
 from genome_lm.config import RunConfig
 
-from .memory_model import GiB, Hardware, Plan, estimate, with_changes
+from .memory_model import GiB, Hardware, Plan, busiest, estimate, with_changes
 
 SWEEP_LENGTHS = [32768 * 2**i for i in range(6)]  # 32k .. 1M
 
@@ -73,8 +73,13 @@ class Suggestion:
     plan: Plan
 
 
-# Changes in order of what they cost in step time (cheapest first); each maps a run to a changed run.
-def _ladder(run: RunConfig):
+MAX_CP_FACTOR = 8  # the most a suggestion multiplies context parallel by
+MAX_PP = 16  # the most pipeline stages a suggestion tries
+
+
+# Memory switches in order of what they cost in step time (cheapest first); each maps a run to a
+# changed run on the same GPUs.
+def _ladder(run: RunConfig) -> list[tuple[str, dict]]:
     mem = run.memory
     steps = []
     if mem.dsa_query_chunk and mem.dsa_query_chunk > 1024:  # the indexer's [chunk, T / kpool] blocks
@@ -90,10 +95,23 @@ def _ladder(run: RunConfig):
         steps.append(("nested recompute", {"memory": {"recompute": "full", "recompute_nested": True}}))
     if not mem.offload_activations:
         steps.append(("activation offload", {"memory": {"offload_activations": True}}))
-    cp = run.parallel.cp
-    for factor in (2, 4, 8):
-        steps.append((f"context parallel {cp * factor}", {"parallel": {"cp": cp * factor}}))
     return steps
+
+
+def _more_gpus(run: RunConfig) -> list[tuple[list[str], dict, int]]:
+    """More context parallel (x2, x4, x8) and/or more pipeline stages (up to MAX_PP), each at the
+    same data-parallel size, so each multiplies the GPUs: (names, changes, cp x pp) in order of
+    the GPUs they take, then of the pipeline stages (each adds to the pipeline bubble)."""
+    p = run.parallel
+    out = []
+    for factor in (1, 2, 4, 8):
+        for pp in range(p.pp, MAX_PP + 1):
+            if factor == 1 and pp == p.pp:
+                continue
+            names = ([f"context parallel {p.cp * factor}"] if factor > 1 else []) + \
+                    ([f"pipeline parallel {pp}"] if pp != p.pp else [])
+            out.append((names, {"parallel": {"cp": p.cp * factor, "pp": pp}}, factor * pp))
+    return sorted(out, key=lambda o: (o[2], o[1]["parallel"]["pp"]))
 
 
 def _merge(a: dict, b: dict) -> dict:
@@ -104,40 +122,44 @@ def _merge(a: dict, b: dict) -> dict:
 
 
 def suggest(run: RunConfig, hw: Hardware) -> Suggestion | None:
-    """The cheapest single change that fits, else the shortest run of changes along the ladder.
-    More context parallel keeps the data-parallel size, so it multiplies the GPUs."""
-    ladder = _ladder(run)
+    """The cheapest change that fits, in this order: one memory switch (cheapest first); more
+    context parallel or more pipeline stages alone (fewest GPUs first); the memory switches
+    added one by one; all of them with more GPUs (fewest first). More context parallel or
+    pipeline parallel keeps the data-parallel size, so it multiplies the GPUs. A pipeline size
+    that cannot split the model's layers is skipped."""
+    p = run.parallel
 
     def try_(changes: dict) -> Plan | None:
         from genome_lm.errors import GenomeLMError
 
         try:
             changed = with_changes(run, **changes)
-            scale = changed.parallel.cp // run.parallel.cp
-            gpus = hw.gpus * scale if hw.gpus else None
-            plan = estimate(changed, Hardware(**{**hw.__dict__, "gpus": gpus}))
+            q = changed.parallel
+            gpus = hw.gpus // (p.cp * p.pp) * q.cp * q.pp if hw.gpus else None
+            plan = busiest(changed, Hardware(**{**hw.__dict__, "gpus": gpus}))
         except GenomeLMError:
             return None
         return plan if plan.fits else None
 
+    ladder, more = _ladder(run), _more_gpus(run)
     for name, changes in ladder:
-        plan = try_(changes)
-        if plan:
+        if plan := try_(changes):
             return Suggestion(name, plan)
+    for names, changes, _ in more:
+        if len(names) == 1 and (plan := try_(changes)):
+            return Suggestion(names[0], plan)
     total: dict = {}
-    names = []
+    names: list[str] = []
     for name, changes in ladder:
-        if name.startswith("context parallel"):
-            total = _merge(total, changes)
-            names = [n for n in names if not n.startswith("context parallel")]
-        else:
-            total = _merge(total, changes)
+        total = _merge(total, changes)
         if name == "full recompute":  # replaces the selective step
             names = [n for n in names if not n.startswith("selective")]
         names.append(name)
-        plan = try_(total)
-        if plan:
+        if plan := try_(total):
             return Suggestion(" + ".join(names), plan)
+    for extra, changes, _ in more:
+        if plan := try_(_merge(total, changes)):
+            return Suggestion(" + ".join(names + extra), plan)
     return None
 
 
@@ -149,7 +171,8 @@ def fit_line(plan: Plan, hw: Hardware) -> str:
             f"{hw.gpu_name} ({plan.peak_where})")
     s = suggest(plan.run, hw)
     if s is None:
-        return line + "\nno change along recompute, offload and context parallel up to 8x fits"
+        return line + (f"\nno change along recompute, offload, context parallel up to {MAX_CP_FACTOR}x and "
+                       f"pipeline parallel up to {MAX_PP} fits")
     return (line + f"\ncheapest change that fits: [bold]{s.change}[/bold] -> peak {gib(s.plan.peak)} GiB on "
             f"{s.plan.gpus} GPUs, host {gib(s.plan.host_per_node)} GiB per node")
 

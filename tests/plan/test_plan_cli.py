@@ -88,6 +88,42 @@ def test_a_plan_that_does_not_fit_gets_a_change_that_fits():
     assert s is not None and s.plan.fits and s.plan.peak < plan.peak
 
 
+def test_when_only_pipeline_parallel_fits_it_is_suggested():
+    # 512k on 60 GB GPUs: every memory switch with context parallel up to x8 still does not fit
+    # (the weights and optimizer state of 45 layers do not shrink with CP); splitting the layers
+    # over pipeline stages does. 45 layers split into 3, 5, 9 or 15 stages, never 2 or 4.
+    run = load_config("glm-5.3-flash-512k-64xb200")
+    hw = Hardware(gpu_name="60 GB", gpu_bytes=60e9, gpus=64)
+    switched = with_changes(run, memory={"recompute": "full", "recompute_nested": True,
+                                         "offload_activations": True, "optimizer_offload": True})
+    for factor in (1, 2, 4, 8):
+        cp_only = estimate(with_changes(switched, parallel={"cp": factor}), Hardware(**{**hw.__dict__, "gpus": 64 * factor}))
+        assert not cp_only.fits
+    s = suggest(run, hw)
+    assert s is not None and s.plan.fits
+    pp, cp = s.plan.run.parallel.pp, s.plan.run.parallel.cp
+    assert pp > 1 and 45 % pp == 0 and f"pipeline parallel {pp}" in s.change
+    assert s.plan.gpus == 64 * cp * pp
+    # nothing with fewer GPUs fits: the suggestion is the cheapest in GPUs
+    for factor in (1, 2, 4, 8):
+        for stages in (1, 3, 5, 9, 15):
+            if factor * stages < cp * pp:
+                other = estimate(with_changes(switched, parallel={"cp": factor, "pp": stages}),
+                                 Hardware(**{**hw.__dict__, "gpus": 64 * factor * stages}))
+                assert not other.fits, (factor, stages)
+    result = invoke("--config", "glm-5.3-flash-512k-64xb200", "--gpu-mem", "60")
+    assert result.exit_code == 0, result.output
+    assert f"pipeline parallel {pp}" in result.output and f"on {64 * cp * pp} GPUs" in result.output
+
+
+def test_savings_are_each_switch_against_the_same_run():
+    run = load_config("glm-5.3-flash-512k-64xb200")
+    plan = estimate(run, Hardware())
+    saved = {item.name: item.bytes for item in plan.savings}
+    off = estimate(with_changes(run, memory={"offload_activations": False}), Hardware())
+    assert saved["activation offload"] == off.peak - plan.peak > 0
+
+
 def test_switches_lower_the_device_peak_and_offload_fills_host_memory():
     run = with_changes(load_config("glm-5.3-flash-4layer-1gpu"), memory={"recompute": "none", "offload_activations": False})
     plain = estimate(run, Hardware())
