@@ -30,6 +30,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_left():
+    """Each module ends with torch.distributed torn down. A group left behind costs every later
+    test: gloo groups keep threads that wake hundreds of times a second, and the suite once ran
+    at a third of its speed from them (``tests/engine/test_parallel_context.py``)."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("a test of this module left torch.distributed initialised (parallel_context or "
+                    "init_distributed not undone)")
+
+
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path_factory, monkeypatch):
     """Index caches go to a temporary folder, never to the user's ~/.cache."""
