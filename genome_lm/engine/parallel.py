@@ -91,7 +91,7 @@ def parallel_context(sizes: ParallelSizes = ParallelSizes()) -> Iterator["Proces
     enable_cpu_megatron()  # no-op on a GPU machine
     started_here = not dist.is_initialized()
     init_distributed()
-    before = set(_process_groups())
+    before = _process_groups()
     try:
         sizes.check(dist.get_world_size())
         parallel_state.initialize_model_parallel(
@@ -110,14 +110,14 @@ def parallel_context(sizes: ParallelSizes = ParallelSizes()) -> Iterator["Proces
         if started_here:
             dist.destroy_process_group()  # the default group and every group made under it
         else:
-            for group in set(_process_groups()) - before:
+            for group in _process_groups() - before:
                 dist.destroy_process_group(group)
 
 
-def _process_groups() -> list:
+def _process_groups() -> set:
     """Every process group of this process. torch keeps the registry private: should it move,
     this returns nothing (groups are left as before, and tests/engine/test_parallel_context.py
     fails) rather than break every model build."""
     from torch.distributed import distributed_c10d
 
-    return list(getattr(getattr(distributed_c10d, "_world", None), "pg_map", {}))
+    return set(getattr(getattr(distributed_c10d, "_world", None), "pg_map", {}))

@@ -98,20 +98,20 @@ def _ladder(run: RunConfig) -> list[tuple[str, dict]]:
     return steps
 
 
-def _more_gpus(run: RunConfig) -> list[tuple[list[str], dict, int]]:
-    """More context parallel (x2, x4, x8) and/or more pipeline stages (up to MAX_PP), each at the
-    same data-parallel size, so each multiplies the GPUs: (names, changes, cp x pp) in order of
-    the GPUs they take, then of the pipeline stages (each adds to the pipeline bubble)."""
+def _more_gpus(run: RunConfig) -> list[tuple[list[str], dict]]:
+    """More context parallel (x2, x4 .. x MAX_CP_FACTOR) and/or more pipeline stages (up to
+    MAX_PP), each at the same data-parallel size, so each multiplies the GPUs: (names, changes)
+    in order of the GPUs they take, then of the pipeline stages (each adds to the bubble)."""
     p = run.parallel
-    out = []
-    for factor in (1, 2, 4, 8):
+    options = []
+    for factor in (2**i for i in range(MAX_CP_FACTOR.bit_length())):  # 1, 2, 4, 8
         for pp in range(p.pp, MAX_PP + 1):
             if factor == 1 and pp == p.pp:
                 continue
             names = ([f"context parallel {p.cp * factor}"] if factor > 1 else []) + \
                     ([f"pipeline parallel {pp}"] if pp != p.pp else [])
-            out.append((names, {"parallel": {"cp": p.cp * factor, "pp": pp}}, factor * pp))
-    return sorted(out, key=lambda o: (o[2], o[1]["parallel"]["pp"]))
+            options.append((factor * pp, pp, names, {"parallel": {"cp": p.cp * factor, "pp": pp}}))
+    return [(names, changes) for *_, names, changes in sorted(options, key=lambda o: o[:2])]
 
 
 def _merge(a: dict, b: dict) -> dict:
@@ -145,7 +145,7 @@ def suggest(run: RunConfig, hw: Hardware) -> Suggestion | None:
     for name, changes in ladder:
         if plan := try_(changes):
             return Suggestion(name, plan)
-    for names, changes, _ in more:
+    for names, changes in more:
         if len(names) == 1 and (plan := try_(changes)):
             return Suggestion(names[0], plan)
     total: dict = {}
@@ -157,7 +157,7 @@ def suggest(run: RunConfig, hw: Hardware) -> Suggestion | None:
         names.append(name)
         if plan := try_(total):
             return Suggestion(" + ".join(names), plan)
-    for extra, changes, _ in more:
+    for extra, changes in more:
         if plan := try_(_merge(total, changes)):
             return Suggestion(" + ".join(names + extra), plan)
     return None
