@@ -60,7 +60,10 @@ class ModelSection(Section):
                           "a training run folder (its checkpoints/latest); weights only, the run starts at step 0. "
                           "None = random initialisation.")
     dtype: Literal["fp32", "bf16"] = "fp32"
-    kernel_backend: Literal["auto", "torch", "triton", "reference"] = "auto"
+    kernel_backend: Literal["auto", "torch", "triton", "triton-fp32", "fla", "reference"] = Field(
+        "auto", description="KDA/DSA kernels: auto = triton on a GPU, torch on a CPU; triton = tensor-core Triton "
+                            "kernels (bf16 products, fp32 state); triton-fp32 = the same in fp32 (parity checks); "
+                            "fla = fla-core's chunk_kda for KDA (GPU, the gpu extra); reference = token loops.")
     transformer_impl: Literal["auto", "local", "transformer_engine"] = Field(
         "auto", description="megatron-core spec provider; auto = Transformer Engine when installed and on GPU.")
 

@@ -1,7 +1,8 @@
 """DeepSeek sparse attention with a k-pool lightning indexer (GLM-5.3-Flash).
 
 Three public ops, each with an explicit ``backend`` ("reference" | "torch" | "triton"; resolve
-"auto" once with ``genome_lm_kernels.resolve_backend``):
+"auto" once with ``genome_lm_kernels.resolve_backend``; "triton-fp32" and "fla", which choose
+the KDA kernels, run the DSA ops' Triton kernels):
 
     select_tokens(q_idx [B,T,Hi,Di], k_idx [B,T,Di], w_idx [B,T,Hi], gate [B,T,Di] | None,
                   ape [kpool,Di] | None, *, kpool, topk, scale=None, backend, chunk=64)
@@ -34,10 +35,17 @@ selection_pools = _indexer.selection_pools
 selection_tokens = _indexer.selection_tokens
 
 
+def _path(backend: str) -> str:
+    """The DSA kernels for a model-wide backend name: "triton-fp32" and "fla" pick KDA kernels
+    (the exact mode, fla-core's chunk_kda); DSA runs its own Triton kernels under both."""
+    return "triton" if backend in ("triton-fp32", "fla") else backend
+
+
 def select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate_BTD=None, ape_KD=None, *, kpool: int, topk: int,
                   scale: float | None = None, backend: str, chunk: int = 64):
     """Top topk // kpool complete pools per query (causal), expanded to tokens, plus the
     query's incomplete tail pool; see ``indexer`` for the slot layout and tie rule."""
+    backend = _path(backend)
     if backend == "reference":
         scale = q_idx_BTHD.shape[-1] ** -0.5 if scale is None else scale
         B, T, _ = k_idx_BTD.shape
@@ -61,6 +69,7 @@ def select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate_BTD=None, ape_KD=None, 
 def sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, *, scale: float, backend: str, chunk: int = 64):
     """Attention of each query over its selected keys only. lse is fp32 (fp64 for fp64 inputs on
     the torch and reference paths); a query with no key gets o = 0, lse = -inf."""
+    backend = _path(backend)
     if backend == "reference":
         return _reference.sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale=scale)
     if backend == "torch":
@@ -79,6 +88,7 @@ def indexer_loss(q_idx_BTHD, k_idx_BTD, w_idx_BTH, q_BTHD, k_BTHD, idx_BTS=None,
     ape only. The "triton" backend runs the chunked torch loss (no Triton loss kernel yet).
     ``reduce_target``: q, k hold some of the heads; it sums a target block over the ranks that
     hold the others (not for the reference backend)."""
+    backend = _path(backend)
     if backend == "reference":
         if reduce_target is not None:
             raise ValueError("the reference indexer loss takes every head; reduce_target is for the chunked paths")

@@ -48,7 +48,9 @@ def kda(
         output_final_state: also return the [B, H, K, V] fp32 state after the last token.
         use_qk_l2norm: L2-normalise q and k over K in fp32 first (glm5_next passes True).
         backend: "reference" (token loop), "torch" (chunked, CPU), "triton" (chunked GPU
-            kernels) or "auto"; checked by ``genome_lm_kernels.resolve_backend``.
+            kernels, bf16 tensor-core products), "triton-fp32" (the same kernels in fp32),
+            "fla" (fla-core's ``chunk_kda``, GPU only) or "auto"; checked by
+            ``genome_lm_kernels.resolve_backend``.
 
     Returns:
         (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32 or None).
@@ -64,6 +66,11 @@ def kda(
     scale = K**-0.5 if scale is None else scale
 
     out_dtype = q.dtype
+    if name == "fla":  # fla normalises q and k inside its kernels, from their own dtype
+        from .fla import kda_fla
+
+        o, state = kda_fla(q, k, v, g, beta, scale, initial_state, use_qk_l2norm=use_qk_l2norm)
+        return o.to(out_dtype), (state if output_final_state else None)
     q, k = q.float(), k.float()
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
@@ -72,6 +79,10 @@ def kda(
     elif name == "torch":
         from .chunked import kda_chunked as run
     else:
-        from .triton import kda_triton as run
+        from functools import partial
+
+        from .triton import kda_triton
+
+        run = partial(kda_triton, exact=name == "triton-fp32")
     o, state = run(q, k, v, g, beta, scale, initial_state)
     return o.to(out_dtype), (state if output_final_state else None)

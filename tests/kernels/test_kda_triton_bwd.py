@@ -1,8 +1,9 @@
 """The Triton backward of Kimi Delta Attention: every gradient (q, k, v, g, beta, initial state)
 against the token-by-token reference and the torch chunked path, on fresh random inputs under
 NaN poisoning, with and without an initial state and a final-state gradient, at lengths that are
-not multiples of the 64-token chunk. Shapes stay small: under TRITON_INTERPRET the kernels run in
-numpy."""
+not multiples of the 64-token chunk, in both precisions (``triton-fp32`` at the fp32 bound,
+``triton``'s bf16 tensor-core products at the bf16 bound). Shapes stay small: under
+TRITON_INTERPRET the kernels run in numpy."""
 
 from __future__ import annotations
 
@@ -45,12 +46,14 @@ def gradients(x, backend, use_qk_l2norm, w_o, w_S):
     return dict(zip([n for n in NAMES if x[n] is not None], grads))
 
 
-def check_gradients(x, use_qk_l2norm, generator, *, with_do=True, with_dS=True, dtype=torch.float32):
+def check_gradients(x, use_qk_l2norm, generator, *, with_do=True, with_dS=True, dtype=torch.float32,
+                    backend="triton-fp32"):
+    """``dtype`` picks the error bound; gradients must come back in each input's own dtype."""
     B, T, H, K = x["q"].shape
     V = x["v"].shape[-1]
     w_o = torch.randn(B, T, H, V, generator=generator).to(DEVICE) if with_do else None
     w_S = torch.randn(B, H, K, V, generator=generator).to(DEVICE) if with_dS else None
-    got = gradients(x, "triton", use_qk_l2norm, w_o, w_S)
+    got = gradients(x, backend, use_qk_l2norm, w_o, w_S)
     x32 = {n: (t.detach().float().requires_grad_() if t is not None else None) for n, t in x.items()}
     want = gradients(x32, "reference", use_qk_l2norm, w_o, w_S)
     errors = {}
@@ -87,9 +90,16 @@ def test_triton_backward_matches_reference(
     check_gradients(x, l2, generator, with_do=with_do, with_dS=with_dS)
 
 
+@pytest.mark.parametrize("case", CASES[:4], ids=[case_id(c) for c in CASES[:4]])
+def test_tensor_core_backward_within_bf16_bound(case, generator, nan_poison):
+    B, T, H, K, V, with_state, with_do, with_dS, l2, decay = case
+    x = make_inputs(B, T, H, K, V, generator, with_state=with_state, normalised_k=not l2, decay=decay)
+    check_gradients(x, l2, generator, with_do=with_do, with_dS=with_dS, dtype=torch.bfloat16, backend="triton")
+
+
 def test_triton_backward_strong_decay(generator, nan_poison):
-    """-60 per token: in-chunk G reaches -4,000; dg needs G's differences kept in fp64 and the
-    e^{G_last - G} k gradient summed without cancelling O(1) terms."""
+    """-60 per token: in-chunk G reaches -4,000; dg needs G's differences kept in fp64 (the exact
+    mode) and the e^{G_last - G} k gradient summed without cancelling O(1) terms."""
     x = make_inputs(1, 70, 2, 16, 16, generator, decay=60.0)
     check_gradients(x, True, generator)
 
@@ -98,20 +108,26 @@ def test_triton_backward_bf16_inputs(generator, nan_poison):
     """bf16 q, k, v, g, beta, initial state: gradients come back in each input's dtype."""
     x = make_inputs(2, 65, 2, 16, 16, generator, dtype=torch.bfloat16)
     check_gradients(x, True, generator, dtype=torch.bfloat16)
+    check_gradients(x, True, generator, dtype=torch.bfloat16, backend="triton")
 
 
 @pytest.mark.parametrize("with_state", [True, False], ids=["S0", "noS0"])
 def test_triton_backward_matches_torch_chunked(with_state, generator, nan_poison):
-    """``_backward`` against the torch chunked path's autograd (``_backward_torch``) directly,
-    with given cotangents, over three chunks, one ragged."""
+    """``kda_backward`` against autograd through the torch chunked path, with given cotangents,
+    over three chunks, one ragged."""
+    from genome_lm_kernels.kda.chunked import kda_chunked
+
     B, T, H, K, V = 1, 150, 2, 16, 32
     x = make_inputs(B, T, H, K, V, generator, with_state=with_state)
     args = [t.detach() if t is not None else None for t in x.values()]
     q, k, v, g, beta, s0 = args
     do = torch.randn(B, T, H, V, generator=generator).to(DEVICE)
     dS = torch.randn(B, H, K, V, generator=generator).to(DEVICE)
-    got = kda_triton_module._backward(q, k, v, g, beta, 0.3, s0, do, dS)
-    want = kda_triton_module._backward_torch(q, k, v, g, beta, 0.3, s0, do, dS)
+    got = kda_triton_module.kda_backward(q, k, v, g, beta, 0.3, s0, do, dS, exact=True)
+    inputs = [t.requires_grad_() if t is not None else None for t in (q, k, v, g, beta, s0)]
+    o, S = kda_chunked(*inputs[:5], 0.3, inputs[5])
+    want = torch.autograd.grad((o, S), [t for t in inputs if t is not None], (do, dS))
+    want = list(want) + ([None] if s0 is None else [])
     for name, a, b in zip(NAMES, got, want):
         if s0 is None and name == "initial_state":
             assert a is None and b is None
@@ -119,22 +135,25 @@ def test_triton_backward_matches_torch_chunked(with_state, generator, nan_poison
         assert_rel_close(a, b, torch.float32, f"d{name}")
 
 
-def test_backward_runs_triton_not_torch(generator, nan_poison, monkeypatch):
-    """With the torch chunked path made to raise inside the Triton module, forward and backward
-    still run (and match the reference): the backward is the Triton kernels'."""
+@pytest.mark.parametrize("backend", ["triton", "triton-fp32"])
+def test_backward_runs_triton_not_torch(backend, generator, nan_poison, monkeypatch):
+    """With the torch chunked path made to raise, forward and backward still run (and match the
+    reference): both are the Triton kernels'."""
+    from genome_lm_kernels.kda import chunked
+
     calls = []
-    real_backward = kda_triton_module._backward
+    real_backward = kda_triton_module.kda_backward
 
     def refuse(*args, **kwargs):
         raise AssertionError("the Triton backend called the torch chunked path")
 
     def counted(*args, **kwargs):
-        calls.append(1)
+        calls.append(kwargs["exact"])
         return real_backward(*args, **kwargs)
 
-    monkeypatch.setattr(kda_triton_module, "kda_chunked", refuse)
-    monkeypatch.setattr(kda_triton_module, "_backward_torch", refuse)
-    monkeypatch.setattr(kda_triton_module, "_backward", counted)
+    monkeypatch.setattr(chunked, "kda_chunked", refuse)
+    monkeypatch.setattr(kda_triton_module, "kda_backward", counted)
     x = make_inputs(2, 65, 2, 16, 16, generator)
-    check_gradients(x, True, generator)
-    assert calls == [1]
+    check_gradients(x, True, generator, backend=backend,
+                    dtype=torch.float32 if backend == "triton-fp32" else torch.bfloat16)
+    assert calls == [backend == "triton-fp32"]

@@ -1,0 +1,246 @@
+"""Compile every Triton kernel for a GPU this machine does not have, and report what each needs.
+
+Triton compiles for any target its bundled ptxas knows. A stand-in driver tells it the target
+(``GPUTarget("cuda", 90, 32)`` for Hopper) and answers device and stream queries with 0; while
+``compiling_for`` is active, every ``kernel[grid](...)`` of the project's own launch code compiles
+with the real argument specialisation (``warmup=True``) and launches nothing. Per kernel that
+gives the shared memory per block Triton will ask for (``metadata.shared``), and from the cubin
+(``cuobjdump -res-usage``) the registers per thread and the local memory per thread (register
+spills and stack), plus the compile time.
+
+The launch code runs on CPU tensors of the real shapes: kernels are never launched, so their
+outputs hold garbage that only later launches read, which is harmless for compiling.
+Run it in a process without ``TRITON_INTERPRET`` (triton reads that when a kernel is defined):
+``python -m genome_lm_kernels.compile_check --target sm_90`` or ``genome-lm bench kernels
+--compile-for sm_90,sm_100``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+# Per block shared memory a kernel may opt into, and registers per thread (H100/H200 sm_90a,
+# B200 sm_100a: both 227 KiB per block, 255 registers per thread).
+TARGETS = {"sm_90": 90, "sm_100": 100}
+SHARED_LIMIT = {90: 232_448, 100: 232_448}
+MAX_REGISTERS = 255
+
+
+@dataclass
+class KernelReport:
+    target: str
+    case: str  # which op at which shape
+    kernel: str
+    shared_bytes: int
+    registers: int
+    local_bytes: int  # per thread: register spills and stack (0 when nothing spills)
+    compile_s: float
+    num_warps: int
+    num_stages: int
+    mma: int  # tensor-core instructions in the PTX (wgmma / mma / tcgen05.mma); 0: CUDA cores only
+
+    @property
+    def problems(self) -> list[str]:
+        out = []
+        if self.shared_bytes > SHARED_LIMIT[TARGETS[self.target]]:
+            out.append(f"shared memory {self.shared_bytes:,} B > {SHARED_LIMIT[TARGETS[self.target]]:,} B")
+        if self.local_bytes:
+            out.append(f"{self.local_bytes} B of local memory per thread (spills)")
+        return out
+
+
+class _StandInDriver:
+    """Just enough of a Triton driver to compile for ``arch`` without a GPU. Each target gets its
+    own device number, so Triton's per-device kernel caches never hand one target's binary to another."""
+
+    def __init__(self, arch: int):
+        self.arch = arch
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", self.arch, 32)
+
+    def get_current_device(self):
+        return self.arch
+
+    def set_current_device(self, device):
+        pass
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def is_active(self):
+        return True
+
+    def map_python_to_cpp_type(self, ty):
+        from triton.backends.nvidia.driver import ty_to_cpp
+
+        return ty_to_cpp(ty)
+
+
+def _cuobjdump() -> str:
+    import triton.backends.nvidia as nvidia
+
+    return str(Path(nvidia.__file__).parent / "bin" / "cuobjdump")
+
+
+def resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers per thread, local bytes per thread) of a compiled kernel, from its cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", out).group(1))
+    local = int(re.search(r"LOCAL:(\d+)", out).group(1)) + int(re.search(r"STACK:(\d+)", out).group(1))
+    return regs, local
+
+
+@contextlib.contextmanager
+def compiling_for(target: str, case: str, reports: list[KernelReport]):
+    """Within the block, kernel launches compile for ``target`` (e.g. "sm_90") and append a
+    KernelReport per distinct compiled kernel to ``reports``; nothing is launched."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("the compile check needs a process without TRITON_INTERPRET=1")
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    arch = TARGETS[target]
+    seen = {(r.target, r.case, r.kernel) for r in reports}
+    real_run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        start = time.perf_counter()
+        kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
+        seconds = time.perf_counter() - start
+        name = self.fn.__name__
+        if (target, case, name) not in seen:
+            seen.add((target, case, name))
+            regs, local = resource_usage(kernel.asm["cubin"])
+            mma = len(re.findall(r"^\s*(?:@%p\d+\s+)?(?:wgmma\.mma_async|mma\.sync|tcgen05\.mma)\b",
+                                 kernel.asm["ptx"], re.M))
+            reports.append(KernelReport(target, case, name, kernel.metadata.shared, regs, local, round(seconds, 2),
+                                        kernel.metadata.num_warps, kernel.metadata.num_stages, mma))
+        return kernel
+
+    previous = driver._active  # None on a machine without a GPU (reset_active would fail there)
+    driver.set_active(_StandInDriver(arch))
+    JITFunction.run = compile_only
+    try:
+        yield
+    finally:
+        JITFunction.run = real_run
+        driver._active = previous
+
+
+# --- the real per-rank shapes of the shipped configs ------------------------------------------
+
+def kda_cases(T: int = 2048) -> list[dict]:
+    """KDA at glm5_next's head size, 64 heads (TP 1) and 8 (TP 8); both precisions; the dtypes
+    the model passes (q, k fp32 after l2norm, v in the model's bf16, g and beta fp32)."""
+    return [dict(op="kda", H=H, K=128, V=128, T=T, backend=b) for H in (64, 8) for b in ("triton", "triton-fp32")]
+
+
+def dsa_cases(T: int = 4096) -> list[dict]:
+    """DSA at glm5_next's sizes: MLA 64 heads (TP 1) and 8 (TP 8) with qk 256 / v 256; the indexer
+    32 heads x 128, k-pool 4, top-k 2048."""
+    return [dict(op="dsa", H=H, D=256, DV=256, T=T, Hi=32, Di=128, kpool=4, topk=2048) for H in (64, 8)]
+
+
+def case_name(case: dict) -> str:
+    if case["op"] == "kda":
+        return f"kda {case['backend']} H{case['H']} K{case['K']} V{case['V']}"
+    return f"dsa H{case['H']} D{case['D']}/{case['DV']} idx {case['Hi']}x{case['Di']} kpool{case['kpool']} top{case['topk']}"
+
+
+def _run_case(case: dict) -> None:
+    """Forward and backward of one op through its public launch code, on CPU tensors."""
+    g = torch.Generator().manual_seed(0)
+    if case["op"] == "kda":
+        from genome_lm_kernels.kda.triton import kda_triton
+
+        B, T, H, K, V = 1, case["T"], case["H"], case["K"], case["V"]
+        q, k, gg = (torch.randn(B, T, H, K, generator=g) for _ in range(3))
+        v = torch.randn(B, T, H, V, generator=g).bfloat16()
+        beta = torch.rand(B, T, H, generator=g)
+        leaves = [x.requires_grad_() for x in (q, k, v, gg, beta)]
+        o, S = kda_triton(*leaves, K**-0.5, None, exact=case["backend"] == "triton-fp32")
+        torch.autograd.grad((o.sum() + S.sum()), leaves)
+        return
+    from genome_lm_kernels.dsa import triton as dsa_triton
+
+    B, T, H = 1, case["T"], case["H"]
+    q = torch.randn(B, T, H, case["D"], generator=g).bfloat16().requires_grad_()
+    k = torch.randn(B, T, H, case["D"], generator=g).bfloat16().requires_grad_()
+    v = torch.randn(B, T, H, case["DV"], generator=g).bfloat16().requires_grad_()
+    S = case["topk"] + case["kpool"] - 1
+    idx = torch.randint(0, T, (B, T, S), generator=g)
+    o, lse = dsa_triton.sparse_attention(q, k, v, idx, scale=case["D"] ** -0.5)
+    torch.autograd.grad(o.float().sum(), (q, k, v))
+    N = T // case["kpool"]
+    qi = torch.randn(B, 64, case["Hi"], case["Di"], generator=g).bfloat16()
+    kp = torch.randn(B, N, case["Di"], generator=g).bfloat16()
+    w = torch.randn(B, 64, case["Hi"], generator=g)
+    dsa_triton.pool_scores_chunk(qi, kp, w, 0, case["Di"] ** -0.5, case["kpool"])
+
+
+def check(targets: list[str], cases: list[dict], cache_dir: str | None = None) -> list[KernelReport]:
+    """Compile every kernel of ``cases`` for each target. A fresh Triton cache (unless
+    ``cache_dir``) makes the compile times real."""
+    reports: list[KernelReport] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["TRITON_CACHE_DIR"] = cache_dir or tmp
+        for target in targets:
+            for case in cases:
+                with compiling_for(target, case_name(case), reports):
+                    _run_case(case)
+    return reports
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", action="append", choices=sorted(TARGETS), required=True)
+    parser.add_argument("--ops", default="kda,dsa", help="comma-separated: kda, dsa")
+    parser.add_argument("--kda-heads", default=None, help="only these KDA head counts (e.g. 8)")
+    parser.add_argument("--kda-backends", default=None, help="only these KDA backends (triton, triton-fp32)")
+    parser.add_argument("--dsa-heads", default=None, help="only these DSA head counts")
+    parser.add_argument("--json", default=None, help="write the reports here")
+    args = parser.parse_args(argv)
+    ops = set(args.ops.split(","))
+    cases = (kda_cases() if "kda" in ops else []) + (dsa_cases() if "dsa" in ops else [])
+
+    def keep(case):
+        if case["op"] == "kda":
+            return ((args.kda_heads is None or str(case["H"]) in args.kda_heads.split(","))
+                    and (args.kda_backends is None or case["backend"] in args.kda_backends.split(",")))
+        return args.dsa_heads is None or str(case["H"]) in args.dsa_heads.split(",")
+
+    reports = check(args.target, [c for c in cases if keep(c)])
+    rows = [dict(asdict(r), problems=r.problems) for r in reports]
+    text = json.dumps(rows, indent=1)
+    if args.json:
+        Path(args.json).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
