@@ -256,13 +256,20 @@ def bench_kernels(
     op: Annotated[str, typer.Option(help="Which ops: kda, dsa or all.")] = "all",
     backward: Annotated[bool, typer.Option(help="Time KDA forward+backward too (slow for the reference).")] = True,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write every row, all fields, to this file.")] = None,
+    compile_for: Annotated[Optional[str], typer.Option(
+        help="Instead of timing: compile every Triton kernel for these GPU targets (sm_90, sm_100; no GPU "
+             "needed) at the shipped configs' per-rank shapes and report shared memory, registers, spills, "
+             "tensor-core instructions and compile time. Exits 1 if a kernel would not launch or spills.")] = None,
 ) -> None:
     """KDA chunked vs its token-by-token reference (and transformers' torch fallback); DSA sparse vs dense masked attention: time and peak memory on this machine, with the ratio to the baseline."""
     import json
 
-    lengths = tuple(parse_size(x) for x in seq_lens.split(","))
     if op not in ("kda", "dsa", "all"):
         raise typer.BadParameter("choose kda, dsa or all", param_hint="--op")
+    if compile_for:
+        _compile_check(compile_for, op, json_out)
+        return
+    lengths = tuple(parse_size(x) for x in seq_lens.split(","))
     results = {}
     if op in ("kda", "all"):
         from genome_lm_kernels.kda.bench import bench as bench_kda
@@ -289,6 +296,33 @@ def bench_kernels(
                      "note": "note"})
     if json_out:
         json_out.write_text(json.dumps(results, indent=1, default=str) + "\n")
+
+
+def _compile_check(targets: str, op: str, json_out: Path | None) -> None:
+    import json
+
+    from genome_lm_kernels.compile_check import TARGETS, run_in_subprocess
+
+    names = [t.strip() for t in targets.split(",") if t.strip()]
+    unknown = [t for t in names if t not in TARGETS]
+    if unknown or not names:
+        raise typer.BadParameter(f"unknown target {', '.join(unknown) or targets!r}; choose from {', '.join(TARGETS)}",
+                                 param_hint="--compile-for")
+    with console.status(f"compiling every kernel for {', '.join(names)} (about a minute per target)"):
+        rows = run_in_subprocess(names, "kda,dsa" if op == "all" else op)
+    for row in rows:
+        row["problem"] = "; ".join(row["problems"]) or ("spills (fp32 parity mode)" if row["local_bytes"] else "")
+    _print_rows("Triton kernels compiled for the target (nothing launched)", rows,
+                {"target": "target", "case": "op and shape", "kernel": "kernel", "shared_bytes": "shared B",
+                 "registers": "regs", "local_bytes": "spill B", "mma": "tensor-core ops", "compile_s": "compile s",
+                 "problem": "note"})
+    if json_out:
+        json_out.write_text(json.dumps(rows, indent=1) + "\n")
+    bad = [r for r in rows if r["problems"]]
+    if bad:
+        Console(stderr=True).print(f"{len(bad)} kernel(s) would not launch or would spill on the target "
+                                   "(see the note column)", highlight=False)
+        raise typer.Exit(1)
 
 
 @bench_app.command("model")

@@ -50,13 +50,15 @@ class KernelReport:
     num_warps: int
     num_stages: int
     mma: int  # tensor-core instructions in the PTX (wgmma / mma / tcgen05.mma); 0: CUDA cores only
+    parity_only: bool = False  # the fp32 parity mode: spills are reported, not a failure
 
     @property
     def problems(self) -> list[str]:
+        """What stops the kernel from launching or running at speed on the target."""
         out = []
         if self.shared_bytes > SHARED_LIMIT[TARGETS[self.target]]:
             out.append(f"shared memory {self.shared_bytes:,} B > {SHARED_LIMIT[TARGETS[self.target]]:,} B")
-        if self.local_bytes:
+        if self.local_bytes and not self.parity_only:
             out.append(f"{self.local_bytes} B of local memory per thread (spills)")
         return out
 
@@ -115,7 +117,7 @@ def resource_usage(cubin: bytes) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def compiling_for(target: str, case: str, reports: list[KernelReport]):
+def compiling_for(target: str, case: str, reports: list[KernelReport], parity_only: bool = False):
     """Within the block, kernel launches compile for ``target`` (e.g. "sm_90") and append a
     KernelReport per distinct compiled kernel to ``reports``; nothing is launched."""
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -138,7 +140,7 @@ def compiling_for(target: str, case: str, reports: list[KernelReport]):
             mma = len(re.findall(r"^\s*(?:@%p\d+\s+)?(?:wgmma\.mma_async|mma\.sync|tcgen05\.mma)\b",
                                  kernel.asm["ptx"], re.M))
             reports.append(KernelReport(target, case, name, kernel.metadata.shared, regs, local, round(seconds, 2),
-                                        kernel.metadata.num_warps, kernel.metadata.num_stages, mma))
+                                        kernel.metadata.num_warps, kernel.metadata.num_stages, mma, parity_only))
         return kernel
 
     previous = driver._active  # None on a machine without a GPU (reset_active would fail there)
@@ -160,14 +162,19 @@ def kda_cases(T: int = 2048) -> list[dict]:
 
 
 def dsa_cases(T: int = 4096) -> list[dict]:
-    """DSA at glm5_next's sizes: MLA 64 heads (TP 1) and 8 (TP 8) with qk 256 / v 256; the indexer
-    32 heads x 128, k-pool 4, top-k 2048."""
-    return [dict(op="dsa", H=H, D=256, DV=256, T=T, Hi=32, Di=128, kpool=4, topk=2048) for H in (64, 8)]
+    """DSA at glm5_next's sizes, 64 heads (TP 1) and 8 (TP 8): the attention over the selected
+    tokens on the shared 512-channel latent (absorbed MLA, both precisions) and per head with
+    qk 256 / v 256 (the non-absorbed kernels); the indexer 32 heads x 128, k-pool 4, top-k 2048."""
+    mla = [dict(op="mla", H=H, D=512, DV=512, T=T, topk=2048, kpool=4, backend=b)
+           for H in (64, 8) for b in ("triton", "triton-fp32")]
+    return mla + [dict(op="dsa", H=H, D=256, DV=256, T=T, Hi=32, Di=128, kpool=4, topk=2048) for H in (64, 8)]
 
 
 def case_name(case: dict) -> str:
     if case["op"] == "kda":
         return f"kda {case['backend']} H{case['H']} K{case['K']} V{case['V']}"
+    if case["op"] == "mla":
+        return f"sparse mla {case['backend']} H{case['H']} D{case['D']}/{case['DV']} top{case['topk']}"
     return f"dsa H{case['H']} D{case['D']}/{case['DV']} idx {case['Hi']}x{case['Di']} kpool{case['kpool']} top{case['topk']}"
 
 
@@ -184,6 +191,16 @@ def _run_case(case: dict) -> None:
         leaves = [x.requires_grad_() for x in (q, k, v, gg, beta)]
         o, S = kda_triton(*leaves, K**-0.5, None, exact=case["backend"] == "triton-fp32")
         torch.autograd.grad((o.sum() + S.sum()), leaves)
+        return
+    if case["op"] == "mla":
+        from genome_lm_kernels.dsa.triton_mla import sparse_mla
+
+        B, T, H = 1, case["T"], case["H"]
+        q = torch.randn(B, T, H, case["D"], generator=g).bfloat16().requires_grad_()
+        kv = torch.randn(B, T, case["D"], generator=g).bfloat16().requires_grad_()
+        idx = torch.randint(0, T, (B, T, case["topk"] + case["kpool"] - 1), generator=g)
+        o, lse = sparse_mla(q, kv, idx, scale=case["D"] ** -0.5, dv=case["DV"], exact=case["backend"] == "triton-fp32")
+        torch.autograd.grad(o.float().sum(), (q, kv))
         return
     from genome_lm_kernels.dsa import triton as dsa_triton
 
@@ -210,9 +227,29 @@ def check(targets: list[str], cases: list[dict], cache_dir: str | None = None) -
         os.environ["TRITON_CACHE_DIR"] = cache_dir or tmp
         for target in targets:
             for case in cases:
-                with compiling_for(target, case_name(case), reports):
+                with compiling_for(target, case_name(case), reports, case.get("backend") == "triton-fp32"):
                     _run_case(case)
     return reports
+
+
+def run_in_subprocess(targets: list[str], ops: str = "kda,dsa", *, kda_heads: str | None = None,
+                      kda_backends: str | None = None, dsa_heads: str | None = None,
+                      timeout_s: int = 3600) -> list[dict]:
+    """``check`` in a fresh Python without TRITON_INTERPRET (tests and the CLI may have it set);
+    returns the report rows as dicts, each with its ``problems``."""
+    args = [sys.executable, "-m", "genome_lm_kernels.compile_check", "--ops", ops]
+    for t in targets:
+        args += ["--target", t]
+    for flag, value in (("--kda-heads", kda_heads), ("--kda-backends", kda_backends), ("--dsa-heads", dsa_heads)):
+        if value:
+            args += [flag, value]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "reports.json"
+        proc = subprocess.run(args + ["--json", str(out)], env=env, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode not in (0, 1) or not out.exists():  # 1: it ran, and some kernel has a problem
+            raise RuntimeError(f"the compile check failed:\n{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,20 +263,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ops = set(args.ops.split(","))
     cases = (kda_cases() if "kda" in ops else []) + (dsa_cases() if "dsa" in ops else [])
+    if "mla" in ops and "dsa" not in ops:
+        cases += [c for c in dsa_cases() if c["op"] == "mla"]
 
     def keep(case):
         if case["op"] == "kda":
             return ((args.kda_heads is None or str(case["H"]) in args.kda_heads.split(","))
                     and (args.kda_backends is None or case["backend"] in args.kda_backends.split(",")))
-        return args.dsa_heads is None or str(case["H"]) in args.dsa_heads.split(",")
+        return ((args.dsa_heads is None or str(case["H"]) in args.dsa_heads.split(","))
+                and (args.kda_backends is None or case.get("backend", "triton") in args.kda_backends.split(",")))
 
     reports = check(args.target, [c for c in cases if keep(c)])
     rows = [dict(asdict(r), problems=r.problems) for r in reports]
-    text = json.dumps(rows, indent=1)
     if args.json:
-        Path(args.json).write_text(text)
-    print(text)
-    return 0
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    for r in rows:
+        print(f"{r['target']:7} {r['case']:34} {r['kernel']:20} shared {r['shared_bytes']:>7,} B  regs {r['registers']:>3}"
+              f"  local {r['local_bytes']:>5} B  mma {r['mma']:>3}  {r['compile_s']:>5.1f} s  {'; '.join(r['problems'])}")
+    return 1 if any(r["problems"] for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ the KDA kernels, run the DSA ops' Triton kernels):
         -> idx [B,T,S] int64 (-1 = empty slot), valid [B,T,S] bool;  S = topk + kpool - 1
     sparse_attention(q [B,T,H,Dqk], k [B,T,H,Dqk], v [B,T,H,Dv], idx [B,T,S], *, scale,
                      backend, chunk=64) -> o [B,T,H,Dv], lse [B,T,H]
+    sparse_mla(q [B,T,H,D], kv [B,T,D], idx [B,T,S], *, scale, dv, backend, chunk=64)
+        -> o [B,T,H,dv], lse [B,T,H]   (absorbed MLA: keys kv, values kv[..., :dv], shared by the heads)
     indexer_loss(q_idx, k_idx, w_idx, q, k, idx=None, *, gate=None, ape=None, kpool,
                  idx_scale=None, scale, backend, chunk=64) -> scalar KL loss
         (idx=None: dense warm-up mode; idx from select_tokens: sparse mode)
@@ -26,8 +28,10 @@ from . import indexer as _indexer
 from . import loss as _loss
 from . import reference as _reference
 from . import sparse_attention as _sparse
+from . import mla as _mla
 
-__all__ = ["select_tokens", "sparse_attention", "indexer_loss", "pool_keys", "selection_pools", "selection_tokens"]
+__all__ = ["select_tokens", "sparse_attention", "sparse_mla", "indexer_loss", "pool_keys", "selection_pools",
+           "selection_tokens"]
 
 pool_keys = _indexer.pool_keys
 # a selection's compact form (int32 pool ids) and back, for keeping it across recompute
@@ -39,6 +43,25 @@ def _path(backend: str) -> str:
     """The DSA kernels for a model-wide backend name: "triton-fp32" and "fla" pick KDA kernels
     (the exact mode, fla-core's chunk_kda); DSA runs its own Triton kernels under both."""
     return "triton" if backend in ("triton-fp32", "fla") else backend
+
+
+def sparse_mla(q_BTHD, kv_BTD, idx_BTS, *, scale: float, dv: int, backend: str, chunk: int = 64):
+    """Attention of each query's heads over its selected rows of a latent shared by the heads
+    (``mla.py``): keys kv, values kv[..., :dv]. lse is fp32 (fp64 for fp64 inputs on the
+    torch and reference paths). "triton" runs the products on tensor cores (bf16 operands),
+    "triton-fp32" in fp32."""
+    if not 0 < dv <= kv_BTD.shape[-1] or q_BTHD.shape[-1] != kv_BTD.shape[-1]:
+        raise ValueError(f"sparse_mla needs q [..., D] and kv [..., D] with 0 < dv <= D; got q {tuple(q_BTHD.shape)}, "
+                         f"kv {tuple(kv_BTD.shape)}, dv {dv}")
+    if backend == "reference":
+        return _mla.sparse_mla_reference(q_BTHD, kv_BTD, idx_BTS, scale=scale, dv=dv)
+    if backend == "torch":
+        return _mla.sparse_mla(q_BTHD, kv_BTD, idx_BTS, scale=scale, dv=dv, chunk=chunk)
+    if backend in ("triton", "triton-fp32", "fla"):
+        from . import triton_mla
+
+        return triton_mla.sparse_mla(q_BTHD, kv_BTD, idx_BTS, scale=scale, dv=dv, exact=backend == "triton-fp32")
+    raise ValueError(f"unknown backend {backend!r}")
 
 
 def select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate_BTD=None, ape_KD=None, *, kpool: int, topk: int,

@@ -1,18 +1,26 @@
 """Triton kernels: sparse attention forward and backward, and chunked indexer pool scores.
 
-One program per (query, head) for attention, looping over the query's index slots in blocks
-of BLOCK_S with an online softmax; backward recomputes probabilities from the saved lse and
-scatters dk, dv with fp32 atomics. One program per (query, block of pools) for the indexer.
+Attention (the non-absorbed form, per-head keys): one program per (query, head), looping over
+the query's index slots in blocks of BLOCK_S with an online softmax; backward recomputes
+probabilities from the saved lse and scatters dk, dv with fp32 atomics. Per query and head this
+is a matrix-vector product no other head shares, so it runs on CUDA cores; the tensor-core form
+of the same attention is ``triton_mla.py`` (absorbed MLA, keys shared by the heads).
+
+Indexer: one program per (block of queries, block of pools); the (query, head) rows against the
+pool keys are one matrix product (tensor cores for bf16 inputs).
 Inputs fp32 / bf16 / fp16 (fp64 is refused: the kernels accumulate in fp32). They run on CPU
-tensors under TRITON_INTERPRET=1 (tests); the GPU tuning (tl.dot over head groups, block
-sizes) is not done yet.
+tensors under TRITON_INTERPRET=1 (tests).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+from genome_lm_kernels.kda.triton_fwd import mm
 
 
 def _check(*xs):
@@ -123,7 +131,7 @@ class TritonSparseAttention(torch.autograd.Function):
         dk = torch.zeros(k_BTHD.shape, dtype=torch.float32, device=q_BTHD.device)
         dv = torch.zeros(v_BTHD.shape, dtype=torch.float32, device=q_BTHD.device)
         _attn_bwd[(B * T, H)](q_BTHD, k_BTHD, v_BTHD, idx_BTS, do_BTHD, lse_BTH, delta_BTH, dq, dk, dv,
-                              T, H, S, ctx.scale, D=D, DV=DV, BLOCK_S=_block(min(S, 64)),
+                              T, H, S, ctx.scale, D=D, DV=DV, BLOCK_S=_block(min(S, 64 if max(D, DV) <= 128 else 16)),
                               BLOCK_D=_block(D), BLOCK_DV=_block(DV))
         return dq.to(q_BTHD.dtype), dk.to(k_BTHD.dtype), dv.to(v_BTHD.dtype), None, None
 
@@ -135,25 +143,34 @@ def sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, *, scale: float):
 
 @triton.jit
 def _pool_scores(q, kp, w, out, t0, C, N, H, scale, KPOOL: tl.constexpr, D: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    bc = tl.program_id(0).to(tl.int64)  # (batch, query in chunk)
-    b = bc // C
-    t = t0 + bc % C
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+                 BQ: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, DOT: tl.constexpr):
+    """Scores of BQ queries x BN pools: all BQ * HP (query, head) rows against the pool keys as one
+    matrix product, then ReLU, the head weights and the sum over heads."""
+    b = tl.program_id(0).to(tl.int64)
+    qb, nb = tl.program_id(1), tl.program_id(2)
+    r = tl.arange(0, BQ * HP)
+    c = qb * BQ + r // HP  # query within the chunk
+    h = r % HP
+    ok = (c < C) & (h < H)
+    offs_d = tl.arange(0, BD)
+    offs_n = nb * BN + tl.arange(0, BN)
+    q_rd = tl.load(q + ((b * C + c) * H + h)[:, None] * D + offs_d[None, :],
+                   mask=ok[:, None] & (offs_d[None, :] < D), other=0.0)
     kp_nd = tl.load(kp + (b * N + offs_n[:, None]) * D + offs_d[None, :],
-                    mask=(offs_n[:, None] < N) & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for h in range(H):
-        q_d = tl.load(q + (bc * H + h) * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        w_h = tl.load(w + bc * H + h).to(tl.float32)
-        acc += tl.maximum(tl.sum(kp_nd * q_d[None, :], 1) * scale, 0.0) * w_h
-    visible = offs_n * KPOOL + (KPOOL - 1) <= t
-    tl.store(out + bc * N + offs_n, tl.where(visible, acc, float("-inf")), mask=offs_n < N)
+                    mask=(offs_n[:, None] < N) & (offs_d[None, :] < D), other=0.0)
+    w_r = tl.load(w + (b * C + c) * H + h, mask=ok, other=0.0).to(tl.float32)
+    s = tl.maximum(mm(q_rd, tl.trans(kp_nd), DOT) * scale, 0.0) * w_r[:, None]  # [BQ * HP, BN]
+    scores = tl.sum(tl.reshape(s, [BQ, HP, BN]), axis=1)  # [BQ, BN]
+    cq = qb * BQ + tl.arange(0, BQ)
+    visible = offs_n[None, :] * KPOOL + (KPOOL - 1) <= (t0 + cq)[:, None]
+    tl.store(out + (b * C + cq)[:, None] * N + offs_n[None, :], tl.where(visible, scores, float("-inf")),
+             mask=(cq < C)[:, None] & (offs_n[None, :] < N))
 
 
 def pool_scores_chunk(q_BCHD, kp_BND, w_BCH, t0: int, scale: float, kpool: int):
-    """Triton version of ``indexer.pool_scores_chunk``: [B, C, N] fp32, -inf where invisible."""
+    """Triton version of ``indexer.pool_scores_chunk``: [B, C, N] fp32, -inf where invisible.
+    The products run in the inputs' precision: bf16 operands for bf16 (tensor cores), fp32
+    ("ieee") for fp32 inputs, so a selection does not change with the backend."""
     _check(q_BCHD, kp_BND, w_BCH)
     q_BCHD, kp_BND, w_BCH = q_BCHD.contiguous(), kp_BND.contiguous(), w_BCH.contiguous()
     B, C, H, D = q_BCHD.shape
@@ -161,7 +178,14 @@ def pool_scores_chunk(q_BCHD, kp_BND, w_BCH, t0: int, scale: float, kpool: int):
     out = torch.empty(B, C, N, dtype=torch.float32, device=q_BCHD.device)
     if N == 0:
         return out
-    BLOCK_N = min(_block(N), 128)
-    _pool_scores[(B * C, triton.cdiv(N, BLOCK_N))](q_BCHD, kp_BND, w_BCH, out, t0, C, N, H, scale,
-                                                  KPOOL=kpool, D=D, BLOCK_N=BLOCK_N, BLOCK_D=_block(D))
+    HP = triton.next_power_of_2(H)
+    BQ = max(1, 64 // HP)  # 64 (query, head) rows per product (HP rows when the heads are more)
+    BN = min(_block(N, 16), 64)
+    if q_BCHD.dtype == torch.float32:
+        dot = "ieee"
+    else:
+        dot = "bf16-emulated" if os.environ.get("TRITON_INTERPRET") == "1" else "bf16"
+    _pool_scores[(B, triton.cdiv(C, BQ), triton.cdiv(N, BN))](
+        q_BCHD, kp_BND, w_BCH, out, t0, C, N, H, scale, KPOOL=kpool, D=D, BQ=BQ, HP=HP, BN=BN,
+        BD=_block(D), DOT=dot, num_warps=4)
     return out
