@@ -19,57 +19,11 @@ import json
 import os
 
 
-def step_peak(run, T: int) -> dict:
-    import torch
-
-    from genome_lm.engine.parallel import ParallelSizes, parallel_context
-    from genome_lm.model.model import build_model
-    from genome_lm.plan.memory_model import model_config
-    from genome_lm.train.loss import lm_loss
-    from genome_lm.train.memory import apply_memory, offload_saved_tensors, release_host_cache
-
-    impl = run.model.transformer_impl
-    if impl == "auto":
-        try:
-            import transformer_engine  # noqa: F401
-            impl = "transformer_engine"
-        except ImportError:
-            impl = "local"
-    with parallel_context() as pg:
-        torch.manual_seed(0)
-        model = build_model(model_config(run), pg, ParallelSizes(), transformer_impl=impl, kernel_backend="auto",
-                            dtype=torch.bfloat16, device="cuda")
-        apply_memory(model, run.memory)
-        ids = torch.randint(4, 8, (1, T + 1), device="cuda")
-        weights = torch.ones(1, T, device="cuda")
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        with offload_saved_tensors(run.memory.offload_activations, run.memory.offload_pinned):
-            out = model(ids[:, :-1], indexer_loss=run.train.indexer_loss)
-            parts = lm_loss(out.logits, ids[:, 1:], weights, global_weight=weights.sum(),
-                            indexer_losses=out.indexer_losses)
-            parts.total.backward()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-        release_host_cache()
-        del model, out, parts
-        torch.cuda.empty_cache()
-    return {"seq_len": T, "measured_bytes": peak}
-
-
-def planned(run) -> float:
-    from genome_lm.plan.memory_model import Hardware, estimate
-
-    plan = estimate(run, Hardware(device="gpu"))
-    activations = next(i.bytes for i in plan.device if i.name.startswith("activations"))
-    return activations + plan.params_local * 2  # bf16 .grad
-
-
 def main() -> None:
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     from genome_lm.cli import parse_size
     from genome_lm.config import load_config
+    from genome_lm.plan.measure import measure_gpu_step, planned_gpu_step
     from genome_lm.plan.memory_model import with_changes
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -84,9 +38,9 @@ def main() -> None:
         import torch
 
         run = with_changes(base, data={"seq_len": T})
-        want = planned(run)
+        want = planned_gpu_step(run)
         try:
-            row = {**step_peak(run, T), "planned_bytes": want}
+            row = {"seq_len": T, "measured_bytes": measure_gpu_step(run), "planned_bytes": want}
         except torch.cuda.OutOfMemoryError:  # the plan said so when planned > free memory
             free = torch.cuda.mem_get_info()[1]
             rows.append({"seq_len": T, "planned_bytes": want, "measured_bytes": None})

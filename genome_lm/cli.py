@@ -497,6 +497,47 @@ def export(
     console.print(f"wrote {path}", highlight=False)
 
 
+@app.command()
+def preflight(
+    out: Annotated[Path, typer.Option(help="Where to write the JSON report (rewritten after each section).")] = Path(
+        "preflight.json"),
+    only: Annotated[Optional[str], typer.Option(
+        help="Comma-separated sections: environment, compile, parity, speed, slice, resume.")] = None,
+    dataset: Annotated[Optional[Path], typer.Option(
+        help="A prepared dataset for the resume check (default: a small random one, which needs pysam).")] = None,
+    quick: Annotated[bool, typer.Option(help="Time 32k only (the full check times 32k and 128k).")] = False,
+) -> None:
+    """Check one GPU before booking a cluster: versions, the kernels compiled for this GPU, each kernel against its reference at real shapes, KDA and DSA speed against fla and flash attention, the 4-layer slice's peak memory against the plan, and resume through the real trainer. On a CPU the same checks run at tiny shapes under Triton's interpreter."""
+    import torch
+
+    from genome_lm.preflight import SECTIONS, run_preflight
+
+    sections = tuple(x.strip() for x in only.split(",")) if only else SECTIONS
+    unknown = [x for x in sections if x not in SECTIONS]
+    if unknown:
+        raise typer.BadParameter(f"unknown section {', '.join(unknown)}; choose from {', '.join(SECTIONS)}",
+                                 param_hint="--only")
+    if dataset is not None and not (dataset / "manifest.json").exists():
+        _fail(GenomeLMError(f"{dataset}: not a prepared dataset (no manifest.json); make one with genome-lm prepare"))
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"  # read by triton when its kernels are defined: before any import
+        console.print("no GPU: running at tiny shapes under Triton's interpreter (a check that every path runs)")
+    status = {"ok": "[green]ok[/]", "fail": "[bold red]FAIL[/]", "skip": "[yellow]skipped[/]"}
+
+    def show(section) -> None:
+        console.print(f"{section.name}: {status[section.status]} ({section.seconds:.0f} s) {section.note}",
+                      highlight=False)
+        if section.rows:
+            keys = [k for k in dict.fromkeys(k for r in section.rows for k in r) if k != "errors"]
+            _print_rows(f"preflight: {section.name}", section.rows, {k: k for k in keys})
+
+    report = run_preflight(out, only=sections, dataset=dataset, quick=quick, on_section=show)
+    failed = [s["name"] for s in report["sections"] if s["status"] == "fail"]
+    console.print(f"wrote {out}" + (f"; failed: {', '.join(failed)}" if failed else "; nothing failed"), highlight=False)
+    if failed:
+        raise typer.Exit(1)
+
+
 # hardware planner (issue 7): genome_lm/plan/commands.py
 from genome_lm.plan import commands as _plan_commands  # noqa: E402
 

@@ -219,12 +219,13 @@ def _run_case(case: dict) -> None:
     dsa_triton.pool_scores_chunk(qi, kp, w, 0, case["Di"] ** -0.5, case["kpool"])
 
 
-def check(targets: list[str], cases: list[dict], cache_dir: str | None = None) -> list[KernelReport]:
-    """Compile every kernel of ``cases`` for each target. A fresh Triton cache (unless
-    ``cache_dir``) makes the compile times real."""
+def check(targets: list[str], cases: list[dict], use_triton_cache: bool = False) -> list[KernelReport]:
+    """Compile every kernel of ``cases`` for each target. A fresh Triton cache makes the compile
+    times real; ``use_triton_cache`` compiles into (and reuses) Triton's own cache instead."""
     reports: list[KernelReport] = []
     with tempfile.TemporaryDirectory() as tmp:
-        os.environ["TRITON_CACHE_DIR"] = cache_dir or tmp
+        if not use_triton_cache:
+            os.environ["TRITON_CACHE_DIR"] = tmp
         for target in targets:
             for case in cases:
                 with compiling_for(target, case_name(case), reports, case.get("backend") == "triton-fp32"):
@@ -234,7 +235,7 @@ def check(targets: list[str], cases: list[dict], cache_dir: str | None = None) -
 
 def run_in_subprocess(targets: list[str], ops: str = "kda,dsa", *, kda_heads: str | None = None,
                       kda_backends: str | None = None, dsa_heads: str | None = None,
-                      timeout_s: int = 3600) -> list[dict]:
+                      use_triton_cache: bool = False, timeout_s: int = 3600) -> list[dict]:
     """``check`` in a fresh Python without TRITON_INTERPRET (tests and the CLI may have it set);
     returns the report rows as dicts, each with its ``problems``."""
     args = [sys.executable, "-m", "genome_lm_kernels.compile_check", "--ops", ops]
@@ -243,6 +244,8 @@ def run_in_subprocess(targets: list[str], ops: str = "kda,dsa", *, kda_heads: st
     for flag, value in (("--kda-heads", kda_heads), ("--kda-backends", kda_backends), ("--dsa-heads", dsa_heads)):
         if value:
             args += [flag, value]
+    if use_triton_cache:
+        args.append("--use-triton-cache")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "reports.json"
@@ -260,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kda-backends", default=None, help="only these KDA backends (triton, triton-fp32)")
     parser.add_argument("--dsa-heads", default=None, help="only these DSA head counts")
     parser.add_argument("--json", default=None, help="write the reports here")
+    parser.add_argument("--use-triton-cache", action="store_true",
+                        help="compile into Triton's own cache (warm: cache hits) instead of a fresh one")
     args = parser.parse_args(argv)
     ops = set(args.ops.split(","))
     cases = (kda_cases() if "kda" in ops else []) + (dsa_cases() if "dsa" in ops else [])
@@ -273,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         return ((args.dsa_heads is None or str(case["H"]) in args.dsa_heads.split(","))
                 and (args.kda_backends is None or case.get("backend", "triton") in args.kda_backends.split(",")))
 
-    reports = check(args.target, [c for c in cases if keep(c)])
+    reports = check(args.target, [c for c in cases if keep(c)], use_triton_cache=args.use_triton_cache)
     rows = [dict(asdict(r), problems=r.problems) for r in reports]
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

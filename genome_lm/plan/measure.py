@@ -193,6 +193,60 @@ def measure_step(run, threads: int = 1, timeout: float = 600) -> Measured:
     return Measured(**json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
+def measure_gpu_step(run, device: str = "cuda") -> int:
+    """Bytes one forward + backward of ``run``'s model (random weights, bf16, the config's kernel
+    backend and memory switches, as the trainer applies them) adds on a GPU: the allocator's
+    peak during the step (``torch.cuda.max_memory_allocated``) minus what was allocated before
+    it (the parameters). Gradients stay plain bf16 ``.grad`` tensors (see ``planned_gpu_step``)."""
+    import torch
+
+    from genome_lm.engine.parallel import ParallelSizes, parallel_context
+    from genome_lm.model.model import build_model
+    from genome_lm.plan.memory_model import model_config
+    from genome_lm.train.loss import lm_loss
+    from genome_lm.train.memory import apply_memory, offload_saved_tensors, release_host_cache
+
+    impl = run.model.transformer_impl
+    if impl == "auto":
+        try:
+            import transformer_engine  # noqa: F401
+            impl = "transformer_engine"
+        except ImportError:
+            impl = "local"
+    T = run.data.seq_len
+    with parallel_context() as pg:
+        torch.manual_seed(0)
+        model = build_model(model_config(run), pg, ParallelSizes(), transformer_impl=impl,
+                            kernel_backend=run.model.kernel_backend, dtype=torch.bfloat16, device=device)
+        apply_memory(model, run.memory)
+        ids = torch.randint(4, 8, (1, T + 1), device=device)
+        weights = torch.ones(1, T, device=device)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with offload_saved_tensors(run.memory.offload_activations, run.memory.offload_pinned):
+            out = model(ids[:, :-1], indexer_loss=run.train.indexer_loss)
+            parts = lm_loss(out.logits, ids[:, 1:], weights, global_weight=weights.sum(),
+                            indexer_losses=out.indexer_losses)
+            parts.total.backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        release_host_cache()
+        del model, out, parts
+        torch.cuda.empty_cache()
+    return peak
+
+
+def planned_gpu_step(run) -> float:
+    """The plan's figure for ``measure_gpu_step``: its activation peak plus the gradients as plain
+    bf16 ``.grad`` tensors (2 bytes per parameter; the trainer's megatron-core DDP keeps fp32)."""
+    from genome_lm.plan.memory_model import Hardware, estimate
+
+    plan = estimate(run, Hardware(device="gpu"))
+    activations = next(i.bytes for i in plan.device if i.name.startswith("activations"))
+    return activations + plan.params_local * 2
+
+
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
     print(json.dumps(_pipeline_worker(spec) if spec.get("pipeline") else _worker(spec)))

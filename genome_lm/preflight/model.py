@@ -1,0 +1,106 @@
+"""Preflight sections ``slice`` (a real-size step's peak against the plan) and ``resume``."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+PLAN_TOLERANCE = 0.15  # measured peak within 15% of the plan
+
+
+def slice_peak(ctx) -> tuple[list[dict], str]:
+    """GPU: the 4-layer slice of GLM-5.3-Flash (random weights, the shipped 1-GPU config's memory
+    switches), one forward+backward at 32k, ``torch.cuda.max_memory_allocated`` against the plan.
+    CPU: the tiny model at 2k through the planner's own CPU measurement (resident-set peak)."""
+    from genome_lm.config import load_config
+    from genome_lm.plan.memory_model import with_changes
+
+    if ctx.gpu:
+        from genome_lm.plan.measure import measure_gpu_step, planned_gpu_step
+
+        run = with_changes(load_config("glm-5.3-flash-4layer-1gpu", ["model.checkpoint=null"]), data={"seq_len": 32768})
+        planned = planned_gpu_step(run)
+        measured = measure_gpu_step(run)
+        what = "glm-5.3-flash-4layer, 32k tokens, bf16, the 1-GPU config's memory switches"
+    else:
+        from genome_lm.plan.measure import measure_step
+        from genome_lm.plan.sweep import predicted_step
+
+        run = with_changes(load_config("demo-cpu", ["train.global_batch_size=1"]), data={"seq_len": 2048})
+        planned = predicted_step(run)
+        measured = measure_step(run).peak_bytes
+        what = "tiny, 2k tokens, fp32 (resident-set peak of a fresh process)"
+    ratio = measured / planned
+    row = {"model": what, "planned_gib": planned / 2**30, "measured_gib": measured / 2**30,
+           "measured_over_plan": ratio, "ok": abs(ratio - 1) <= PLAN_TOLERANCE}
+    return [row], f"measured within {PLAN_TOLERANCE:.0%} of the plan" if row["ok"] else "plan and measurement disagree"
+
+
+def _dataset(ctx):
+    """A small prepared dataset of random DNA (needs pysam for the FASTA), or the one given."""
+    from . import Skip
+
+    if ctx.dataset is not None:
+        return ctx.dataset
+    try:
+        import pysam  # noqa: F401
+    except ImportError:
+        raise Skip("pysam is not installed, so no dataset can be prepared here: pip install pysam, "
+                   "or pass --dataset with a folder made by genome-lm prepare") from None
+    from genome_lm.data.prepare import PrepareRequest, prepare
+    from genome_lm.data.windows import WindowSpec
+
+    rng = np.random.default_rng(11)
+    root = ctx.work_dir / "data"
+    root.mkdir(parents=True, exist_ok=True)
+    fasta = root / "random.fa"
+    with fasta.open("w") as f:
+        for name, length in (("chr1", 12000), ("chr2", 6000), ("chr22", 3000)):
+            seq = "".join(rng.choice(list("ACGTacgt"), length))
+            f.write(f">{name}\n" + "\n".join(seq[i:i + 60] for i in range(0, length, 60)) + "\n")
+    spec = WindowSpec(2048, 2048, "keep", min_tail=100, max_n_frac=1.0)
+    prepare(PrepareRequest(fasta, root / "ds", ("chr1", "chr2"), ("chr22",), spec), workers=1, quiet=True,
+            cache_dir=root / "cache")
+    return root / "ds"
+
+
+def resume(ctx) -> tuple[list[dict], str]:
+    """The tiny model through the real trainer (on a GPU: bf16, Triton kernels, megatron-core's
+    distributed optimizer): 4 steps, and 2 steps then ``--resume`` for 2 more. The losses and
+    gradient norms must be the same bit for bit, or the difference explained: when two identical
+    4-step runs differ too (atomic additions in the sparse attention's backward add in a
+    different order each run), resuming may differ by no more than that."""
+    from genome_lm.config import load_config
+    from genome_lm.train.trainer import train
+
+    dataset = _dataset(ctx)
+
+    def config(out: str):
+        return load_config("demo-cpu", [
+            f"data.dataset={dataset}", f"train.out_dir={ctx.work_dir / out}", "train.steps=4", "train.save_every=2",
+            f"data.seq_len={1024 if ctx.gpu else 256}", "train.global_batch_size=2", "train.warmup_steps=1",
+            "train.indexer_dense_steps=1", f"model.dtype={'bf16' if ctx.gpu else 'fp32'}", "model.kernel_backend=auto"])
+
+    full = train(config("full"), progress=False)
+    part = train(config("part"), progress=False, max_steps=2)
+    rest = train(config("part"), progress=False, resume=True)
+    straight = [(m.loss, m.grad_norm) for m in full.history]
+    resumed = [(m.loss, m.grad_norm) for m in part.history + rest.history]
+    rows = [{"step": i + 1, "loss_straight": a[0], "loss_resumed": b[0], "grad_norm_straight": a[1],
+             "grad_norm_resumed": b[1]} for i, (a, b) in enumerate(zip(straight, resumed))]
+    if straight == resumed:
+        return rows, "bit-exact: the resumed run repeats the straight run's losses and gradient norms"
+    again = [(m.loss, m.grad_norm) for m in train(config("again"), progress=False).history]
+    run_to_run = _largest_gap(straight, again)
+    gap = _largest_gap(straight, resumed)
+    ok = run_to_run > 0 and gap <= 4 * run_to_run
+    rows.append({"step": "largest relative gap", "resumed_vs_straight": gap, "two_straight_runs": run_to_run, "ok": ok})
+    why = ("not bit-exact, explained: two identical straight runs differ by {:.1e} (the sparse attention's backward "
+           "adds with atomics, in a different order each run); resuming differs by {:.1e}").format(run_to_run, gap)
+    return rows, why if ok else f"resuming changes the run: {gap:.1e} against {run_to_run:.1e} between identical runs"
+
+
+def _largest_gap(a: list[tuple], b: list[tuple]) -> float:
+    return max((abs(x - y) / max(abs(y), 1e-12) for ra, rb in zip(a, b) for x, y in zip(ra, rb)
+                if math.isfinite(x) and math.isfinite(y)), default=0.0)
