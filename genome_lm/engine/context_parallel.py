@@ -136,6 +136,30 @@ def head_slice(n: int, group) -> slice:
     return slice(group.rank() * width, (group.rank() + 1) * width)
 
 
+class _GatherSequence(torch.autograd.Function):
+    """All-gather forward; backward: the summed gradient of every rank, this rank's zigzag part."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return gather_sequence(x, group, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return zigzag_split(grad, ctx.group.size(), ctx.group.rank(), ctx.dim), None, None
+
+
+def gather_sequence_with_grad(x: torch.Tensor, group, *, dim: int) -> torch.Tensor:
+    """``gather_sequence`` for an input that needs its gradient (the DSA layer's shared MLA latent,
+    which every CP rank attends over in full): each rank gets back the sum of all ranks'
+    gradients at its own positions."""
+    if group_size(group) == 1:
+        return x
+    return _GatherSequence.apply(x, group, dim)
+
+
 @torch.no_grad()
 def gather_sequence(x: torch.Tensor, group, *, dim: int) -> torch.Tensor:
     """The whole sequence in natural order from every CP rank's local part, without gradient

@@ -32,6 +32,9 @@ class BuildOptions:
         (``router.py``).
     moe_aux_loss: megatron-core's load-balancing type for it: "seq_aux_loss" (per sequence, as
         DeepSeek-V3) or "aux_loss" (per micro-batch).
+    absorbed_mla: the DSA layers attend over the shared MLA latent with absorbed queries
+        (``genome_lm_kernels.dsa.sparse_mla``, tensor cores on a GPU) instead of per-head keys
+        and values (``sparse_attention``); the same function, another order of products.
     """
 
     transformer_impl: TransformerImpl = "local"
@@ -39,6 +42,7 @@ class BuildOptions:
     dtype: torch.dtype = torch.float32
     moe_aux_loss_coeff: float = 0.0
     moe_aux_loss: Literal["seq_aux_loss", "aux_loss"] = "seq_aux_loss"
+    absorbed_mla: bool = False
 
     def spec_provider(self):
         if self.transformer_impl == "transformer_engine":

@@ -37,10 +37,11 @@ from torch import nn
 
 from genome_lm_kernels import dsa as dsa_ops
 
-from genome_lm.engine.context_parallel import gather_sequence, group_size, heads_per_rank, heads_to_seq, seq_to_heads
+from genome_lm.engine.context_parallel import (gather_sequence, gather_sequence_with_grad, group_size, head_slice,
+                                               heads_per_rank, heads_to_seq, seq_to_heads)
 
 from . import recompute_memo
-from .common import BuildOptions, RMSNorm, column_linear, replicated_linear, row_linear
+from .common import BuildOptions, RMSNorm, column_linear, replicated_linear, row_linear, tp_shared
 from .config import SHARED, ModelConfig
 from .specs import AttentionSubmodules, attention_submodules
 
@@ -89,6 +90,7 @@ class DSAAttention(nn.Module):
         self.query_chunk = 64
         # a recomputed forward replays the forward's selection (memory.dsa_keep_selection)
         self.keep_selection = True
+        self.absorbed = options.absorbed_mla  # attention over the shared latent (see _absorbed)
         self.heads = cfg.num_attention_heads // tp
         self.scale = cfg.qk_head_dim**-0.5
         dtype = options.dtype
@@ -118,8 +120,6 @@ class DSAAttention(nn.Module):
         q_resid = self.q_a_layernorm(self.q_a_proj(x_BSD))
         q = self.q_b_proj(q_resid.transpose(0, 1))[0].transpose(0, 1).unflatten(-1, (self.heads, cfg.qk_head_dim))
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x_BSD))
-        kv = self.kv_b_proj(latent.transpose(0, 1))[0].transpose(0, 1)
-        k, v = kv.unflatten(-1, (self.heads, -1)).split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
 
         loss = None
         if self.indexer is None:
@@ -142,20 +142,60 @@ class DSAAttention(nn.Module):
                     unpack=lambda p: dsa_ops.selection_tokens(p, kpool=cfg.index_kpool, topk=cfg.index_topk))
             else:
                 idx = select()
-        # context parallel: whole sequence, this CP rank's heads (identity without CP)
-        q, k, v = (seq_to_heads(t, cp, seq_dim=1, head_dim=2) for t in (q, k.contiguous(), v.contiguous()))
+        if self.absorbed:
+            attend, q_att, k_att, w_uk = self._absorbed(q, latent)
+        else:
+            (attend, q_att, k_att), w_uk = self._per_head(q, latent), None
         if self.indexer is not None and indexer_loss != "off":
             n = slice(None, indexer_tokens)
             loss = dsa_ops.indexer_loss(
-                q_i[:, n], k_i[:, n], w_i[:, n], q[:, n], k[:, n], idx[:, n] if indexer_loss == "sparse" else None,
+                q_i[:, n], k_i[:, n], w_i[:, n], q_att[:, n], k_att[:, n], idx[:, n] if indexer_loss == "sparse" else None,
                 gate_BTD=gate_i[:, n], ape_KD=self.indexer.index_kpool_compress_ape, kpool=cfg.index_kpool,
                 scale=self.scale, backend=self.backend, chunk=self.query_chunk,
-                reduce_target=self._sum_over_head_ranks if self._head_groups() else None) / group_size(cp)
-        o, _ = dsa_ops.sparse_attention(q, k, v, idx, scale=self.scale, backend=self.backend,
-                                        chunk=self.query_chunk)
-        o = heads_to_seq(o, cp, seq_dim=1, head_dim=2)
+                reduce_target=self._sum_over_head_ranks if self._head_groups() else None,
+                w_uk_HED=w_uk) / group_size(cp)
+        o = attend(idx)  # [B, S, heads, v_head_dim], this rank's tokens
         out = self.o_proj(o.reshape(B, S, -1).transpose(0, 1))[0]
         return DSAOutput(out, idx, loss)
+
+    def _per_head(self, q, latent):
+        """Keys and values per head from kv_b_proj; under context parallel, the whole sequence for
+        this rank's head group. Returns (attend(idx) -> o, the loss's q [B,T,h,qk] and k)."""
+        cfg, cp = self.cfg, self.cp_group
+        kv = self.kv_b_proj(latent.transpose(0, 1))[0].transpose(0, 1)
+        k, v = kv.unflatten(-1, (self.heads, -1)).split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        q, k, v = (seq_to_heads(t, cp, seq_dim=1, head_dim=2) for t in (q, k.contiguous(), v.contiguous()))
+
+        def attend(idx):
+            o, _ = dsa_ops.sparse_attention(q, k, v, idx, scale=self.scale, backend=self.backend,
+                                            chunk=self.query_chunk)
+            return heads_to_seq(o, cp, seq_dim=1, head_dim=2)
+
+        return attend, q, k
+
+    def _absorbed(self, q, latent):
+        """MLA absorbed: with kv_b_proj's rows per head W_UK [qk, C] and W_UV [v, C], the queries
+        q W_UK attend over the latent itself (shared by the heads, so a GPU kernel multiplies
+        [heads, C] by [C, slots] on tensor cores) and W_UV maps the result back. The op forms
+        q W_UK itself and forms it again in backward (C = 512 channels a head, q 256: never
+        saved); under context parallel q (not q W_UK) crosses the all-to-all. The latent is
+        replicated over tensor parallel (its gradient summed over the ranks, as kv_b_proj's input
+        would be) and gathered whole over context parallel (gradient back to its owners).
+        Returns (attend(idx) -> o, the loss's q and k, and W_UK of this rank's head group)."""
+        cfg, cp = self.cfg, self.cp_group
+        C = cfg.kv_lora_rank
+        W = self.kv_b_proj.weight.view(self.heads, cfg.qk_nope_head_dim + cfg.v_head_dim, C)
+        W_UK, W_UV = W[:, : cfg.qk_nope_head_dim], W[:, cfg.qk_nope_head_dim:]
+        w_uk = W_UK[head_slice(self.heads, cp)]  # the heads seq_to_heads gives this CP rank
+        q = seq_to_heads(q, cp, seq_dim=1, head_dim=2)
+        kv = gather_sequence_with_grad(tp_shared(latent, self.tp_group), cp, dim=1)  # [B, T, C]
+
+        def attend(idx):
+            o_lat, _ = dsa_ops.sparse_mla(q, kv, idx, scale=self.scale, dv=C, backend=self.backend,
+                                          chunk=self.query_chunk, w_uk_HED=w_uk)
+            return torch.einsum("bshc,hvc->bshv", heads_to_seq(o_lat, cp, seq_dim=1, head_dim=2), W_UV)
+
+        return attend, q, kv[:, :, None], w_uk  # the loss's k: one key head, shared
 
     def _head_groups(self) -> list:
         """The process groups over which the attention heads are split (TP, CP)."""

@@ -311,15 +311,18 @@ def allreduce_sequence_parallel_grads(model) -> None:
 
 def build_model(cfg: ModelConfig, pg, sizes, *, transformer_impl: str = "local", kernel_backend: str = "auto",
                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                moe_aux_loss_coeff: float = 0.0, moe_aux_loss: str = "seq_aux_loss") -> GLM5Model:
+                moe_aux_loss_coeff: float = 0.0, moe_aux_loss: str = "seq_aux_loss",
+                absorbed_mla: bool | None = None) -> GLM5Model:
     """Build the model for the process groups ``pg`` (from ``engine.parallel.parallel_context``);
-    the MoE auxiliary loss options are ``BuildOptions``'."""
-    from genome_lm_kernels import resolve_backend
+    the MoE auxiliary loss options are ``BuildOptions``'. ``absorbed_mla`` None: absorbed with
+    the GPU kernel backends (where it runs on tensor cores), per-head on the CPU paths."""
+    from genome_lm_kernels import GPU_BACKENDS, resolve_backend
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    options = BuildOptions(transformer_impl=transformer_impl, dtype=dtype,
-                           kernel_backend=resolve_backend(kernel_backend, device),
-                           moe_aux_loss_coeff=moe_aux_loss_coeff, moe_aux_loss=moe_aux_loss)
+    backend = resolve_backend(kernel_backend, device)
+    options = BuildOptions(transformer_impl=transformer_impl, dtype=dtype, kernel_backend=backend,
+                           moe_aux_loss_coeff=moe_aux_loss_coeff, moe_aux_loss=moe_aux_loss,
+                           absorbed_mla=backend in GPU_BACKENDS if absorbed_mla is None else absorbed_mla)
     if torch.cuda.is_available():  # megatron_config: use_cpu_initialization only without a GPU
         # megatron-core initialises its parallel layers on the GPU from the CUDA RNG tracker's
         # states (data-, tensor- and expert-parallel), which must be seeded first; the callers'

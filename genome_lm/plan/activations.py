@@ -33,7 +33,7 @@ class Shard:
     cp: int = 1
     ep: int = 1
     etp: int = 1
-    backend: str = "torch"  # "torch" (CPU) or "triton" (GPU) kernels for KDA
+    backend: str = "torch"  # the kernel backend: "torch" (CPU), "triton", "triton-fp32" or "fla" (GPU)
     indexer_loss: bool = True
     moe_imbalance: float = 4.0  # busiest expert-parallel rank's tokens over the mean (ep > 1)
     query_chunk: int | None = None  # memory.dsa_query_chunk
@@ -46,6 +46,11 @@ class Shard:
 
     def fp32_copy(self, width: float) -> float:
         return 0.0 if self.a == F32 else width * F32
+
+    @property
+    def gpu_kernels(self) -> bool:
+        """The Triton (or fla) kernels, and the DSA layers in absorbed MLA form."""
+        return self.backend in ("triton", "triton-fp32", "fla")
 
 
 # ------------------------------------------------------------------------------------ pieces
@@ -85,7 +90,7 @@ def saved_kda(cfg: ModelConfig, s: Shard) -> float:
     # fp32 copies of q and k
     conv = 3 * W * F32 * 2 + (3 * W * F32 if s.a == F32 else 2 * W * F32)
     l2norm = 2 * h * F32
-    if s.backend == "triton":  # the Triton function saves its inputs: l2-normalised q, k and g (v, beta shared)
+    if s.gpu_kernels:  # the Triton function saves its inputs: l2-normalised q, k and g (v, beta shared)
         kernel = 3 * W * F32
     else:  # chunked.py: checkpointed chunk inputs (q, k, v, G in fp64, beta), W and e^{G_last-G} k
         # (read by the state loop), deltas and their stack, entering states and their stack,
@@ -127,9 +132,14 @@ def kept_selection(cfg: ModelConfig, s: Shard) -> float:
 
 
 def saved_sparse_attention(cfg: ModelConfig, s: Shard) -> float:
-    """The sparse attention's q, k, v, o and lse (its selection, shared with the indexer loss,
-    not included)."""
+    """The sparse attention's saved tensors (its selection, shared with the indexer loss, not
+    included). Per head: q, k, v, o and lse; absorbed (GPU kernels): q (the op absorbs it again
+    in backward), the latent output (kv_lora_rank wide), lse, and the whole sequence's latent on
+    every CP rank."""
     h = cfg.num_attention_heads // s.tp
+    if s.gpu_kernels:
+        C = cfg.kv_lora_rank
+        return (h * cfg.qk_head_dim + h * C) * s.a + h * F32 + C * s.a * s.cp
     return (2 * h * cfg.qk_head_dim + 2 * h * cfg.v_head_dim) * s.a + h * F32
 
 
@@ -197,14 +207,20 @@ def layer_input(cfg: ModelConfig, s: Shard) -> float:
 def backward_attention(cfg: ModelConfig, s: Shard, kda: bool) -> float:
     """Gradient buffers of the attention kernels while they run backward."""
     if kda:
-        W = cfg.linear_num_heads // s.tp * cfg.linear_head_dim
-        # dq, dk, dv, dg in the chunk layout and their padded copies, d(conv input); Triton
-        # also writes the state entering each chunk
-        states = W * cfg.linear_head_dim * F32 / KDA_CHUNK if s.backend == "triton" else 0.0
-        return 8 * W * F32 + 3 * W * F32 + states
+        h, K = cfg.linear_num_heads // s.tp, cfg.linear_head_dim
+        W = h * K
+        if s.gpu_kernels:  # the Triton backward's buffers (the kernel module's own inventory), d(conv input)
+            triton = importlib.import_module("genome_lm_kernels.kda.triton")
+            return h * triton.backward_bytes_per_token(K, K, exact=s.backend == "triton-fp32") + 3 * W * F32
+        # dq, dk, dv, dg in the chunk layout and their padded copies, d(conv input)
+        return 8 * W * F32 + 3 * W * F32
     h = cfg.num_attention_heads // s.tp
     Dqk, Dv = cfg.qk_head_dim, cfg.v_head_dim
-    grads = h * (2 * Dqk + Dv) * F32 + h * F32  # dq, dk, dv fp32 accumulators, delta
+    if s.gpu_kernels:  # absorbed: dq (latent width) and the whole sequence's dkv fp32, delta
+        C = cfg.kv_lora_rank
+        grads = h * C * F32 + C * F32 * s.cp + h * F32
+    else:
+        grads = h * (2 * Dqk + Dv) * F32 + h * F32  # dq, dk, dv fp32 accumulators, delta
     if s.indexer_loss:
         grads += (cfg.index_n_heads * (cfg.index_head_dim + 1) + cfg.index_head_dim) * F32 * s.cp
     return grads

@@ -45,22 +45,28 @@ def _path(backend: str) -> str:
     return "triton" if backend in ("triton-fp32", "fla") else backend
 
 
-def sparse_mla(q_BTHD, kv_BTD, idx_BTS, *, scale: float, dv: int, backend: str, chunk: int = 64):
+def sparse_mla(q_BTHD, kv_BTD, idx_BTS, *, scale: float, dv: int, backend: str, chunk: int = 64, w_uk_HED=None):
     """Attention of each query's heads over its selected rows of a latent shared by the heads
     (``mla.py``): keys kv, values kv[..., :dv]. lse is fp32 (fp64 for fp64 inputs on the
     torch and reference paths). "triton" runs the products on tensor cores (bf16 operands),
-    "triton-fp32" in fp32."""
-    if not 0 < dv <= kv_BTD.shape[-1] or q_BTHD.shape[-1] != kv_BTD.shape[-1]:
-        raise ValueError(f"sparse_mla needs q [..., D] and kv [..., D] with 0 < dv <= D; got q {tuple(q_BTHD.shape)}, "
-                         f"kv {tuple(kv_BTD.shape)}, dv {dv}")
+    "triton-fp32" in fp32. With ``w_uk_HED`` [H, E, D] the queries are per head, q [B, T, H, E],
+    absorbed as q W_UK inside the op and again in backward (never saved)."""
+    D = kv_BTD.shape[-1]
+    width = q_BTHD.shape[-1] if w_uk_HED is None else w_uk_HED.shape[-1]
+    if not 0 < dv <= D or width != D or (w_uk_HED is not None and w_uk_HED.shape[:2] != q_BTHD.shape[2:]):
+        raise ValueError(f"sparse_mla needs q [..., D] (or q [..., H, E] with w_uk [H, E, D]) and kv [..., D], "
+                         f"0 < dv <= D; got q {tuple(q_BTHD.shape)}, kv {tuple(kv_BTD.shape)}, dv {dv}"
+                         + ("" if w_uk_HED is None else f", w_uk {tuple(w_uk_HED.shape)}"))
     if backend == "reference":
-        return _mla.sparse_mla_reference(q_BTHD, kv_BTD, idx_BTS, scale=scale, dv=dv)
+        q = q_BTHD if w_uk_HED is None else torch.einsum("bthe,hed->bthd", q_BTHD, w_uk_HED)
+        return _mla.sparse_mla_reference(q, kv_BTD, idx_BTS, scale=scale, dv=dv)
     if backend == "torch":
-        return _mla.sparse_mla(q_BTHD, kv_BTD, idx_BTS, scale=scale, dv=dv, chunk=chunk)
+        return _mla.sparse_mla(q_BTHD, kv_BTD, idx_BTS, scale=scale, dv=dv, chunk=chunk, w_uk_HED=w_uk_HED)
     if backend in ("triton", "triton-fp32", "fla"):
         from . import triton_mla
 
-        return triton_mla.sparse_mla(q_BTHD, kv_BTD, idx_BTS, scale=scale, dv=dv, exact=backend == "triton-fp32")
+        return triton_mla.sparse_mla(q_BTHD, kv_BTD, idx_BTS, scale=scale, dv=dv, exact=backend == "triton-fp32",
+                                     w_uk_HED=w_uk_HED)
     raise ValueError(f"unknown backend {backend!r}")
 
 
@@ -106,13 +112,16 @@ def sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, *, scale: float, backend: 
 
 def indexer_loss(q_idx_BTHD, k_idx_BTD, w_idx_BTH, q_BTHD, k_BTHD, idx_BTS=None, *, gate_BTD=None, ape_KD=None,
                  kpool: int, idx_scale: float | None = None, scale: float, backend: str, chunk: int = 64,
-                 reduce_target=None):
+                 reduce_target=None, w_uk_HED=None):
     """KL(p || softmax(I)) over pools (see ``loss``). Gradient reaches q_idx, k_idx, w_idx, gate,
     ape only. The "triton" backend runs the chunked torch loss (no Triton loss kernel yet).
     ``reduce_target``: q, k hold some of the heads; it sums a target block over the ranks that
-    hold the others (not for the reference backend)."""
+    hold the others (not for the reference backend). ``w_uk_HED``: q holds per-head queries
+    absorbed with it (absorbed MLA, k the shared latent [B, T, 1, D])."""
     backend = _path(backend)
     if backend == "reference":
+        if w_uk_HED is not None:
+            q_BTHD = torch.einsum("bthe,hed->bthd", q_BTHD, w_uk_HED)
         if reduce_target is not None:
             raise ValueError("the reference indexer loss takes every head; reduce_target is for the chunked paths")
         idx_scale = q_idx_BTHD.shape[-1] ** -0.5 if idx_scale is None else idx_scale
@@ -125,4 +134,4 @@ def indexer_loss(q_idx_BTHD, k_idx_BTD, w_idx_BTH, q_BTHD, k_BTHD, idx_BTS=None,
         raise ValueError(f"unknown backend {backend!r}")
     return _loss.indexer_loss(q_idx_BTHD, k_idx_BTD, w_idx_BTH, q_BTHD, k_BTHD, idx_BTS, gate_BTD=gate_BTD,
                               ape_KD=ape_KD, kpool=kpool, idx_scale=idx_scale, scale=scale, chunk=chunk,
-                              reduce_target=reduce_target)
+                              reduce_target=reduce_target, w_uk_HED=w_uk_HED)

@@ -31,12 +31,16 @@ from .indexer import compute_dtype, pool_keys, visible_pools
 from .sparse_attention import gather_rows, gathered_probs, own_keys, queries_per_block
 
 
-def _target_and_candidates(q_BTHD, k_BTHD, idx_BTS, t0, t1, kpool, N, scale, dt, reduce_target=None):
+def _target_and_candidates(q_BTHD, k_BTHD, idx_BTS, t0, t1, kpool, N, scale, dt, reduce_target=None, w_uk=None):
     """p [B, C, M] (L1-normalised), candidate pool ids [B, C, M] (-1 = none), for M candidates;
-    ``reduce_target`` sums the per-head sum over the ranks that hold the other heads."""
+    ``reduce_target`` sums the per-head sum over the ranks that hold the other heads; ``w_uk``
+    [H, E, D]: q holds per-head queries, absorbed here one query block at a time."""
     B, _, H, _ = q_BTHD.shape
     C = t1 - t0
-    q_BCHD = q_BTHD[:, t0:t1].to(dt)
+    q_BCHD = q_BTHD[:, t0:t1]
+    if w_uk is not None:
+        q_BCHD = torch.einsum("bche,hed->bchd", q_BCHD, w_uk)
+    q_BCHD = q_BCHD.to(dt)
     if idx_BTS is None:  # dense: every key up to t1 - 1, causal mask inside the chunk
         M = min(N, t1 // kpool)
         s_BHCT = torch.einsum("bchd,bshd->bhcs", q_BCHD, k_BTHD[:, :t1].to(dt)) * scale
@@ -64,7 +68,7 @@ def _selected_probs(q_CHD, k_THD, idx_CS, scale, dt):
     (0 on -1 and repeated slots). Gathers each query's own keys, like ``sparse_attention``,
     in blocks of ``queries_per_block`` queries: O(S) work per query whatever T is."""
     C, S = idx_CS.shape
-    H, D = k_THD.shape[1:]
+    H, D = q_CHD.shape[1], k_THD.shape[-1]  # k may hold one head shared by all (absorbed MLA)
     p_CS = torch.empty(C, S, dtype=dt, device=idx_CS.device)
     step = queries_per_block(C, S, H, D)
     for a in range(0, C, step):
@@ -84,7 +88,7 @@ def _scores(q_BCHD, kp, w_BCH, pools_BCM, scale):
 class IndexerLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_idx_BTHD, kp_BND, w_BTH, q_BTHD, k_BTHD, idx_BTS, kpool, idx_scale, scale, chunk,
-                reduce_target):
+                reduce_target, w_uk):
         dt = compute_dtype(q_idx_BTHD.dtype)
         B, T = q_idx_BTHD.shape[:2]
         N = kp_BND.shape[1]
@@ -93,20 +97,20 @@ class IndexerLoss(torch.autograd.Function):
         for t0 in range(0, T, chunk):
             t1 = min(t0 + chunk, T)
             p_BCM, pools_BCM = _target_and_candidates(q_BTHD, k_BTHD, idx_BTS, t0, t1, kpool, N, scale, dt,
-                                                      reduce_target)
+                                                      reduce_target, w_uk)
             kp = _candidate_keys(kp_BND, pools_BCM, idx_BTS is None).to(dt)
             I_BCM = _scores(q_idx_BTHD[:, t0:t1].to(dt), kp, w_BTH[:, t0:t1].to(dt), pools_BCM, idx_scale)
             logq_BCM = I_BCM.log_softmax(-1)
             kl = torch.where(p_BCM > 0, p_BCM * (p_BCM.clamp_min(torch.finfo(dt).tiny).log() - logq_BCM), 0.0)
             total += kl.sum()
             rows += int((pools_BCM >= 0).any(-1).sum())
-        ctx.save_for_backward(q_idx_BTHD, kp_BND, w_BTH, q_BTHD, k_BTHD, idx_BTS)
+        ctx.save_for_backward(q_idx_BTHD, kp_BND, w_BTH, q_BTHD, k_BTHD, idx_BTS, w_uk)
         ctx.args = (kpool, idx_scale, scale, chunk, max(rows, 1), reduce_target)
         return total / max(rows, 1)
 
     @staticmethod
     def backward(ctx, g):
-        q_idx_BTHD, kp_BND, w_BTH, q_BTHD, k_BTHD, idx_BTS = ctx.saved_tensors
+        q_idx_BTHD, kp_BND, w_BTH, q_BTHD, k_BTHD, idx_BTS, w_uk = ctx.saved_tensors
         kpool, idx_scale, scale, chunk, rows, reduce_target = ctx.args
         dt = compute_dtype(q_idx_BTHD.dtype)
         T, N = q_idx_BTHD.shape[1], kp_BND.shape[1]
@@ -117,7 +121,7 @@ class IndexerLoss(torch.autograd.Function):
             t1 = min(t0 + chunk, T)
             with torch.no_grad():
                 p_BCM, pools_BCM = _target_and_candidates(q_BTHD, k_BTHD, idx_BTS, t0, t1, kpool, N, scale, dt,
-                                                          reduce_target)
+                                                          reduce_target, w_uk)
             with torch.enable_grad():
                 q_c = q_idx_BTHD[:, t0:t1].detach().to(dt).requires_grad_()
                 w_c = w_BTH[:, t0:t1].detach().to(dt).requires_grad_()
@@ -134,7 +138,7 @@ class IndexerLoss(torch.autograd.Function):
                 offs = torch.arange(kp_BND.shape[0], device=dkp.device)[:, None, None] * N
                 dkp.view(-1, dkp.shape[-1]).index_add_(0, (pools_BCM.clamp_min(0) + offs).flatten(), gkp.flatten(0, 2))
         return (dq.to(q_idx_BTHD.dtype), dkp.to(kp_BND.dtype), dw.to(w_BTH.dtype),
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 def _candidate_keys(kp_BND, pools_BCM, dense: bool):
@@ -146,13 +150,17 @@ def _candidate_keys(kp_BND, pools_BCM, dense: bool):
 
 
 def indexer_loss(q_idx_BTHD, k_idx_BTD, w_BTH, q_BTHD, k_BTHD, idx_BTS=None, *, gate_BTD=None, ape_KD=None,
-                 kpool: int, idx_scale: float | None = None, scale: float, chunk: int = 64, reduce_target=None):
+                 kpool: int, idx_scale: float | None = None, scale: float, chunk: int = 64, reduce_target=None,
+                 w_uk_HED=None):
     """Scalar KL loss; ``idx_BTS=None`` is the dense warm-up mode, else the sparse mode.
     Shapes as in ``select_tokens`` (indexer) and ``sparse_attention`` (main q, k: this rank's
-    heads, summed over the ranks by ``reduce_target`` when given)."""
+    heads, summed over the ranks by ``reduce_target`` when given; k [B, T, 1, D] is one key
+    head shared by every query head, as absorbed MLA's latent; then ``w_uk_HED`` [H, E, D] lets q
+    be the per-head queries [B, T, H, E], absorbed one query block at a time)."""
     idx_scale = q_idx_BTHD.shape[-1] ** -0.5 if idx_scale is None else idx_scale
     # Pool keys in fp32 (not the input dtype, as selection does): a bf16 rounding of the keys
     # flips ReLUs and makes the gradient noisy; the gradient still flows back to bf16 leaves.
     kp_BND = pool_keys(k_idx_BTD.to(compute_dtype(k_idx_BTD.dtype)), gate_BTD, ape_KD, kpool=kpool)
     return IndexerLoss.apply(q_idx_BTHD, kp_BND, w_BTH, q_BTHD.detach(), k_BTHD.detach().contiguous(), idx_BTS,
-                             kpool, idx_scale, scale, chunk, reduce_target)
+                             kpool, idx_scale, scale, chunk, reduce_target,
+                             None if w_uk_HED is None else w_uk_HED.detach())

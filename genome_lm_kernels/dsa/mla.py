@@ -99,19 +99,25 @@ class _Block:
         return torch.bmm(p_CHK.transpose(1, 2), x_CHX)
 
 
+def sparse_mla_forward(q_BTHD, kv_BTD, idx_BTS, scale: float, dv: int, chunk: int):
+    """(o [B, T, H, dv] in q's dtype, lse [B, T, H] fp32/fp64), block by block, no autograd."""
+    dt = compute_dtype(q_BTHD.dtype)
+    B, T, H, D = q_BTHD.shape
+    o_BTHD = torch.empty(B, T, H, dv, dtype=dt, device=q_BTHD.device)
+    lse_BTH = torch.empty(B, T, H, dtype=dt, device=q_BTHD.device)
+    kv_BTD = kv_BTD.contiguous()
+    for b, t0, t1, key_CS, valid_CS in _blocks(idx_BTS, chunk, H, D):
+        blk = _Block(kv_BTD[b], t1, key_CS, valid_CS, dt)
+        p_CHK, lse_BTH[b, t0:t1] = _probs(blk.scores(q_BTHD[b, t0:t1].to(dt)), blk.valid, scale)
+        o_BTHD[b, t0:t1] = blk.mix(p_CHK, dv)
+    return o_BTHD.to(q_BTHD.dtype), lse_BTH
+
+
 class SparseMLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BTHD, kv_BTD, idx_BTS, scale: float, dv: int, chunk: int):
-        dt = compute_dtype(q_BTHD.dtype)
-        B, T, H, D = q_BTHD.shape
-        o_BTHD = torch.empty(B, T, H, dv, dtype=dt, device=q_BTHD.device)
-        lse_BTH = torch.empty(B, T, H, dtype=dt, device=q_BTHD.device)
-        kv_BTD = kv_BTD.contiguous()
-        for b, t0, t1, key_CS, valid_CS in _blocks(idx_BTS, chunk, H, D):
-            blk = _Block(kv_BTD[b], t1, key_CS, valid_CS, dt)
-            p_CHK, lse_BTH[b, t0:t1] = _probs(blk.scores(q_BTHD[b, t0:t1].to(dt)), blk.valid, scale)
-            o_BTHD[b, t0:t1] = blk.mix(p_CHK, dv)
-        o_BTHD = o_BTHD.to(q_BTHD.dtype)
+        with torch.no_grad():
+            o_BTHD, lse_BTH = sparse_mla_forward(q_BTHD, kv_BTD, idx_BTS, scale, dv, chunk)
         ctx.save_for_backward(q_BTHD, kv_BTD, idx_BTS, o_BTHD, lse_BTH)
         ctx.scale, ctx.dv, ctx.chunk = scale, dv, chunk
         ctx.mark_non_differentiable(idx_BTS)
@@ -123,6 +129,47 @@ class SparseMLA(torch.autograd.Function):
         dq, dkv = sparse_mla_backward(q_BTHD, kv_BTD, idx_BTS, o_BTHD, lse_BTH, do_BTHD, dlse_BTH,
                                       ctx.scale, ctx.dv, ctx.chunk)
         return dq, dkv, None, None, None, None
+
+
+class AbsorbedSparseMLA(torch.autograd.Function):
+    """The same attention for per-head queries q [B, T, H, Dq] and W_UK [H, Dq, D]: the absorbed
+    query q W_UK is formed inside, and formed again in backward rather than saved ([T, H, D] is
+    the largest tensor of the layer: 512 channels a head against q's 256). ``impl`` holds the
+    backend's forward and backward (``sparse_mla_forward`` / ``sparse_mla_backward`` or
+    ``triton_mla``'s)."""
+
+    @staticmethod
+    def forward(ctx, q_BTHE, w_uk_HED, kv_BTD, idx_BTS, scale: float, dv: int, impl):
+        q_abs = torch.einsum("bthe,hed->bthd", q_BTHE, w_uk_HED)
+        o_BTHD, lse_BTH = impl.forward(q_abs, kv_BTD, idx_BTS, scale, dv)
+        ctx.save_for_backward(q_BTHE, w_uk_HED, kv_BTD, idx_BTS, o_BTHD, lse_BTH)
+        ctx.scale, ctx.dv, ctx.impl = scale, dv, impl
+        ctx.mark_non_differentiable(idx_BTS)
+        return o_BTHD, lse_BTH
+
+    @staticmethod
+    def backward(ctx, do_BTHD, dlse_BTH):
+        q_BTHE, w_uk_HED, kv_BTD, idx_BTS, o_BTHD, lse_BTH = ctx.saved_tensors
+        q_abs = torch.einsum("bthe,hed->bthd", q_BTHE, w_uk_HED)
+        dq_abs, dkv = ctx.impl.backward(q_abs, kv_BTD, idx_BTS, o_BTHD, lse_BTH, do_BTHD, dlse_BTH, ctx.scale, ctx.dv)
+        del q_abs
+        dq_abs = dq_abs.to(q_BTHE.dtype)
+        dq = torch.einsum("bthd,hed->bthe", dq_abs, w_uk_HED)
+        dw_uk = torch.einsum("bthe,bthd->hed", q_BTHE, dq_abs)
+        return dq, dw_uk, dkv, None, None, None, None
+
+
+class TorchImpl:
+    """The chunked torch path's forward and backward, for ``AbsorbedSparseMLA``."""
+
+    def __init__(self, chunk: int):
+        self.chunk = chunk
+
+    def forward(self, q, kv, idx, scale, dv):
+        return sparse_mla_forward(q, kv, idx, scale, dv, self.chunk)
+
+    def backward(self, q, kv, idx, o, lse, do, dlse, scale, dv):
+        return sparse_mla_backward(q, kv, idx, o, lse, do, dlse, scale, dv, self.chunk)
 
 
 def sparse_mla_backward(q_BTHD, kv_BTD, idx_BTS, o_BTHD, lse_BTH, do_BTHD, dlse_BTH, scale: float, dv: int,
@@ -154,7 +201,10 @@ def sparse_mla_backward(q_BTHD, kv_BTD, idx_BTS, o_BTHD, lse_BTH, do_BTHD, dlse_
     return dq_BTHD.to(q_BTHD.dtype), dkv_BTD.to(kv_BTD.dtype)
 
 
-def sparse_mla(q_BTHD, kv_BTD, idx_BTS, *, scale: float, dv: int, chunk: int = 64):
+def sparse_mla(q_BTHD, kv_BTD, idx_BTS, *, scale: float, dv: int, chunk: int = 64, w_uk_HED=None):
     """q [B, T, H, D], kv [B, T, D], idx [B, T, S] -> o [B, T, H, dv], lse [B, T, H] (fp32; fp64
-    for fp64 inputs; -inf and o = 0 for a query with no selected key)."""
+    for fp64 inputs; -inf and o = 0 for a query with no selected key). With ``w_uk_HED``
+    [H, E, D], q is the per-head query [B, T, H, E], absorbed inside (``AbsorbedSparseMLA``)."""
+    if w_uk_HED is not None:
+        return AbsorbedSparseMLA.apply(q_BTHD, w_uk_HED, kv_BTD, idx_BTS, scale, dv, TorchImpl(chunk))
     return SparseMLA.apply(q_BTHD, kv_BTD, idx_BTS, scale, dv, chunk)

@@ -113,19 +113,56 @@ def _tiles(H: int, D: int, dv: int, exact: bool, backward: bool):
     return BH, BS, BD, BDV, 8 if wide else 4
 
 
+def triton_forward(q_BTHD, kv_BTD, idx_BTS, scale: float, dv: int, exact: bool = False):
+    """(o [B, T, H, dv] in q's dtype, lse [B, T, H] fp32), no autograd."""
+    if q_BTHD.dtype == torch.float64:
+        raise ValueError("the triton sparse MLA kernels accumulate in fp32; use the torch backend for fp64")
+    q_BTHD, kv_BTD, idx_BTS = (x.contiguous() for x in (q_BTHD, kv_BTD, idx_BTS))
+    B, T, H, D = q_BTHD.shape
+    S = idx_BTS.shape[-1]
+    o = q_BTHD.new_empty(B, T, H, dv)
+    lse = torch.empty(B, T, H, dtype=torch.float32, device=q_BTHD.device)
+    BH, BS, BD, BDV, warps = _tiles(H, D, dv, exact, backward=False)
+    _mla_fwd[(B * T, triton.cdiv(H, BH))](q_BTHD, kv_BTD, idx_BTS, o, lse, T, H, S, scale, D=D, DV=dv, BH=BH,
+                                          BS=BS, BD=BD, BDV=BDV, DOT=_dot_mode(exact), num_warps=warps)
+    return o, lse
+
+
+def triton_backward(q_BTHD, kv_BTD, idx_BTS, o, lse, do_BTHD, dlse_BTH, scale: float, dv: int, exact: bool = False):
+    """(dq fp32 as q's shape, dkv in kv's dtype)."""
+    q_BTHD, kv_BTD, idx_BTS = (x.contiguous() for x in (q_BTHD, kv_BTD, idx_BTS))
+    B, T, H, D = q_BTHD.shape
+    S = idx_BTS.shape[-1]
+    do_BTHD = torch.zeros_like(o) if do_BTHD is None else do_BTHD.contiguous()
+    delta = (do_BTHD.float() * o.float()).sum(-1)
+    if dlse_BTH is not None:
+        delta = delta - dlse_BTH.float().nan_to_num(0.0)
+    dq = torch.empty(q_BTHD.shape, dtype=torch.float32, device=q_BTHD.device)
+    dkv = torch.zeros(kv_BTD.shape, dtype=torch.float32, device=q_BTHD.device)
+    BH, BS, BD, BDV, warps = _tiles(H, D, dv, exact, backward=True)
+    _mla_bwd[(B * T, triton.cdiv(H, BH))](q_BTHD, kv_BTD, idx_BTS, do_BTHD, lse, delta.contiguous(), dq, dkv,
+                                          T, H, S, scale, D=D, DV=dv, BH=BH, BS=BS, BD=BD, BDV=BDV,
+                                          DOT=_dot_mode(exact), num_warps=warps)
+    return dq, dkv.to(kv_BTD.dtype)
+
+
+class TritonImpl:
+    """The Triton kernels' forward and backward, for ``mla.AbsorbedSparseMLA``."""
+
+    def __init__(self, exact: bool):
+        self.exact = exact
+
+    def forward(self, q, kv, idx, scale, dv):
+        return triton_forward(q, kv, idx, scale, dv, self.exact)
+
+    def backward(self, q, kv, idx, o, lse, do, dlse, scale, dv):
+        return triton_backward(q, kv, idx, o, lse, do, dlse, scale, dv, self.exact)
+
+
 class TritonSparseMLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BTHD, kv_BTD, idx_BTS, scale: float, dv: int, exact: bool):
-        if q_BTHD.dtype == torch.float64:
-            raise ValueError("the triton sparse MLA kernels accumulate in fp32; use the torch backend for fp64")
-        q_BTHD, kv_BTD, idx_BTS = (x.contiguous() for x in (q_BTHD, kv_BTD, idx_BTS))
-        B, T, H, D = q_BTHD.shape
-        S = idx_BTS.shape[-1]
-        o = q_BTHD.new_empty(B, T, H, dv)
-        lse = torch.empty(B, T, H, dtype=torch.float32, device=q_BTHD.device)
-        BH, BS, BD, BDV, warps = _tiles(H, D, dv, exact, backward=False)
-        _mla_fwd[(B * T, triton.cdiv(H, BH))](q_BTHD, kv_BTD, idx_BTS, o, lse, T, H, S, scale, D=D, DV=dv, BH=BH,
-                                              BS=BS, BD=BD, BDV=BDV, DOT=_dot_mode(exact), num_warps=warps)
+        o, lse = triton_forward(q_BTHD, kv_BTD, idx_BTS, scale, dv, exact)
         ctx.save_for_backward(q_BTHD, kv_BTD, idx_BTS, o, lse)
         ctx.scale, ctx.dv, ctx.exact = scale, dv, exact
         ctx.mark_non_differentiable(idx_BTS)
@@ -134,21 +171,14 @@ class TritonSparseMLA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do_BTHD, dlse_BTH):
         q_BTHD, kv_BTD, idx_BTS, o, lse = ctx.saved_tensors
-        B, T, H, D = q_BTHD.shape
-        S, dv = idx_BTS.shape[-1], ctx.dv
-        do_BTHD = torch.zeros_like(o) if do_BTHD is None else do_BTHD.contiguous()
-        delta = (do_BTHD.float() * o.float()).sum(-1)
-        if dlse_BTH is not None:
-            delta = delta - dlse_BTH.float().nan_to_num(0.0)
-        dq = torch.empty(q_BTHD.shape, dtype=torch.float32, device=q_BTHD.device)
-        dkv = torch.zeros(kv_BTD.shape, dtype=torch.float32, device=q_BTHD.device)
-        BH, BS, BD, BDV, warps = _tiles(H, D, dv, ctx.exact, backward=True)
-        _mla_bwd[(B * T, triton.cdiv(H, BH))](q_BTHD, kv_BTD, idx_BTS, do_BTHD, lse, delta.contiguous(), dq, dkv,
-                                              T, H, S, ctx.scale, D=D, DV=dv, BH=BH, BS=BS, BD=BD, BDV=BDV,
-                                              DOT=_dot_mode(ctx.exact), num_warps=warps)
-        return dq.to(q_BTHD.dtype), dkv.to(kv_BTD.dtype), None, None, None, None
+        dq, dkv = triton_backward(q_BTHD, kv_BTD, idx_BTS, o, lse, do_BTHD, dlse_BTH, ctx.scale, ctx.dv, ctx.exact)
+        return dq.to(q_BTHD.dtype), dkv, None, None, None, None
 
 
-def sparse_mla(q_BTHD, kv_BTD, idx_BTS, *, scale: float, dv: int, exact: bool = False):
+def sparse_mla(q_BTHD, kv_BTD, idx_BTS, *, scale: float, dv: int, exact: bool = False, w_uk_HED=None):
     """Same contract as ``mla.sparse_mla``; lse is fp32."""
+    if w_uk_HED is not None:
+        from .mla import AbsorbedSparseMLA
+
+        return AbsorbedSparseMLA.apply(q_BTHD, w_uk_HED, kv_BTD, idx_BTS, scale, dv, TritonImpl(exact))
     return TritonSparseMLA.apply(q_BTHD, kv_BTD, idx_BTS, scale, dv, exact)

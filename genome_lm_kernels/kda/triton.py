@@ -144,7 +144,8 @@ def kda_forward(q, k, v, g, beta, scale: float, initial_state=None, *, exact: bo
 
 def kda_backward(q, k, v, g, beta, scale: float, initial_state, do, dS_final, *, exact: bool = False):
     """Gradients (dq, dk, dv, dg, dbeta in [B, T, H, .] fp32; d initial state [B, H, K, V] fp32 or
-    None without one) of sum(o * do) + sum(S_final * dS_final)."""
+    None without one) of sum(o * do) + sum(S_final * dS_final). Each buffer is dropped as soon
+    as no later kernel reads it (``backward_bytes_per_token`` counts the peak)."""
     q, k, v, g, beta, do = _contiguous(q, k, v, g, beta, do)
     buf = ChunkBuffers(q, k, v, g, beta, scale, exact, initial_state)
     B, T, H, K, V, NT = buf.shape
@@ -161,6 +162,7 @@ def kda_backward(q, k, v, g, beta, scale: float, initial_state, do, dS_final, *,
         buf.Qg, buf.Kd, buf.decay, buf.W, buf.M, do, dsT, dh, d_delta, ds0, T, H,
         K=K, V=V, BT=BT, BK=t.BK, BV=t.BV, DOT=buf.dot, num_warps=t.warps, num_stages=t.stages,
     )
+    buf.Qg = buf.Kd = buf.W = buf.U = buf.M = buf.decay = None  # read by the state passes only
     dW, dQg, dKd = (torch.empty(BH, TP, K, device=dev, dtype=torch.float32) for _ in range(3))
     d_decay = torch.empty(BH, NT, K, device=dev, dtype=torch.float32)
     dM, dA = (torch.empty(BH, TP, BT, device=dev, dtype=torch.float32) for _ in range(2))
@@ -172,6 +174,8 @@ def kda_backward(q, k, v, g, beta, scale: float, initial_state, do, dS_final, *,
         dW, dQg, dKd, d_decay, dM, dA, dv, dbeta_ua, T, H,
         K=K, V=V, BT=BT, BK=t.BK, BV=t.BV, DOT=buf.dot, num_warps=t.warps, num_stages=t.stages,
     )
+    buf.P = buf.h = buf.delta = None
+    del dh, d_delta
     t = tls.intra_bwd
     NK = triton.cdiv(K, t.BK)
     dq, dk, dg = (torch.empty(B, T, H, K, device=dev, dtype=torch.float32) for _ in range(3))
@@ -180,8 +184,25 @@ def kda_backward(q, k, v, g, beta, scale: float, initial_state, do, dS_final, *,
         q, k, beta, buf.G, buf.Y, dM, dA, dW, dQg, dKd, d_decay, dq, dk, dg, dbeta_w, T, H, scale,
         K=K, BT=BT, BC=BC, BK=t.BK, DOT=buf.dot, num_warps=t.warps, num_stages=t.stages,
     )
+    del buf, dM, dA, dW, dQg, dKd, d_decay
     dbeta = (dbeta_ua + dbeta_w.sum(0)).view(B, H, TP)[:, :, :T].transpose(1, 2)
     return dq, dk, dv, dg, dbeta, (ds0 if initial_state is not None else None)
+
+
+def backward_bytes_per_token(K: int, V: int, exact: bool = False) -> float:
+    """Bytes per (token, head) that ``kda_backward`` holds at its peak, the largest of its phases
+    (each buffer is freed once no later kernel reads it); the memory planner reads this so that
+    it follows the kernels."""
+    store = 4 if exact else 2
+    G = (8 if exact else 4) * K
+    states = K * V * store / BT  # one [K, V] state per chunk
+    recomputed = G + 2 * BT * store + BT * 4 + (3 * K + V) * store + states + V * store  # G, M, Y, P, W Qg Kd, U, h, delta
+    state_pass = recomputed + states + V * store  # + dh, d_delta
+    products = (G + BT * store + BT * 4 + states + V * store + states + V * store  # G, Y, P, h, delta, dh, d_delta
+                + 3 * K * 4 + K * 4 / BT + 2 * BT * 4 + V * 4 + 4)  # dW dQg dKd, d(e^G_last), dM dA, dv, dbeta
+    last = (G + BT * store + 3 * K * 4 + K * 4 / BT + 2 * BT * 4 + V * 4 + 4  # G, Y, their inputs, dv, dbeta
+            + 3 * K * 4 + 4 * triton.cdiv(K, 16))  # dq, dk, dg, dbeta per K block
+    return max(state_pass, products, last)
 
 
 class _KDATriton(torch.autograd.Function):

@@ -122,7 +122,7 @@ def main(rank, world, port, spec):
     sizes = ParallelSizes(**spec["sizes"])
     with parallel_context(sizes) as pg:
         cfg = HFCheckpoint(spec["hf"]).config()
-        model = build_model(cfg, pg, sizes, kernel_backend="torch")
+        model = build_model(cfg, pg, sizes, kernel_backend="torch", absorbed_mla=spec.get("absorbed", False))
         load_hf_checkpoint(model, spec["hf"])
         if spec.get("export"):
             export_hf_checkpoint(model, spec["export"], like=spec["hf"])

@@ -31,9 +31,9 @@ def setup(tmp_path_factory):
     return root, ckpt
 
 
-def _run(root, ckpt, world, sizes, name, indexer_loss="off", export=None, ids="ids"):
+def _run(root, ckpt, world, sizes, name, indexer_loss="off", export=None, ids="ids", absorbed=False):
     spec = {"hf": str(ckpt), "sizes": sizes, "ids": str(root / f"{ids}.pt"), "out": str(root / f"{name}.pt"),
-            "indexer_loss": indexer_loss, "export": str(export) if export else None}
+            "indexer_loss": indexer_loss, "export": str(export) if export else None, "absorbed": absorbed}
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), json.dumps(spec)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
@@ -119,6 +119,25 @@ def test_sequence_parallel_matches_one_process(setup, sizes, indexer_loss, ids):
     one = _one_process(root, ckpt, indexer_loss, ids=ids)
     world = sizes["tp"] * sizes.get("cp", 1)
     two = _run(root, ckpt, world, sizes, name, indexer_loss, ids=ids)
+    torch.testing.assert_close(two["logits"], one["logits"], rtol=1e-5, atol=1e-6)
+    _assert_same(one, two)
+
+
+@pytest.mark.parametrize("sizes,ids", [
+    pytest.param({}, "ids", id="one-process"),
+    pytest.param({"tp": 2}, "ids", id="tp2"),
+    pytest.param({"cp": 2}, "ids-cp", id="cp2"),
+    pytest.param({"tp": 2, "cp": 2, "sequence_parallel": True}, "ids-cp", id="tp2-cp2-sp"),  # 4 processes
+])
+def test_absorbed_mla_matches_per_head_attention(setup, sizes, ids):
+    """The DSA layers attending over the shared latent with absorbed queries (the GPU backends'
+    layout): the per-head single-process loss (LM + sparse indexer loss), logits and gradients,
+    also with the latent replicated over tensor parallel and gathered over context parallel."""
+    root, ckpt = setup
+    name = "absorbed-" + ("-".join(f"{k}{v}" for k, v in sizes.items()) or "one")
+    one = _one_process(root, ckpt, "sparse", ids=ids)
+    world = sizes.get("tp", 1) * sizes.get("cp", 1)
+    two = _run(root, ckpt, world, sizes, name, "sparse", ids=ids, absorbed=True)
     torch.testing.assert_close(two["logits"], one["logits"], rtol=1e-5, atol=1e-6)
     _assert_same(one, two)
 
