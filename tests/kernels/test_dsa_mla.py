@@ -98,6 +98,45 @@ def test_rejects_values_wider_than_the_latent(generator):
             dsa.sparse_mla(q, kv, idx, scale=0.3, dv=32, backend=backend)
 
 
+@pytest.mark.parametrize("backend,bound", [("torch", torch.float64), ("triton-fp32", torch.float32),
+                                           ("triton", torch.bfloat16)], ids=["torch", "triton-fp32", "triton"])
+def test_absorbing_inside_the_op(backend, bound, generator, nan_poison, monkeypatch):
+    """w_uk given: q is per head [B, T, H, E] and the op forms q W_UK itself (again in backward);
+    o, lse and the gradients of q, W_UK and kv equal the reference on the absorbed query."""
+    monkeypatch.setattr(mla_module, "DENSE_KEYS_PER_SLOT", 0)
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    B, T, H, E, D, dv = 2, 130, 3, 8, 16, 16
+    q, kv, idx, do, _ = mla_case(generator, B, T, H, D, dv, dtype)
+    q = torch.randn(B, T, H, E, generator=generator, dtype=dtype)
+    w = torch.randn(H, E, D, generator=generator, dtype=dtype) / E**0.5
+    leaves = [x.clone().requires_grad_() for x in (q, w, kv)]
+    o, lse = dsa.sparse_mla(leaves[0], leaves[2], idx, scale=0.3, dv=dv, backend=backend, w_uk_HED=leaves[1])
+    grads = torch.autograd.grad((o * do).sum() + lse.nan_to_num(neginf=0.0).sum(), leaves)
+    ref = [x.detach().double().requires_grad_() for x in (q, w, kv)]
+    o_ref, lse_ref = dsa.sparse_mla(torch.einsum("bthe,hed->bthd", ref[0], ref[1]), ref[2], idx, scale=0.3, dv=dv,
+                                    backend="reference")
+    ref_grads = torch.autograd.grad((o_ref * do.double()).sum() + lse_ref.nan_to_num(neginf=0.0).sum(), ref)
+    assert_rel_close(o, o_ref, bound, "o")
+    for name, g, g_ref in zip(("dq", "dw_uk", "dkv"), grads, ref_grads):
+        assert_rel_close(g, g_ref, bound, name)
+
+
+def test_indexer_loss_absorbs_per_block(generator):
+    """The loss with per-head q and W_UK equals the loss on q W_UK against the shared latent."""
+    B, T, H, E, D, kpool = 1, 150, 3, 8, 16, 4
+    inp = indexer_inputs(generator, B, T, 2, 8, kpool, torch.float64)
+    idx, _ = dsa.select_tokens(**inp, kpool=kpool, topk=16, backend="torch")
+    q = torch.randn(B, T, H, E, generator=generator, dtype=torch.float64)
+    w = torch.randn(H, E, D, generator=generator, dtype=torch.float64)
+    kv = torch.randn(B, T, 1, D, generator=generator, dtype=torch.float64)
+    for mode_idx in (None, idx):
+        kwargs = dict(gate_BTD=inp["gate_BTD"], ape_KD=inp["ape_KD"], kpool=kpool, scale=0.3, backend="torch", chunk=32)
+        args = (inp["q_idx_BTHD"], inp["k_idx_BTD"], inp["w_idx_BTH"])
+        got = dsa.indexer_loss(*args, q, kv, mode_idx, w_uk_HED=w, **kwargs)
+        want = dsa.indexer_loss(*args, torch.einsum("bthe,hed->bthd", q, w), kv.expand(B, T, H, D), mode_idx, **kwargs)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
 def test_absorbed_equals_per_head_attention(generator):
     """The reason for the op: with k_h = W_UK[h] c and v_h = W_UV[h] c, attention over the latent
     with qa_h = W_UK[h]^T q_h, then W_UV[h], is the per-head attention (``sparse_attention``)."""
