@@ -106,6 +106,10 @@ def run_preflight(out: Path, *, only: tuple[str, ...] = SECTIONS, dataset: Path 
                 note = f"{type(err).__name__}: {err}".strip()[:2000]
                 report.setdefault("tracebacks", {})[name] = traceback.format_exc()[-6000:]
             section = Section(name, status, round(time.perf_counter() - start, 1), rows, note)
+            if name == "speed" and gpu:
+                from .kernels import recommended_backend
+
+                report["recommended_kernel_backend"], report["recommended_from"] = recommended_backend(rows)
             report["sections"].append(asdict(section))
             if gpu:
                 torch.cuda.empty_cache()

@@ -296,16 +296,23 @@ def _ratios(rows: list[dict]) -> None:
             r["x_baseline_time"] = r["ms"] / b
 
 
-def recommendation(rows: list[dict]) -> str:
-    """Which KDA backend to set on this GPU, from the longest measured forward+backward."""
+def recommended_backend(rows: list[dict]) -> tuple[str | None, dict]:
+    """The KDA backend that was faster forward+backward at the longest measured length, and the
+    times it was chosen from (None when fewer than two backends ran)."""
     timed = [r for r in rows if r["op"].startswith("kda") and r.get("mode") == "forward+backward" and "ms" in r]
     if not timed:
-        return ""
+        return None, {}
     T = max(r["T"] for r in timed)
     at = {r["impl"]: r["ms"] for r in timed if r["T"] == T}
-    if len(at) < 2:
-        return f"KDA: only {', '.join(at)} measured (model.kernel_backend=triton)"
-    best = min(at, key=at.get)
-    other = max(at, key=at.get)
-    return (f"KDA forward+backward at {T:,}: {best} {at[best]:.1f} ms vs {other} {at[other]:.1f} ms -> "
-            f"model.kernel_backend={best}")
+    return (min(at, key=at.get) if len(at) > 1 else None), {"T": T, "ms": at}
+
+
+def recommendation(rows: list[dict]) -> str:
+    best, basis = recommended_backend(rows)
+    if not basis:
+        return ""
+    if best is None:
+        return f"KDA: only {', '.join(basis['ms'])} measured (model.kernel_backend=triton)"
+    other = max(basis["ms"], key=basis["ms"].get)
+    return (f"KDA forward+backward at {basis['T']:,}: {best} {basis['ms'][best]:.1f} ms vs {other} "
+            f"{basis['ms'][other]:.1f} ms -> set model.kernel_backend={best} in the run's config")

@@ -608,7 +608,11 @@ def _peak_device_mib() -> float:
 def _log_curve(tracker, result: TrainResult, out: Path, rank: int) -> None:
     if rank != 0 or not result.history:
         return
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # a GPU image without it: the figures are in the history and the tracker
+        log.warning("matplotlib is not installed: no loss_curve.png (pip install matplotlib)")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
