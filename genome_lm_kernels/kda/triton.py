@@ -70,8 +70,8 @@ def tiles(K: int, V: int, exact: bool) -> Tiles:
         return Tiles(intra=launch(16, 0, 8), solve=launch(32, 32, 4), state=Launch(k_all, min(16, v_all), 8),
                      output=launch(32, 32, 4), state_bwd=Launch(k_all, min(16, v_all), 8),
                      dqkw=launch(16, 16, 8), intra_bwd=launch(16, 0, 8))
-    return Tiles(intra=launch(64, 0, 8), solve=launch(64, 64, 4), state=Launch(k_all, min(32, v_all), 4, 2),
-                 output=launch(64, 64, 4, 2), state_bwd=Launch(k_all, min(32, v_all), 8, 2),
+    return Tiles(intra=launch(64, 0, 8), solve=launch(64, 64, 8), state=Launch(k_all, min(32, v_all), 4, 2),
+                 output=launch(64, 64, 8, 2), state_bwd=Launch(k_all, min(32, v_all), 8, 2),
                  dqkw=launch(32, 64, 8), intra_bwd=launch(16, 0, 8))
 
 
@@ -117,7 +117,7 @@ class ChunkBuffers:
         self.final_state = torch.empty(B, H, K, V, device=dev, dtype=torch.float32)
         s0 = initial_state.float().contiguous() if initial_state is not None else self.final_state
         fwd._state_kernel[(triton.cdiv(V, t.state.BV), BH)](
-            self.W, self.U, self.Kd, self.decay, s0, self.h, self.delta, self.final_state, T, H, K=K, V=V, BT=BT,
+            self.W, self.U, self.Kd, self.decay, s0, self.h, self.delta, self.final_state, NT, K=K, V=V, BT=BT,
             BK=t.state.BK, BV=t.state.BV, HAS_S0=initial_state is not None, STORE_H=True, DOT=self.dot,
             num_warps=t.state.warps, num_stages=t.state.stages,
         )
@@ -159,7 +159,7 @@ def kda_backward(q, k, v, g, beta, scale: float, initial_state, do, dS_final, *,
     ds0 = torch.empty(B, H, K, V, device=dev, dtype=torch.float32)
     t = tls.state_bwd
     bwd._state_bwd_kernel[(triton.cdiv(V, t.BV), BH)](
-        buf.Qg, buf.Kd, buf.decay, buf.W, buf.M, do, dsT, dh, d_delta, ds0, T, H,
+        buf.Qg, buf.Kd, buf.decay, buf.W, buf.M, do, dsT, dh, d_delta, ds0, T, NT, H,
         K=K, V=V, BT=BT, BK=t.BK, BV=t.BV, DOT=buf.dot, num_warps=t.warps, num_stages=t.stages,
     )
     buf.Qg = buf.Kd = buf.W = buf.U = buf.M = buf.decay = None  # read by the state passes only

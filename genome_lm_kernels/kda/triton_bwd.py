@@ -31,12 +31,11 @@ from .triton_fwd import decay_le1, mm, token_rows
 
 
 @triton.jit
-def _state_bwd_kernel(Qg_ptr, Kd_ptr, decay_ptr, W_ptr, M_ptr, do_ptr, dsT_ptr, dh_ptr, ddelta_ptr, ds0_ptr, T, H,
+def _state_bwd_kernel(Qg_ptr, Kd_ptr, decay_ptr, W_ptr, M_ptr, do_ptr, dsT_ptr, dh_ptr, ddelta_ptr, ds0_ptr, T, NT, H,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       DOT: tl.constexpr):
     vb, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
-    NT = tl.cdiv(T, BT)
     rows = tl.arange(0, BT)
     ck, cv = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
     mk, mv = ck < K, cv < V

@@ -235,15 +235,13 @@ def _solve_kernel(P_ptr, beta_ptr, q_ptr, k_ptr, v_ptr, G_ptr, Y_ptr, W_ptr, U_p
 
 
 @triton.jit
-def _state_kernel(W_ptr, U_ptr, Kd_ptr, decay_ptr, s0_ptr, h_ptr, vnew_ptr, sT_ptr, T, H,
+def _state_kernel(W_ptr, U_ptr, Kd_ptr, decay_ptr, s0_ptr, h_ptr, vnew_ptr, sT_ptr, NT,
                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   HAS_S0: tl.constexpr, STORE_H: tl.constexpr, DOT: tl.constexpr):
     """The recurrence over chunks for one (batch*head, V block): state [K, BV] in fp32 registers.
     Writes delta = U - W S0 of every chunk (vnew), the final state, and with STORE_H the state
     entering every chunk, h [B*H, NT, K, V]. K is one block (BK >= K)."""
     vb, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
-    NT = tl.cdiv(T, BT)
     rows = tl.arange(0, BT)
     ck, cv = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
     mk, mv = ck < K, cv < V
