@@ -21,10 +21,13 @@ repeated key once.
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Callable, NamedTuple
+
 import torch
 
 from .indexer import compute_dtype
-from .sparse_attention import dense_mask, gather_rows, own_keys, queries_per_block
+from .sparse_attention import dense_mask, gather_rows, query_blocks
 
 DENSE_KEYS_PER_SLOT = 8  # a block of queries that sees at most this many keys per slot is scored densely
 
@@ -43,16 +46,8 @@ def sparse_mla_reference(q_BTHD, kv_BTD, idx_BTS, *, scale: float, dv: int):
 
 
 def _blocks(idx_BTS, chunk: int, H: int, D: int):
-    """(b, t0, t1, key_CS, valid_CS) per gathered block; (b, t0, t1, mask_CK, None) per dense block."""
-    B, T, S = idx_BTS.shape
-    C = queries_per_block(chunk, S, 1, max(D, H))
-    for b in range(B):
-        for t0 in range(0, T, C):
-            t1 = min(t0 + C, T)
-            if t1 <= DENSE_KEYS_PER_SLOT * S:
-                yield b, t0, t1, dense_mask(idx_BTS[b, t0:t1], t1), None
-            else:
-                yield (b, t0, t1, *own_keys(idx_BTS[b, t0:t1]))
+    """``sparse_attention``'s blocks, sized for one gathered [S, D] row set shared by the heads."""
+    return query_blocks(idx_BTS, chunk, 1, max(D, H), DENSE_KEYS_PER_SLOT)
 
 
 def _probs(s_CHK, valid_CK, scale, lse_CH=None):
@@ -159,17 +154,12 @@ class AbsorbedSparseMLA(torch.autograd.Function):
         return dq, dw_uk, dkv, None, None, None, None
 
 
-class TorchImpl:
-    """The chunked torch path's forward and backward, for ``AbsorbedSparseMLA``."""
+class Impl(NamedTuple):
+    """A backend's forward (q, kv, idx, scale, dv) -> (o, lse) and backward
+    (q, kv, idx, o, lse, do, dlse, scale, dv) -> (dq, dkv), for ``AbsorbedSparseMLA``."""
 
-    def __init__(self, chunk: int):
-        self.chunk = chunk
-
-    def forward(self, q, kv, idx, scale, dv):
-        return sparse_mla_forward(q, kv, idx, scale, dv, self.chunk)
-
-    def backward(self, q, kv, idx, o, lse, do, dlse, scale, dv):
-        return sparse_mla_backward(q, kv, idx, o, lse, do, dlse, scale, dv, self.chunk)
+    forward: Callable
+    backward: Callable
 
 
 def sparse_mla_backward(q_BTHD, kv_BTD, idx_BTS, o_BTHD, lse_BTH, do_BTHD, dlse_BTH, scale: float, dv: int,
@@ -206,5 +196,6 @@ def sparse_mla(q_BTHD, kv_BTD, idx_BTS, *, scale: float, dv: int, chunk: int = 6
     for fp64 inputs; -inf and o = 0 for a query with no selected key). With ``w_uk_HED``
     [H, E, D], q is the per-head query [B, T, H, E], absorbed inside (``AbsorbedSparseMLA``)."""
     if w_uk_HED is not None:
-        return AbsorbedSparseMLA.apply(q_BTHD, w_uk_HED, kv_BTD, idx_BTS, scale, dv, TorchImpl(chunk))
+        impl = Impl(partial(sparse_mla_forward, chunk=chunk), partial(sparse_mla_backward, chunk=chunk))
+        return AbsorbedSparseMLA.apply(q_BTHD, w_uk_HED, kv_BTD, idx_BTS, scale, dv, impl)
     return SparseMLA.apply(q_BTHD, kv_BTD, idx_BTS, scale, dv, chunk)

@@ -78,14 +78,19 @@ def gathered_probs(q_CHD, k_CSHD, valid_CS, scale, lse_CH=None):
 
 
 def _blocks(idx_BTS, chunk: int, H: int, D: int):
+    return query_blocks(idx_BTS, chunk, H, D, DENSE_KEYS_PER_SLOT)
+
+
+def query_blocks(idx_BTS, chunk: int, H: int, D: int, dense_keys_per_slot: int):
     """(b, t0, t1, key_CS, valid_CS) for each gathered block of queries of each sequence, and
-    (b, t0, t1, mask_CK, None) for a dense block (keys 0..t1-1)."""
+    (b, t0, t1, mask_CK, None) for a dense block (keys 0..t1-1: at most ``dense_keys_per_slot``
+    keys per slot)."""
     B, T, S = idx_BTS.shape
     C = queries_per_block(chunk, S, H, D)
     for b in range(B):
         for t0 in range(0, T, C):
             t1 = min(t0 + C, T)
-            if t1 <= DENSE_KEYS_PER_SLOT * S:
+            if t1 <= dense_keys_per_slot * S:
                 yield b, t0, t1, dense_mask(idx_BTS[b, t0:t1], t1), None
             else:
                 yield (b, t0, t1, *own_keys(idx_BTS[b, t0:t1]))

@@ -146,19 +146,6 @@ def triton_backward(q_BTHD, kv_BTD, idx_BTS, o, lse, do_BTHD, dlse_BTH, scale: f
     return dq, dkv.to(kv_BTD.dtype)
 
 
-class TritonImpl:
-    """The Triton kernels' forward and backward, for ``mla.AbsorbedSparseMLA``."""
-
-    def __init__(self, exact: bool):
-        self.exact = exact
-
-    def forward(self, q, kv, idx, scale, dv):
-        return triton_forward(q, kv, idx, scale, dv, self.exact)
-
-    def backward(self, q, kv, idx, o, lse, do, dlse, scale, dv):
-        return triton_backward(q, kv, idx, o, lse, do, dlse, scale, dv, self.exact)
-
-
 class TritonSparseMLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BTHD, kv_BTD, idx_BTS, scale: float, dv: int, exact: bool):
@@ -178,7 +165,10 @@ class TritonSparseMLA(torch.autograd.Function):
 def sparse_mla(q_BTHD, kv_BTD, idx_BTS, *, scale: float, dv: int, exact: bool = False, w_uk_HED=None):
     """Same contract as ``mla.sparse_mla``; lse is fp32."""
     if w_uk_HED is not None:
-        from .mla import AbsorbedSparseMLA
+        from functools import partial
 
-        return AbsorbedSparseMLA.apply(q_BTHD, w_uk_HED, kv_BTD, idx_BTS, scale, dv, TritonImpl(exact))
+        from .mla import AbsorbedSparseMLA, Impl
+
+        impl = Impl(partial(triton_forward, exact=exact), partial(triton_backward, exact=exact))
+        return AbsorbedSparseMLA.apply(q_BTHD, w_uk_HED, kv_BTD, idx_BTS, scale, dv, impl)
     return TritonSparseMLA.apply(q_BTHD, kv_BTD, idx_BTS, scale, dv, exact)
