@@ -141,3 +141,11 @@ def change_interval(base: WindowSums, other: WindowSums, weights: np.ndarray, le
         rb, ro = _resampled_means(base, weights), _resampled_means(other, weights)
         lo, hi = percentile_interval((ro - rb) / rb, level)
     return change, lo, hi
+
+
+def difference_interval(base: WindowSums, other: WindowSums, weights: np.ndarray, level: float = 0.95):
+    """Difference of means other - base per group on the same tokens, and its paired bootstrap
+    interval: (difference [G], low [G], high [G])."""
+    difference = other.means() - base.means()
+    lo, hi = percentile_interval(_resampled_means(other, weights) - _resampled_means(base, weights), level)
+    return difference, lo, hi

@@ -82,6 +82,8 @@ def print_report(report: dict, out: Console | None = None) -> None:
         change = comparison["all"]["change"] * 100
         out.print(f"loss {'fell' if change < 0 else 'rose'} {abs(change):.2f}% overall against the baseline "
                   f"(95% CI {_fmt_change(comparison['all']).split(' ', 1)[-1]})", highlight=False)
+    if report.get("ablation"):
+        _print_ablation(report, out)
     if report.get("planted"):
         from .planted import verdict
 
@@ -93,6 +95,31 @@ def print_report(report: dict, out: Console | None = None) -> None:
     mlflow = report.get("mlflow") or {}
     if mlflow.get("location"):
         out.print(f"MLflow: {mlflow['location']}", highlight=False)
+
+
+def _print_ablation(report: dict, out: Console) -> None:
+    from .ablation import fmt_delta_ci, verdict
+
+    cuts = report["ablation"]["cuts"]
+    table = Table(title="context ablation: loss(context cut to N) - loss(whole window), nats/base [95% CI over "
+                        "windows]", title_justify="left")
+    table.add_column("context", justify="right")
+    for cut in cuts:
+        table.add_column(f"cut to {cut['max_context']:,}", justify="right")
+    for i, b in enumerate(cuts[0]["buckets"]):
+        if b["tokens"]:
+            table.add_row(f"{b['from']:,}-{b['to'] - 1:,}", *(fmt_delta_ci(c["buckets"][i]) for c in cuts))
+    table.add_row("all", *(fmt_delta_ci(c["all"]) for c in cuts), style="bold")
+    out.print(table)
+    for line in verdict(report["ablation"]):
+        out.print(line, highlight=False)
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        return [_size(x) for x in text.split(",") if x.strip()]
+    except typer.BadParameter as err:
+        raise typer.BadParameter(str(err), param_hint="--max-context") from None
 
 
 def eval_command(
@@ -110,6 +137,7 @@ def eval_command(
     resamples: Annotated[int, typer.Option(help="Bootstrap resamples over windows for the 95% intervals.", min=10)] = 1000,
     seed: Annotated[int, typer.Option(help="Seed of the bootstrap.")] = 0,
     planted: Annotated[Optional[Path], typer.Option(help="Planted-copies JSON (demo genome); default: <genome>.planted.json beside the dataset's FASTA when present.")] = None,
+    max_context: Annotated[Optional[str], typer.Option(help="Context ablation: score the model again with every base seeing at most N preceding tokens (the window in N-token segments, each from scratch), e.g. '1k,4k'; the report gives loss(cut) - loss(whole window) per bucket with intervals.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Output folder for eval.json, eval.csv and the plots; default: <run>/eval-<chrom> or ./eval.")] = None,
     tracking_uri: Annotated[Optional[str], typer.Option(help="MLflow store; default: the training run's store (its run folder's mlflow.db).")] = None,
     tracking: Annotated[bool, typer.Option(help="Log the evaluation to MLflow as a child of the training run.")] = True,
@@ -120,6 +148,8 @@ def eval_command(
     Scores every non-N base of the chromosome's windows (each window from its first base, so a base's context is its offset in the window), in nats and bits per base, overall and apart for soft-masked and unmasked bases, and groups them by context length (powers of two up to the window length) with 95% bootstrap intervals over windows. With --baseline the same tokens are scored by a second model and the relative change is reported per bucket.
 
     Each window's scores are kept in <out>/.scores as soon as it is scored: an interrupted evaluation re-run with the same arguments scores only the windows it had not (delete the folder to free the space).
+
+    With --max-context N[,N...] the model is also scored with its context cut to N (a context ablation: one model against itself, so no second model is needed), reported per bucket as the loss difference with a paired interval and drawn in context_ablation.png.
 
     Writes eval.json (schema genome-lm.eval/1), eval.csv and loss_by_context.png, and logs them to MLflow next to the training run. On the demo genome it also compares the loss on planted later copies whose first copy lies inside the window with those whose first copy lies outside it.
     """
@@ -133,7 +163,8 @@ def eval_command(
     request = EvalRequest(model=model, out=out, baseline=baseline, dataset=dataset, fasta=fasta, chrom=chrom,
                           split=split, window=_size(window), bucket_text=buckets, chunk=chunk_size or None,
                           max_windows=max_windows, max_n_fraction=max_n, resamples=resamples, seed=seed,
-                          planted=planted, tracking=tracking, tracking_uri=tracking_uri)
+                          planted=planted, max_contexts=_sizes(max_context) if max_context else None,
+                          tracking=tracking, tracking_uri=tracking_uri)
     try:
         report = evaluate(request, progress=not quiet, on_note=lambda t: console.print(t, highlight=False))
     except GenomeLMError as exc:

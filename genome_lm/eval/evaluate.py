@@ -10,8 +10,9 @@
    window's scores are kept in ``<out>/.scores`` as soon as they exist (``cache``), so an
    interrupted evaluation re-run with the same arguments scores only the windows it had not.
 3. Report (``report``): overall, unmasked and soft-masked loss, per context bucket with
-   bootstrap intervals over windows, the relative change against the baseline, and for the demo
-   genome the planted-copies analysis (``planted``). Written as JSON, CSV and PNG into
+   bootstrap intervals over windows, the relative change against the baseline, with
+   ``--max-context`` the model against itself with its context cut (``ablation``), and for the
+   demo genome the planted-copies analysis (``planted``). Written as JSON, CSV and PNG into
    ``--out``, and logged to MLflow beside the training run (same store and experiment, a child
    run of it) when the model came from one.
 """
@@ -45,6 +46,7 @@ class EvalRequest:
     resamples: int = 1000
     seed: int = 0
     planted: Path | None = None  # default: <genome>.planted.json beside the dataset's FASTA
+    max_contexts: list[int] | None = None  # context ablation: the model again with each cut (``ablation``)
     tracking: bool = True
     tracking_uri: str | None = None
 
@@ -114,22 +116,34 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict:
         edges = req.edges or (parse_edges(req.bucket_text, window_length, _parse_size) if req.bucket_text
                               else default_edges(window_length))
         total = sum(split.windows[i].length - 1 for i in windows)
-        scores = {}
+        # (label, model, cut): every model whole, then the model with each --max-context cut
+        jobs = [(name, name, None) for name in loaded]
+        jobs += [(f"model, context cut to {N:,}", "model", N) for N in sorted(set(req.max_contexts or []))]
         caches = {}
-        for name, lm in loaded.items():
-            key = score_key(lm.model, lm.token_map, Path(dataset), req.split, req.chunk)
-            caches[name] = cache = WindowCache(out / ".scores" / f"{name}-{key}")
+        for label, name, cut in jobs:
+            key = score_key(loaded[name].model, loaded[name].token_map, Path(dataset), req.split, req.chunk)
+            folder = f"{name}-{key}" if cut is None else f"{name}-cut{cut}-{key}"
+            caches[label] = cache = WindowCache(out / ".scores" / folder)
             done = sum(cache.has(i) for i in windows)
             if done:
-                note(f"{name}: {done} of {len(windows)} windows already scored in {cache.folder} (an earlier, "
+                note(f"{label}: {done} of {len(windows)} windows already scored in {cache.folder} (an earlier, "
                      "interrupted run with the same model and settings): reusing them")
+        scored = {}
         with progress_bar(quiet=not progress) as bar:
-            for name, lm in loaded.items():
-                task = bar.add_task(f"eval {name}", total=total, unit="bp")
-                scores[name] = score_split(lm.model, dataset, req.split, windows=windows, chunk=req.chunk,
-                                           token_map=lm.token_map, on_chunk=lambda n, t=task: bar.advance(t, n),
-                                           cache=caches[name])
+            for label, name, cut in jobs:
+                task = bar.add_task(f"eval {label}", total=total, unit="bp")
+                lm = loaded[name]
+                scored[label] = score_split(lm.model, dataset, req.split, windows=windows, chunk=req.chunk,
+                                            token_map=lm.token_map, on_chunk=lambda n, t=task: bar.advance(t, n),
+                                            cache=caches[label], max_context=cut)
+    scores = {name: scored[name] for name in loaded}
     results, comparison = rep.summarize(scores, edges, resamples=req.resamples, seed=req.seed)
+    ablation = None
+    if req.max_contexts:
+        from . import ablation as abl
+
+        cuts = {cut: scored[label] for label, _, cut in jobs if cut is not None}
+        ablation = abl.summarize(scores["model"], cuts, edges, resamples=req.resamples, seed=req.seed)
     planted_path = req.planted or _planted_beside(manifest)
     planted = None
     if planted_path is not None:
@@ -151,6 +165,7 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict:
         "models": {name: lm.info for name, lm in loaded.items()},
         "results": results,
         "comparison": comparison,
+        "ablation": ablation,
         "planted": planted,
     }
     write_outputs(report, out)
@@ -186,8 +201,14 @@ def write_outputs(report: dict, out: Path) -> None:
     files = {"json": str(out / "eval.json"), "csv": str(out / "eval.csv"), "plot": str(out / "loss_by_context.png")}
     if report.get("planted"):
         files["planted_plot"] = str(out / "planted_copies.png")
+    if report.get("ablation"):
+        files["ablation_plot"] = str(out / "context_ablation.png")
     report["files"] = files
     rep.write_figure(rep.loss_figure(report), out / "loss_by_context.png")
+    if report.get("ablation"):
+        from . import ablation
+
+        rep.write_figure(ablation.figure(report), out / "context_ablation.png")
     if report.get("planted"):
         rep.write_figure(distance_figure(report["planted"]), out / "planted_copies.png")
     rep.write_csv(report, out / "eval.csv")
@@ -215,6 +236,12 @@ def metrics(report: dict) -> tuple[dict[str, float], list[tuple[str, float, int]
             if b["change"] is not None:
                 flat[f"eval/change/ctx_{b['from']}_{b['to']}"] = b["change"]
                 series.append(("eval/change/by_context", b["change"], b["from"]))
+    if report.get("ablation"):
+        from . import ablation
+
+        more, more_series = ablation.metrics(report["ablation"])
+        flat.update(more)
+        series += more_series
     planted = report.get("planted")
     if planted:
         for name, entry in planted["models"].items():

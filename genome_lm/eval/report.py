@@ -11,6 +11,8 @@ Schema ``genome-lm.eval/1`` (JSON object; NaN is written as null)::
                     Stat = {tokens, nats, nats_ci: [lo, hi], bits, bits_ci: [lo, hi]}
     comparison      null, or {all, unmasked, softmasked: Change, buckets: [Change + {from, to}]}
                     Change = {change, ci: [lo, hi]}: (model - baseline) / baseline, paired bootstrap
+    ablation        null, or the model against itself with its context cut (``ablation.py``,
+                    ``--max-context``): {model, cuts: [{max_context, all, ..., buckets}]}
     planted         null, or the planted-copies analysis (``planted.analyse``)
     files, mlflow   where the outputs and the MLflow run are
 
@@ -132,8 +134,16 @@ def csv_rows(report: dict) -> list[dict]:
     return rows
 
 
+ABLATION_COLUMNS = ("max_context", "delta_vs_whole_window", "delta_ci_low", "delta_ci_high")
+
+
 def write_csv(report: dict, path: Path) -> None:
     rows = csv_rows(report)
+    if report.get("ablation"):
+        from .ablation import csv_rows as ablation_rows
+
+        rows = [{**row, **dict.fromkeys(ABLATION_COLUMNS)} for row in rows]
+        rows += [{key: row.get(key) for key in rows[0]} for row in ablation_rows(report["ablation"])]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
     writer.writeheader()

@@ -91,13 +91,31 @@ def token_nll(model, tokens: np.ndarray, *, chunk: int | None = None, token_map:
 
 
 @torch.no_grad()
+def token_nll_cut(model, tokens: np.ndarray, max_context: int, **kwargs) -> np.ndarray:
+    """``token_nll`` with every target seeing at most ``max_context`` tokens: the sequence is cut
+    into segments of ``max_context`` inputs, each scored alone from scratch (segment s predicts
+    the targets at positions s*N+1 .. (s+1)*N from the inputs s*N .. , so their contexts are
+    1 .. N). A cut at or beyond the sequence's length is the whole-sequence score itself."""
+    if max_context < 1:
+        raise ValueError(f"max_context must be at least 1, got {max_context}")
+    L = len(tokens) - 1
+    if max_context >= L:
+        return token_nll(model, tokens, **kwargs)
+    return np.concatenate([token_nll(model, tokens[start:start + max_context + 1], **kwargs)
+                           for start in range(0, L, max_context)])
+
+
+@torch.no_grad()
 def score_split(model, dataset, split: str, *, windows: list[int] | None = None, max_windows: int | None = None,
                 chunk: int | None = None, token_map: torch.Tensor | None = None,
-                device: torch.device | str | None = None, on_chunk=None, cache=None) -> TokenScores:
+                device: torch.device | str | None = None, on_chunk=None, cache=None,
+                max_context: int | None = None) -> TokenScores:
     """Scores of every non-N target of the chosen windows (``windows``, else ``select_windows``
     with ``max_windows``); a window is always scored whole, from its first base. ``cache``
     (``eval.cache.WindowCache``): windows scored earlier are read from it, each newly scored
-    one is written to it at once."""
+    one is written to it at once. ``max_context``: each target sees at most that many tokens
+    (``token_nll_cut``); its ``context`` stays its offset in the window, so a cut score sits in
+    the same bucket as the whole-window score of the same base."""
     from genome_lm.data.loader import SplitReader
 
     reader = SplitReader(dataset, split)
@@ -112,7 +130,9 @@ def score_split(model, dataset, split: str, *, windows: list[int] | None = None,
             soft = reader.softmask(w)
             nll = None if cache is None else cache.load(w, len(tokens) - 1)
             if nll is None:
-                nll = token_nll(model, tokens, chunk=chunk, token_map=token_map, device=device, on_chunk=on_chunk)
+                kwargs = dict(chunk=chunk, token_map=token_map, device=device, on_chunk=on_chunk)
+                nll = (token_nll(model, tokens, **kwargs) if max_context is None
+                       else token_nll_cut(model, tokens, max_context, **kwargs))
                 if cache is not None:
                     cache.store(w, nll)
             elif on_chunk is not None:  # a window read back counts as scored

@@ -1,0 +1,75 @@
+"""The context ablation's scoring and summary (``eval --max-context``): exactness by definition
+(a cut beyond the window is the whole-window score; a cut of N is each N-input segment scored
+alone) and the per-bucket differences with their intervals. The command is in
+test_ablation_cli.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from genome_lm.eval.ablation import fmt_delta, summarize
+from genome_lm.eval.score import TokenScores, token_nll, token_nll_cut
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from genome_lm.engine.parallel import ParallelSizes, parallel_context
+    from genome_lm.model.model import build_model
+    from genome_lm.model.presets import get_preset
+
+    with parallel_context() as pg:
+        torch.manual_seed(0)
+        model = build_model(get_preset("tiny"), pg, ParallelSizes(), kernel_backend="torch").eval()
+        yield model
+
+
+def test_a_cut_beyond_the_window_is_the_whole_window_score(tiny_model):
+    tokens = np.random.default_rng(0).integers(0, 4, 301)
+    whole = token_nll(tiny_model, tokens)
+    for N in (300, 301, 5000):
+        assert np.array_equal(token_nll_cut(tiny_model, tokens, N), whole)
+
+
+@pytest.mark.parametrize("N", [1, 64, 97])
+def test_a_cut_of_n_is_each_segment_scored_alone(tiny_model, N):
+    """Independently: every target j (1-based position in the window) predicted by a forward over
+    tokens[start .. j-1] alone, start = the last multiple of N below j; targets grouped by that."""
+    tokens = np.random.default_rng(1).integers(0, 4, 260)  # 259 targets: not a multiple of N
+    got = token_nll_cut(tiny_model, tokens, N)
+    assert got.shape == (259,)
+    want = np.empty(259)
+    for start in range(0, 259, N):
+        seg = torch.from_numpy(tokens[start:start + N + 1])[None]
+        with torch.no_grad():
+            logits = tiny_model(seg[:, :-1]).logits[0].float()
+        want[start:start + seg.shape[1] - 1] = torch.nn.functional.cross_entropy(
+            logits, seg[0, 1:], reduction="none").double().numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    # the first segment is the whole window's prefix: identical targets, identical scores
+    whole = token_nll(tiny_model, tokens)
+    np.testing.assert_allclose(got[:N], whole[:N], rtol=1e-5, atol=1e-6)
+
+
+def test_summary_differences_and_intervals():
+    """Per bucket, loss(cut) - loss(whole) with a paired interval that holds the true shift."""
+    rng = np.random.default_rng(3)
+    n, windows = 4000, 8
+    context = np.tile(np.arange(1, n // windows + 1), windows)
+    window = np.repeat(np.arange(windows), n // windows)
+    whole = TokenScores(rng.gamma(2.0, 0.6, n), context, window, rng.random(n) < 0.3)
+    shift = np.where(context >= 256, 0.05, 0.0)
+    cut = TokenScores(whole.nll + shift + rng.normal(0, 0.01, n), context, window, whole.softmasked)
+    out = summarize(whole, {256: cut}, [0, 128, 256, 512], resamples=300, seed=0)
+    (entry,) = out["cuts"]
+    first, second, third = entry["buckets"]
+    assert abs(first["delta"]) < 0.005 and abs(second["delta"]) < 0.005
+    assert third["ci"][0] < 0.05 < third["ci"][1] and third["delta"] == pytest.approx(0.05, abs=0.005)
+    assert entry["all"]["delta"] == pytest.approx(float(cut.nll.mean() - whole.nll.mean()))
+
+
+def test_small_differences_keep_their_digits():
+    assert fmt_delta(3.6e-5) == "+3.60e-05" and fmt_delta(-0.0123) == "-0.0123" and fmt_delta(0.0) == "+0.0000"
+
+
