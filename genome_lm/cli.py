@@ -392,7 +392,9 @@ def parity(
 
     Loads the checkpoint in transformers and through genome-lm's loader, runs both on the same
     random DNA tokens at each length, prints the largest |logit difference| per length, and exits
-    with status 1 when any length exceeds --tol. Works for any glm5_next text config that
+    with status 1 when any length exceeds --tol. Ties at the indexer's top-k boundary (equal pool
+    scores: repeats, all-zero ReLU scores) are counted, and the logits from the first tied position on
+    are reported apart, since the two models may break the tie differently. Works for any glm5_next text config that
     genome-lm supports (NoPE MLA without attention bias, the tail pool always selected; any
     router grouping); other configs are refused with the field named."""
     from genome_lm.model.parity import run_parity
@@ -401,11 +403,14 @@ def parity(
     if not hf.is_dir():
         _fail(GenomeLMError(f"{hf}: not a folder"))
     table = Table(title=f"genome-lm vs transformers on {hf}", title_justify="left")
-    for column in ("T", "max |d logit|", "mean |d logit|", "max |d logprob|", f"<= {tol:g}"):
+    for column in ("T", "max |d logit|", "mean |d logit|", "max |d logprob|", f"<= {tol:g}", "tied queries",
+                   "first tie", "max |d logit| after ties"):
         table.add_column(column, justify="right")
 
     def show(row):
-        console.print(f"T={row.length:,}: max |d logit| {row.max_abs_logit:.3g}", highlight=False)
+        ties = (f" (before the first top-k tie at position {row.first_tie:,}; {row.tied_queries:,} tied queries)"
+                if row.first_tie is not None else "")
+        console.print(f"T={row.length:,}: max |d logit| {row.max_abs_logit:.3g}{ties}", highlight=False)
 
     try:
         with quiet_megatron_import_ctx():
@@ -413,9 +418,15 @@ def parity(
     except GenomeLMError as exc:
         _fail(exc)
     for row in rows:
+        after = "" if row.max_abs_logit_after_ties is None else f"{row.max_abs_logit_after_ties:.3g}"
         table.add_row(f"{row.length:,}", f"{row.max_abs_logit:.3g}", f"{row.mean_abs_logit:.3g}",
-                      f"{row.max_abs_logprob:.3g}", "yes" if row.passed else "[bold red]NO[/]")
+                      f"{row.max_abs_logprob:.3g}", "yes" if row.passed else "[bold red]NO[/]",
+                      f"{row.tied_queries:,}", "" if row.first_tie is None else f"{row.first_tie:,}", after)
     console.print(table)
+    if any(r.first_tie is not None for r in rows):
+        console.print("tied queries: (DSA layer, query) pairs whose k-th and next-best pools score the same; "
+                      "genome-lm keeps the lower pool, transformers what torch.topk returns, so the logits from the "
+                      "first tie on may differ and are shown apart (parity is judged before it)", highlight=False)
     failed = [r.length for r in rows if not r.passed]
     if failed:
         Console(stderr=True).print(f"[bold red]parity failed[/] at T = {', '.join(map(str, failed))} (tolerance {tol:g})")

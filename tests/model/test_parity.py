@@ -90,3 +90,49 @@ def test_bad_folder_is_one_line_error(tmp_path):
     result = _parity(tmp_path)
     assert result.returncode == 1
     assert "no model.safetensors" in result.stderr and "Traceback" not in result.stderr
+
+
+def _zero_indexer_queries(ckpt):
+    """Every indexer query projection set to zero: all pool scores are exactly 0, so every query
+    with more visible pools than it keeps has a tie at its top-k boundary."""
+    from safetensors.torch import load_file, save_file
+
+    zeroed = 0
+    for shard in ckpt.glob("*.safetensors"):
+        tensors = load_file(shard)
+        for key in tensors:
+            if "indexer.wq_b" in key:
+                tensors[key] = tensors[key].zero_()
+                zeroed += 1
+        save_file(tensors, shard, metadata={"format": "pt"})
+    assert zeroed == 1  # the one DSA layer of TINY_TEXT
+
+
+def test_top_k_ties_are_counted_and_reported_apart(tmp_path):
+    """With all pool scores equal, query t (kpool 4, top-k 16: 4 pools kept) first has a tied
+    boundary at t = 19 ((t + 1) // 4 = 5 visible pools); parity is judged on positions 0-18 and
+    the rest is reported apart."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", seed=13)
+    _zero_indexer_queries(ckpt)
+    result = _parity(ckpt, "--lengths", "19,300", "--tol", "1e-4")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    out = " ".join(result.stdout.split())
+    assert "T=19: max |d logit|" in out and "T=19: max |d logit| " in out and "tie at position" not in out.split("T=300")[0]
+    assert "before the first top-k tie at position 19; 281 tied queries" in out
+    assert "shown apart" in out
+
+
+def test_boundary_ties_on_crafted_scores():
+    """Unit check of the tie count: two queries' pool keys arranged so one ties at the boundary."""
+    import torch
+
+    from genome_lm.model.parity import boundary_ties
+
+    kpool, topk, D = 1, 2, 4  # one token per pool, keep 2
+    k = torch.tensor([[[1.0, 0, 0, 0], [0, 1.0, 0, 0], [0, 1.0, 0, 0], [0, 0, 0, 1.0]]])  # pools 1 and 2 equal
+    q = torch.tensor([[[[0.0, 0, 0, 1.0]], [[0.0, 0, 0, 1.0]], [[1.0, 1.0, 0, 0]], [[1.0, 1.0, 0, 0]]]])
+    w = torch.ones(1, 4, 1)
+    ties = boundary_ties(q, k, w, None, None, kpool, topk)
+    # t = 2 sees pools 0-2 scoring (1, 1, 1): the 2nd and 3rd tie; t = 3 sees (1, 1, 1, 0): tie too;
+    # t = 0, 1 see at most 2 pools: nothing left out
+    assert ties.tolist() == [[False, False, True, True]]
