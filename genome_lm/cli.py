@@ -186,7 +186,10 @@ def demo(
         print_dataset_summary(result.manifest, reused=result.reused)
         cfg = load_config(config, [f"data.dataset={out / 'dataset'}", f"train.out_dir={out / 'run'}", *(set_ or [])])
         with quiet_megatron_import_ctx():
-            trained = train(cfg, progress=not quiet)
+            from genome_lm.train.trainer import existing_checkpoints
+
+            # a demo run again continues its own run (a finished one runs no step) and reuses the scores
+            trained = train(cfg, progress=not quiet, resume=bool(existing_checkpoints(out / "run")))
             _print_training(trained)
             report = evaluate(EvalRequest(model=str(out / "run"), baseline="init", chrom="chr22",
                                           out=out / "run" / "eval-chr22", max_windows=eval_windows),
@@ -439,7 +442,9 @@ def finetune(
     config: Annotated[str, typer.Option(help="A config name from configs/ (demo-cpu, glm-5.3-flash-512k-64xb200, ...) or a YAML path.")] = "demo-cpu",
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a field: --set train.steps=20 (repeatable).")] = None,
     resume: Annotated[bool, typer.Option(help="Continue from the run folder's latest checkpoint.")] = False,
-    tracking_uri: Annotated[Optional[str], typer.Option(help="MLflow server (http://host:5000); default: a SQLite store in the run folder.")] = None,
+    resume_from: Annotated[Optional[str], typer.Option(help="Continue from this checkpoint (a folder, or its name such as step-000020) instead of the latest.")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Start a new run in a folder that already holds one, deleting its checkpoints (without it, that is refused).")] = False,
+    tracking_uri: Annotated[Optional[str], typer.Option(help="MLflow server (http://host:5000); default: a SQLite store in the run folder (also used when the server cannot be reached).")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
     ray_address: Annotated[Optional[str], typer.Option(help="Train on a Ray cluster ('auto', host:port, or 'local' to start one here).")] = None,
     workers: Annotated[int, typer.Option(help="With --ray-address: ranks to start (one GPU each, or CPU workers without GPUs).", min=1)] = 1,
@@ -462,9 +467,11 @@ def finetune(
                 from genome_lm.engine.launch import train_on_ray
 
                 result = train_on_ray(cfg, address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
-                                      resume=resume, tracking_uri=tracking_uri, progress=not quiet)
+                                      resume=resume, tracking_uri=tracking_uri, progress=not quiet,
+                                      resume_from=resume_from, overwrite=overwrite)
             else:
-                result = train(cfg, resume=resume, progress=not quiet, tracking_uri=tracking_uri)
+                result = train(cfg, resume=resume, progress=not quiet, tracking_uri=tracking_uri,
+                               resume_from=resume_from, overwrite=overwrite)
     except GenomeLMError as exc:
         _fail(exc)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 reports
@@ -472,16 +479,22 @@ def finetune(
 
 
 def _print_training(result) -> None:
-    if not result.history:
+    steps = result.all_steps
+    if result.resumed_from is not None:
+        console.print(f"resumed from step {result.resumed_from.name.split('-')[-1].lstrip('0') or '0'} "
+                      f"({result.resumed_from})", highlight=False)
+    if not steps:
         console.print("no steps run")
         return
-    first, last = result.history[0], result.history[-1]
+    if not result.history:
+        console.print(f"the run was already complete at step {result.steps_done}")
+    first, last = steps[0], steps[-1]
     table = Table(title=f"fine-tuning in {result.out_dir}", title_justify="left")
-    for column in ("steps", "first loss", "last loss", "change", "tokens/s", "peak host MiB"):
+    for column in ("steps", "first loss (step)", "last loss (step)", "change", "tokens/s", "peak host MiB"):
         table.add_column(column, justify="right")
     change = (last.lm_loss - first.lm_loss) / first.lm_loss * 100
-    table.add_row(f"{result.steps_done}", f"{first.lm_loss:.4f}", f"{last.lm_loss:.4f}", f"{change:+.1f}%",
-                  f"{last.tokens_per_s:,.0f}", f"{last.peak_host_mib:,.0f}")
+    table.add_row(f"{result.steps_done}", f"{first.lm_loss:.4f} ({first.step})", f"{last.lm_loss:.4f} ({last.step})",
+                  f"{change:+.1f}%", f"{last.tokens_per_s:,.0f}", f"{last.peak_host_mib:,.0f}")
     console.print(table)
     if result.stopped_by:
         console.print(f"stopped by {result.stopped_by}; continue with --resume", highlight=False)

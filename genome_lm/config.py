@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from genome_lm.errors import GenomeLMError
 
@@ -154,6 +154,7 @@ class TrackingConfig(Section):
 
 
 class RunConfig(Section):
+    _source: str | None = PrivateAttr(None)  # the file it was read from (load_config), for names
     data: DataConfig = DataConfig()
     model: ModelSection = ModelSection()
     parallel: ParallelConfig = ParallelConfig()
@@ -170,6 +171,16 @@ class RunConfig(Section):
 
     def resolved(self) -> dict:
         return self.model_dump(mode="json")
+
+    @property
+    def source(self) -> str | None:
+        """The YAML file the config was read from (None: built in code or from defaults)."""
+        return self._source
+
+    def __eq__(self, other) -> bool:  # the settings, not where they were read from
+        return isinstance(other, RunConfig) and self.model_dump() == other.model_dump()
+
+    __hash__ = None
 
 
 def _set(tree: dict, dotted: str, value) -> None:
@@ -206,19 +217,25 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[st
             raise GenomeLMError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
         if not isinstance(tree, dict):
             raise GenomeLMError(f"{path}: the top level must be a mapping of sections")
+    overridden = []
     for item in overrides:
         if "=" not in item:
             raise GenomeLMError(f"--set {item!r}: expected section.field=value")
         key, value = item.split("=", 1)
+        overridden.append(key.strip())
         _set(tree, key.strip(), _yaml(value))
     try:
-        return RunConfig.model_validate(_lists_to_tuples(tree))
+        cfg = RunConfig.model_validate(_lists_to_tuples(tree))
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         if not where:  # a rule across sections: its message names the fields
             raise GenomeLMError(f"{source}: {first['msg']}") from None
+        if any(where == k or where.startswith(k + ".") for k in overridden):  # --set's fault, not the file's
+            raise GenomeLMError(f"--set {where}: {first['msg']} (got {first.get('input')!r})") from None
         raise GenomeLMError(f"{source}: {where}: {first['msg']} (got {first.get('input')!r})") from None
+    cfg._source = None if name_or_path is None else source
+    return cfg
 
 
 def _lists_to_tuples(tree):

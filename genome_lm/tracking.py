@@ -6,12 +6,21 @@ string or dict. Design rules:
 * **Default store**: with no ``tracking_uri`` a run is recorded in ``sqlite:///<run_dir>/mlflow.db``
   with artifacts in ``<run_dir>/mlartifacts`` (SQLite, not ``./mlruns``: MLflow 3 deprecates the
   file store). No server is needed; ``tracker.location`` prints the ``mlflow ui`` command to open it.
-* **Tracking never stops training.** If the store cannot be reached (a server that does not
-  answer when the run starts, or that goes away mid-run), the tracker logs ONE warning naming the
-  URI and becomes a no-op for the rest of the run; nothing is buffered (the run folder keeps the
-  checkpoints and ``loss_curve.png``; resuming with the same ``run_id`` continues the run once the
-  server is back). Any other failed call (a value the store refuses, a locked database) drops that
-  call only: the first is reported, the count at :meth:`Tracker.close`.
+* **Tracking never stops training, and never loses its metrics.** If a tracking server cannot be
+  reached (it does not answer when the run starts, or goes away mid-run), the tracker moves to
+  the run folder's own store (``sqlite:///<run_dir>/mlflow.db``), replays there everything this
+  session logged (params, tags, config, every metric point), says so once with the command that
+  opens it, and carries on there. Only if that store fails too does tracking stop (one warning).
+  Any other failed call (a value the store refuses, a locked database) drops that call only: the
+  first is reported, the count at :meth:`Tracker.close`.
+* **A run folder is movable.** The default store keeps absolute artifact locations; when it is
+  opened from another folder (the run folder was copied or moved), they are re-pointed to the
+  folder it is in now, so a copy never writes into the original.
+* **Resuming repeats no step**: :meth:`Tracker.rewind` drops the metric points logged after the
+  checkpoint a run resumes from (a run that holds such points is continued in a new run with the
+  history up to the checkpoint, and the old one is deleted; MLflow cannot delete single points).
+* **The experiment opens on its training runs**: it is tagged ``mlflow.experimentKind`` =
+  ``custom_model_development`` (MLflow 3 otherwise opens its GenAI overview).
 * **Short network timeouts**: for http(s) stores each call runs with ``MLFLOW_HTTP_REQUEST_TIMEOUT``
   = ``timeout_s`` (5 s) and one quick retry, unless the user set those variables, so an unreachable
   server costs seconds, not MLflow's default minutes of back-off.
@@ -26,6 +35,7 @@ string or dict. Design rules:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -69,12 +79,15 @@ class Tracker:
 
     def __init__(self, tracking_uri: str | None = None, *, experiment: str = "genome-lm",
                  run_name: str | None = None, run_dir: str | Path | None = None, run_id: str | None = None,
-                 enabled: bool = True, timeout_s: float = 5.0):
+                 enabled: bool = True, timeout_s: float = 5.0, start_time_ms: int | None = None):
         self.enabled = enabled
         self._active = False
         self._run_id: str | None = None
         self._experiment_id: str | None = None
         self._params: dict[str, str] = {}
+        self._tags: dict[str, str] = {}
+        self._history: list = []  # this session's metric points, replayed into a fallback store
+        self._config_tree: Any = None
         self._noted: set[str] = set()
         self._dropped = 0
         self._closed = False
@@ -82,8 +95,10 @@ class Tracker:
             self.tracking_uri = tracking_uri or ""
             return
         folder = Path(run_dir if run_dir is not None else ".").resolve()
+        self._folder, self._experiment_name, self._run_name = folder, experiment, run_name
+        self._start_time_ms = start_time_ms
         self._default_store = tracking_uri is None
-        self.tracking_uri = tracking_uri or f"sqlite:///{folder / 'mlflow.db'}"
+        self.tracking_uri = tracking_uri or local_store(folder)
         self._timeout_s = timeout_s
         try:
             with self._network():
@@ -99,6 +114,7 @@ class Tracker:
 
         if self._default_store:
             folder.mkdir(parents=True, exist_ok=True)
+            repoint_moved_store(folder / "mlflow.db")
         self._client = MlflowClient(tracking_uri=self.tracking_uri)
         if run_id is not None:
             run = self._find_run(run_id)
@@ -110,7 +126,8 @@ class Tracker:
             self._note("resume", f"tracking: run {run_id} is not in {self.tracking_uri}; starting a new run")
         self._experiment_id = self._experiment(experiment)
         tags = {"genome_lm.resumed_from": run_id} if run_id else None
-        run = self._client.create_run(self._experiment_id, run_name=run_name, tags=tags)
+        run = self._client.create_run(self._experiment_id, run_name=run_name, tags=tags,
+                                      start_time=self._start_time_ms)
         self._run_id = run.info.run_id
 
     def _find_run(self, run_id: str):
@@ -130,9 +147,12 @@ class Tracker:
         if found is not None:
             if found.lifecycle_stage == "deleted":
                 self._client.restore_experiment(found.experiment_id)
+            if found.tags.get(EXPERIMENT_KIND_TAG) is None:
+                self._client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
             return found.experiment_id
         try:
-            return self._client.create_experiment(name, artifact_location=self._artifact_root())
+            return self._client.create_experiment(name, artifact_location=self._artifact_root(),
+                                                  tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
         except MlflowException:  # created by another process meanwhile
             found = self._client.get_experiment_by_name(name)
             if found is None:
@@ -190,14 +210,15 @@ class Tracker:
                 changed[key] = value
         if changed:
             log.debug("tracking: params %s changed; the new values are stored as tags", sorted(changed))
-        self._batch(params=new, tags=changed)
         self._params.update(new)
+        self._tags.update(changed)
+        self._batch(params=new, tags=changed)
 
     def log_config(self, config: Any, name: str = "config.yaml") -> None:
         """The resolved config (mapping, dataclass or pydantic model) as ``config.yaml`` and as params."""
         if not self._active:
             return
-        tree = _plain(config)
+        tree = self._config_tree = _plain(config)
         with tempfile.TemporaryDirectory(prefix="genome-lm-tracking-") as tmp:
             path = Path(tmp) / name
             path.write_text(yaml.safe_dump(tree, sort_keys=False))
@@ -219,12 +240,62 @@ class Tracker:
                                         "(non-finite values are skipped; noted once per run)")
                 continue
             batch.append(Metric(_key(key), value, stamp, int(step or 0)))
+        self._history.extend(batch)
         for i in range(0, len(batch), _METRIC_BATCH):
             self._call(self._client.log_batch, self._run_id, metrics=batch[i:i + _METRIC_BATCH])
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if self._active:
-            self._batch(tags={_key(k): _cut(_text(v), TAG_VALUE_LIMIT) for k, v in tags.items()})
+            tags = {_key(k): _cut(_text(v), TAG_VALUE_LIMIT) for k, v in tags.items()}
+            self._tags.update(tags)
+            self._batch(tags=tags)
+
+    def rewind(self, step: int) -> None:
+        """Forget the metric points after ``step``: a run resumed from the checkpoint of ``step``
+        logs those steps again. When the run holds any, it goes on in a new run that gets the
+        original's params, tags, artifacts and metric history up to ``step`` (tagged
+        ``genome_lm.continues_run``), and the original is deleted (MLflow keeps deleted runs until
+        ``mlflow gc``). Nothing happens when no point lies beyond ``step``."""
+        if not self._active:
+            return
+        try:
+            with self._network():
+                self._continue_without_points_after(step)
+        except Exception as err:  # noqa: BLE001 - tracking must never stop training
+            if _unreachable(err):
+                self._warn_unavailable(err)
+            else:
+                self._note("rewind", f"tracking: could not drop the metric points after step {step} ({_short(err)}); "
+                                     "they will appear twice")
+
+    def _continue_without_points_after(self, step: int) -> None:
+        from mlflow.entities import Param
+
+        old = self._client.get_run(self._run_id)
+        history = {key: self._client.get_metric_history(self._run_id, key) for key in old.data.metrics}
+        if not any(m.step > step for points in history.values() for m in points):
+            return
+        user_tags = {k: v for k, v in old.data.tags.items() if not k.startswith("mlflow.")}
+        run = self._client.create_run(old.info.experiment_id, run_name=old.info.run_name, start_time=old.info.start_time,
+                                      tags={**user_tags, "genome_lm.continues_run": old.info.run_id,
+                                            "genome_lm.resumed_at_step": str(step)})
+        new_id = run.info.run_id
+        params = [Param(k, v) for k, v in old.data.params.items()]
+        for i in range(0, len(params), _BATCH):
+            self._client.log_batch(new_id, params=params[i:i + _BATCH])
+        kept = [m for points in history.values() for m in points if m.step <= step]
+        for i in range(0, len(kept), _METRIC_BATCH):
+            self._client.log_batch(new_id, metrics=kept[i:i + _METRIC_BATCH])
+        with tempfile.TemporaryDirectory(prefix="genome-lm-tracking-") as tmp:
+            if self._client.list_artifacts(old.info.run_id):
+                local = self._client.download_artifacts(old.info.run_id, "", tmp)
+                self._client.log_artifacts(new_id, local)
+        self._client.delete_run(old.info.run_id)
+        self._run_id = new_id
+        self._params = dict(old.data.params)
+        self._history = [m for m in self._history if m.step <= step]
+        self._client.set_tag(new_id, "genome_lm.note",
+                             f"continues run {old.info.run_id} (deleted), resumed at step {step}")
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Copy a file or a folder into the run's artifacts (under ``artifact_path`` when given)."""
@@ -296,9 +367,38 @@ class Tracker:
                                       f"({_short(err)}); training continues")
 
     def _warn_unavailable(self, err: Exception) -> None:
+        if not self._default_store and self._fall_back(err):
+            return
         self._active = False
         self._note("unavailable", f"tracking: {self.tracking_uri} is unavailable ({_short(err)}); "
                                   "training continues without tracking")
+
+    def _fall_back(self, err: Exception) -> bool:
+        """Move to the run folder's own store and replay this session there (see the module
+        docstring); False when that store cannot be opened either."""
+        lost = self.tracking_uri
+        self.tracking_uri, self._default_store = local_store(self._folder), True
+        self._active = False
+        try:
+            self._start(self._experiment_name, self._run_name, None, self._folder)
+        except Exception as again:  # noqa: BLE001
+            self._note("unavailable", f"tracking: {lost} is unavailable ({_short(err)}) and so is the run folder's "
+                                      f"store {self.tracking_uri} ({_short(again)}); training continues without tracking")
+            return True
+        self._active = True
+        self._note("fallback", f"tracking: {lost} is unavailable ({_short(err)}); logging to the run folder's store "
+                               f"instead, with everything this session had logged: mlflow ui --backend-store-uri "
+                               f"{self.tracking_uri}")
+        tags = {**self._tags, "genome_lm.fallback_from": lost}
+        self._batch(params=self._params, tags=tags)
+        if self._config_tree is not None:
+            with tempfile.TemporaryDirectory(prefix="genome-lm-tracking-") as tmp:
+                path = Path(tmp) / "config.yaml"
+                path.write_text(yaml.safe_dump(self._config_tree, sort_keys=False))
+                self.log_artifact(path)
+        for i in range(0, len(self._history), _METRIC_BATCH):
+            self._call(self._client.log_batch, self._run_id, metrics=self._history[i:i + _METRIC_BATCH])
+        return True
 
     def _note(self, kind: str, message: str) -> None:
         if kind not in self._noted:
@@ -307,6 +407,53 @@ class Tracker:
 
     def _network(self):
         return _network(self.tracking_uri, self._timeout_s)
+
+
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's view for model training (not its GenAI overview)
+
+
+def local_store(folder: Path) -> str:
+    """The run folder's own MLflow store."""
+    return f"sqlite:///{Path(folder) / 'mlflow.db'}"
+
+
+def repoint_moved_store(db: Path) -> None:
+    """When ``db`` (a run folder's MLflow SQLite store) was written in another folder, point its
+    artifact locations (the experiments' and the runs', absolute ``file://`` URIs) at the
+    ``mlartifacts`` folder beside it, so that a copied or moved run folder is self-contained.
+    MLflow has no API to change a location; this updates its tables (``experiments``, ``runs``)
+    and drops the runs' artifact stores from MLflow's per-process cache."""
+    import sqlite3
+
+    if not db.is_file():
+        return
+    here = (db.parent / "mlartifacts").resolve().as_uri()
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        try:
+            rows = con.execute("SELECT artifact_location FROM experiments").fetchall()
+        except sqlite3.DatabaseError:
+            return  # not (yet) an MLflow store: MLflow itself will say what is wrong
+        old_roots = {loc.rsplit("/mlartifacts", 1)[0] + "/mlartifacts" for (loc,) in rows
+                     if loc and "/mlartifacts" in loc and not loc.startswith(here)}
+        if not old_roots:
+            return
+        moved_runs = []
+        with con:
+            for old in old_roots:
+                moved_runs += [r for (r,) in con.execute("SELECT run_uuid FROM runs WHERE artifact_uri LIKE ?",
+                                                         (old + "%",))]
+                for table, column in (("experiments", "artifact_location"), ("runs", "artifact_uri")):
+                    con.execute(f"UPDATE {table} SET {column} = ? || substr({column}, ?) WHERE {column} LIKE ?",
+                                (here, len(old) + 1, old + "%"))
+    try:  # MLflow keeps each run's artifact store per process, keyed by run id
+        from mlflow.tracking._tracking_service import utils as tracking_utils
+
+        for run_id in moved_runs:
+            tracking_utils._artifact_repos_cache.pop(run_id, None)
+    except (ImportError, AttributeError):
+        pass
+    log.info("tracking: %s was moved; artifact locations now point at %s", db, here)
 
 
 @contextmanager

@@ -1,5 +1,7 @@
-"""Tracker: runs land in the store (read back with MLflow's own client), resume continues a run,
-and a tracking server that is missing, silent or killed mid-run never stops the caller."""
+"""Tracker: runs land in the store (read back with MLflow's own client), resume continues a run
+(without repeated steps), a run folder can be moved, and a tracking server that is missing,
+silent or killed mid-run never stops the caller and loses nothing: the run folder's own store
+takes over."""
 
 from __future__ import annotations
 
@@ -165,15 +167,30 @@ def _log_everything(tracker: Tracker, tmp_path: Path) -> None:
     tracker.set_tags({"k": "v"})
 
 
-def test_unreachable_server_warns_once_and_carries_on(tmp_path, caplog):
+def _local_client(run_dir: Path):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+
+
+def test_unreachable_server_falls_back_to_the_run_folder(tmp_path, caplog):
     uri = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
     t0 = time.perf_counter()
     with Tracker(uri, experiment="exp", run_name="r", run_dir=tmp_path) as tracker:
         _log_everything(tracker, tmp_path)
     assert time.perf_counter() - t0 < 15
-    assert not tracker.active and tracker.run_id is None and tracker.location == ""
     warnings = _warnings(caplog)
     assert len(warnings) == 1 and uri in warnings[0] and "\n" not in warnings[0]
+    local = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert f"mlflow ui --backend-store-uri {local}" in warnings[0]  # how to look at it
+    assert tracker.location.startswith(f"mlflow ui --backend-store-uri {local}")
+    client = _local_client(tmp_path)
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "r"
+    assert run.data.params == {"model.layers": "2", "a": "1"} and run.data.tags["k"] == "v"
+    assert run.data.tags["genome_lm.fallback_from"] == uri
+    assert _history(client, tracker.run_id, "loss") == [(1, 1.0), (2, 0.5), (3, 1 / 3)]
+    assert _artifacts(client, tracker.run_id) == {"config.yaml", "note.txt", "figures/curve.png"}
     assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ  # the short timeouts were scoped to the calls
 
 
@@ -255,14 +272,76 @@ def test_real_server_then_server_dies(tmp_path, mlflow_server, caplog):
         kill()
         t0 = time.perf_counter()
         tracker.log_metrics({"loss": 0.1}, step=4)  # must not raise
-        assert not tracker.active
+        assert tracker.active and tracker.run_id != run_id  # now in the run folder's store
         tracker.log_metrics({"loss": 0.05}, step=5)
         tracker.log_artifact(tmp_path / "note.txt")
         assert time.perf_counter() - t0 < 15
     warnings = _warnings(caplog)
-    assert len(warnings) == 1 and uri in warnings[0]
-    assert tracker.run_id == run_id  # still known: a resume can continue this run later
-    assert not (tmp_path / "run" / "mlflow.db").exists()  # no silent local fallback
+    assert len(warnings) == 1 and uri in warnings[0] and "mlflow ui --backend-store-uri sqlite:///" in warnings[0]
+    local = _local_client(tmp_path / "run")
+    # every point of the session, those the server got before it died included
+    assert _history(local, tracker.run_id, "loss") == [(1, 1.0), (2, 0.5), (3, 1 / 3), (4, 0.1), (5, 0.05)]
+    run = local.get_run(tracker.run_id)
+    assert run.data.params == {"model.layers": "2", "a": "1"} and run.data.tags["genome_lm.fallback_from"] == uri
+    assert {"config.yaml", "note.txt"} <= _artifacts(local, tracker.run_id)
+
+
+def test_rewind_drops_the_points_after_a_checkpoint(tmp_path):
+    """A run killed after step 6 and resumed from its step-4 checkpoint: the steps 5-6 logged
+    before the kill are gone, the history up to 4 and the params, tags and artifacts are kept."""
+    with Tracker(None, experiment="exp", run_name="r", run_dir=tmp_path) as tracker:
+        _log_everything(tracker, tmp_path)  # steps 1-3
+        for step in (4, 5, 6):
+            tracker.log_metrics({"loss": 1.0 / step}, step=step)
+        first = tracker.run_id
+    with Tracker(None, experiment="exp", run_dir=tmp_path, run_id=first) as tracker:
+        tracker.rewind(4)
+        for step in (5, 6, 7):
+            tracker.log_metrics({"loss": 2.0 / step}, step=step)
+        second = tracker.run_id
+    client = _local_client(tmp_path)
+    assert second != first and client.get_run(first).info.lifecycle_stage == "deleted"
+    run = client.get_run(second)
+    assert run.info.run_name == "r" and run.data.tags["genome_lm.continues_run"] == first
+    assert run.data.params == {"model.layers": "2", "a": "1"} and run.data.tags["k"] == "v"
+    assert [s for s, _ in _history(client, second, "loss")] == [1, 2, 3, 4, 5, 6, 7]  # each step once
+    assert _history(client, second, "loss")[4] == (5, 2.0 / 5)
+    assert _artifacts(client, second) == {"config.yaml", "note.txt", "figures/curve.png"}
+    # nothing after the step: the same run goes on
+    with Tracker(None, experiment="exp", run_dir=tmp_path, run_id=second) as tracker:
+        tracker.rewind(7)
+        assert tracker.run_id == second
+
+
+def test_a_moved_run_folder_writes_only_into_itself(tmp_path):
+    import shutil
+
+    original = tmp_path / "a" / "run"
+    with Tracker(None, experiment="exp", run_dir=original) as tracker:
+        _log_everything(tracker, tmp_path)
+        run_id = tracker.run_id
+    copy = tmp_path / "b" / "run"
+    shutil.copytree(original, copy)
+    before = sorted(p.relative_to(original) for p in original.rglob("*"))
+    note = tmp_path / "later.txt"
+    note.write_text("y")
+    with Tracker(None, experiment="exp", run_dir=copy, run_id=run_id) as tracker:
+        tracker.log_artifact(note)
+    with Tracker(None, experiment="exp", run_dir=copy) as tracker:  # a new run in the copy
+        tracker.log_artifact(note)
+        new_id = tracker.run_id
+    assert sorted(p.relative_to(original) for p in original.rglob("*")) == before  # nothing written there
+    client = _local_client(copy)
+    assert "later.txt" in _artifacts(client, run_id) and "later.txt" in _artifacts(client, new_id)
+    assert len(list((copy / "mlartifacts").rglob("later.txt"))) == 2
+    assert client.get_experiment_by_name("exp").artifact_location == (copy / "mlartifacts").as_uri()
+
+
+def test_experiment_opens_on_model_training(tmp_path):
+    with Tracker(None, experiment="kind", run_dir=tmp_path):
+        pass
+    experiment = _local_client(tmp_path).get_experiment_by_name("kind")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
 def test_read_run_gives_back_what_was_logged(tmp_path):

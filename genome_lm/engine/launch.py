@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 from genome_lm.errors import GenomeLMError
 
@@ -60,13 +61,16 @@ def check_layout(cfg, world_size: int) -> None:
 
 def train_on_ray(cfg, *, address: str, workers: int, cpus_per_worker: int = 1, gpus: bool | None = None,
                  resume: bool = False, tracking_uri: str | None = None, progress: bool = True,
-                 max_steps: int | None = None):
+                 max_steps: int | None = None, resume_from: str | None = None, overwrite: bool = False):
     """Run ``train(cfg)`` on ``workers`` Ray actors; returns rank 0's ``TrainResult``."""
+    from genome_lm.train.trainer import check_run_folder
+
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     check_layout(cfg, workers)  # before a cluster is asked for anything
+    check_run_folder(Path(cfg.train.out_dir), resume=resume, resume_from=resume_from, overwrite=overwrite)
     # actors do not share the driver's working folder: hand them absolute paths (on a multi-node
     # cluster these must be on storage every node sees)
     data = cfg.data.model_copy(update={"dataset": os.path.abspath(cfg.data.dataset)})
@@ -92,7 +96,8 @@ def train_on_ray(cfg, *, address: str, workers: int, cpus_per_worker: int = 1, g
                  for i in range(workers)]
         host, port = ray.get(ranks[0].address.remote())
         options = {"resume": resume, "tracking_uri": tracking_uri, "max_steps": max_steps, "progress": progress,
-                   "threads": cpus_per_worker}
+                   "threads": cpus_per_worker, "overwrite": overwrite,
+                   "resume_from": None if resume_from is None else os.path.abspath(resume_from)}
         futures = [r.train.remote(cfg.resolved(), f"tcp://{host}:{port}", dict(options)) for r in ranks]
         try:
             results = ray.get(futures)

@@ -24,8 +24,10 @@ at the end of each step), which then checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -72,11 +74,18 @@ class StepMetrics:
 class TrainResult:
     out_dir: Path
     steps_done: int
-    history: list[StepMetrics] = field(default_factory=list)
+    history: list[StepMetrics] = field(default_factory=list)  # the steps this call ran
     checkpoint: Path | None = None
     run_id: str | None = None
     stopped_by: str | None = None
     tracking: str = ""
+    resumed_from: Path | None = None  # the checkpoint this call continued from
+    earlier: list[StepMetrics] = field(default_factory=list)  # the run's steps before it (from the checkpoint)
+
+    @property
+    def all_steps(self) -> list[StepMetrics]:
+        """Every step of the run so far, the ones before a resume included."""
+        return self.earlier + self.history
 
 
 class _StopFlag:
@@ -385,9 +394,71 @@ def _param_state(optimizer):
     return state
 
 
+def existing_checkpoints(out: Path) -> list[Path]:
+    """The step folders of a run folder's checkpoints, oldest first."""
+    root = Path(out) / "checkpoints"
+    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".partial"))
+
+
+def check_run_folder(out: Path, *, resume: bool, resume_from, overwrite: bool) -> None:
+    """Refuse to start a new run over an existing one, unless asked to (--overwrite)."""
+    if resume or resume_from is not None or overwrite:
+        return
+    found = existing_checkpoints(out)
+    if found:
+        raise GenomeLMError(f"{out}: already holds a training run (checkpoints up to {found[-1].name}); continue it "
+                            "with --resume, start a new run elsewhere with --set train.out_dir=<new folder>, or "
+                            "replace it with --overwrite")
+
+
+def resume_point(out: Path, resume_from) -> Path:
+    """The checkpoint folder to resume from: ``resume_from`` (a checkpoint folder, or its name in
+    the run's checkpoints) or the run's latest, verified; a damaged one is an error that names
+    the newest intact checkpoint and how to resume from it."""
+    from .checkpoint import CheckpointCorrupt, latest_checkpoint, verify
+
+    if resume_from is not None:
+        folder = Path(resume_from)
+        if not folder.is_dir() and (Path(out) / "checkpoints" / str(resume_from)).is_dir():
+            folder = Path(out) / "checkpoints" / str(resume_from)
+        if not folder.is_dir():
+            raise GenomeLMError(f"{resume_from}: not a checkpoint folder (expected e.g. {out}/checkpoints/step-000020)")
+        verify(folder)
+        return folder
+    try:
+        folder = latest_checkpoint(out)
+        if folder is None:
+            raise GenomeLMError(f"{out}: nothing to resume (no checkpoints/latest)")
+        verify(folder)
+        return folder
+    except CheckpointCorrupt as err:
+        intact = None
+        for candidate in reversed(existing_checkpoints(out)):
+            try:
+                verify(candidate)
+            except CheckpointCorrupt:
+                continue
+            intact = candidate
+            break
+        if intact is None:
+            raise CheckpointCorrupt(f"{err}; no intact checkpoint is left in {Path(out) / 'checkpoints'}") from None
+        raise CheckpointCorrupt(f"{err}; the newest intact checkpoint is {intact}: resume from it with "
+                                f"--resume-from {intact}") from None
+
+
+def default_run_name(cfg) -> str:
+    """The MLflow run's name: the config's, the preset and the run folder (``demo-cpu: tiny (runs/demo-cpu)``)."""
+    source = getattr(cfg, "source", None)
+    name = Path(source).stem if source else Path(cfg.train.out_dir).name
+    return f"{name}: {cfg.model.preset} ({cfg.train.out_dir})"
+
+
 def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str | None = None,
-          max_steps: int | None = None) -> TrainResult:
-    """Train with ``cfg`` (a ``config.RunConfig``). Call on every rank of the job."""
+          max_steps: int | None = None, resume_from: str | Path | None = None, overwrite: bool = False) -> TrainResult:
+    """Train with ``cfg`` (a ``config.RunConfig``). Call on every rank of the job.
+
+    A run folder that already holds checkpoints is refused unless ``resume`` (its latest),
+    ``resume_from`` (a given checkpoint) or ``overwrite`` (its checkpoints are deleted first)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
 
@@ -397,7 +468,7 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
     from genome_lm.model.router import set_aux_loss_grad_scale, take_aux_loss
     from genome_lm.tracking import Tracker
 
-    from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from .checkpoint import load_checkpoint, save_checkpoint
     from .loss import global_sum
     from .memory import apply_memory, offload_saved_tensors, release_host_cache
     from .optim import learning_rate
@@ -405,8 +476,14 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
     p = cfg.parallel
     sizes = ParallelSizes.of(p)
     out = Path(cfg.train.out_dir)
+    check_run_folder(out, resume=resume, resume_from=resume_from, overwrite=overwrite)
     with parallel_context(sizes) as pg, _StopFlag() as stop:
         rank = dist.get_rank()
+        if overwrite and not (resume or resume_from) and rank == 0 and existing_checkpoints(out):
+            log.warning("%s: --overwrite: deleting its checkpoints (up to %s) before a new run",
+                        out, existing_checkpoints(out)[-1].name)
+            shutil.rmtree(out / "checkpoints")
+        dist.barrier()
         dp_cp = pg.dp_cp
         dp_rank, dp_size = pg.dp.rank(), pg.dp.size()
         per_rank = cfg.train.global_batch_size // dp_size
@@ -433,31 +510,36 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
                              micro_batch_size=cfg.train.micro_batch_size, softmask_weight=cfg.data.softmask_weight,
                              reverse_complement=cfg.data.reverse_complement, max_n_fraction=cfg.data.max_n_fraction,
                              seed=cfg.train.seed, rank=dp_rank, world_size=dp_size)
-        start, run_id = 0, None
-        if resume:
-            folder = latest_checkpoint(out)
-            if folder is None:
-                raise GenomeLMError(f"{out}: nothing to resume (no checkpoints/latest)")
+        start, run_id, folder, earlier = 0, None, None, []
+        if resume or resume_from is not None:
+            folder = resume_point(out, resume_from)
             state = load_checkpoint(folder, model, optimizer, layout=vars(sizes))
             loader.load_state_dict(state["loader"])
             start, run_id = state["step"], state.get("run_id")
+            earlier = [StepMetrics(**m) for m in state.get("history", [])]
         tracker = Tracker(tracking_uri or cfg.tracking.uri, experiment=cfg.tracking.experiment,
-                          run_name=cfg.tracking.run_name or out.name, run_dir=out, run_id=run_id,
+                          run_name=cfg.tracking.run_name or default_run_name(cfg), run_dir=out, run_id=run_id,
                           enabled=rank == 0)
-        result = TrainResult(out_dir=out, steps_done=start)
+        result = TrainResult(out_dir=out, steps_done=start, resumed_from=folder, earlier=earlier)
         with tracker:
             if start == 0:
                 tracker.log_config(cfg.resolved())
+            else:
+                tracker.rewind(start)  # the steps after the checkpoint are about to run again
             run_id = tracker.run_id
             result.run_id = run_id
             steps = cfg.train.steps if max_steps is None else min(cfg.train.steps, start + max_steps)
             bar = _progress(progress and rank == 0, start, cfg.train.steps)
+            if folder is not None:
+                _report(bar, rank, f"resumed from step {start} ({folder})")
             bad_in_row = 0
 
             def checkpoint(step):
                 meta = {"config": cfg.resolved(), "layout": vars(sizes), "model_config": model.cfg.to_hf()}
+                history = [dataclasses.asdict(m) for m in result.all_steps]
                 return save_checkpoint(out, step, model, optimizer,
-                                       {"step": step, "loader": loader.state_dict(), "run_id": run_id}, meta)
+                                       {"step": step, "loader": loader.state_dict(), "run_id": tracker.run_id,
+                                        "history": history}, meta)
 
             for step in range(start, steps):
                 t0 = time.perf_counter()
@@ -539,6 +621,7 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
                 tracker.log_params({"checkpoint": str(result.checkpoint)})
             _log_curve(tracker, result, out, rank)
             result.tracking = tracker.location
+            result.run_id = tracker.run_id  # it moves when a lost server's run goes on in the run folder
         return result
 
 

@@ -56,7 +56,7 @@ def test_local_run_records_config_metrics_curve_and_checkpoint(small_dataset, tm
 
     client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
     run = client.get_run(result.run_id)
-    assert run.info.status == "FINISHED" and run.info.run_name == "run"
+    assert run.info.status == "FINISHED" and run.info.run_name == f"demo-cpu: tiny ({out})"  # config, preset, folder
     assert client.get_experiment(run.info.experiment_id).name == "tracked"
     params = run.data.params
     # the resolved config, overrides and defaults alike
@@ -86,21 +86,64 @@ def test_local_run_records_config_metrics_curve_and_checkpoint(small_dataset, tm
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_unreachable_server_trains_and_warns_once(small_dataset, tmp_path, caplog):
+def test_unreachable_server_trains_into_the_run_folders_store(small_dataset, tmp_path, caplog):
+    from mlflow.tracking import MlflowClient
+
     uri = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
     out = tmp_path / "run"
     with caplog.at_level(logging.WARNING):
         result = train(_config(small_dataset, out), progress=False, tracking_uri=uri)
     assert result.steps_done == STEPS and len(result.history) == STEPS
     assert result.checkpoint == out / "checkpoints" / f"step-{STEPS:06d}"
-    assert (result.checkpoint / "meta.json").exists()
     assert (out / "checkpoints" / "latest").read_text().strip() == result.checkpoint.name
-    assert result.run_id is None and result.tracking == ""
     naming = [r.getMessage() for r in caplog.records if uri in r.getMessage()]
     assert len(naming) == 1, naming
-    assert "\n" not in naming[0] and "unavailable" in naming[0]
-    assert not (out / "mlflow.db").exists()  # no silent fallback to a local store
+    assert "\n" not in naming[0] and "unavailable" in naming[0] and "mlflow ui --backend-store-uri" in naming[0]
+    assert result.tracking.startswith(f"mlflow ui --backend-store-uri sqlite:///{out / 'mlflow.db'}")
+    _check_metrics(MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}"), result)
     assert (out / "loss_curve.png").exists()
+
+
+@pytest.mark.slow
+def test_server_stopped_mid_run_loses_no_metric(small_dataset, tmp_path, mlflow_server, caplog):  # noqa: F811
+    """A real `mlflow server` killed after the run logged its second step: training finishes and
+    the run folder's store holds every step's metrics, the ones the server had got included."""
+    import threading
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    uri, _, kill = mlflow_server
+    out = tmp_path / "run"
+    server = MlflowClient(tracking_uri=uri)
+    stop = threading.Event()
+
+    def kill_after_two_steps():
+        while not stop.is_set():
+            runs = server.search_runs([e.experiment_id for e in server.search_experiments()])
+            if runs and len(server.get_metric_history(runs[0].info.run_id, "loss")) >= 2:
+                kill()
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=kill_after_two_steps, daemon=True)
+    watcher.start()
+    steps = 8
+    try:
+        with caplog.at_level(logging.WARNING):
+            result = train(_config(small_dataset, out, [f"train.steps={steps}"]), progress=False, tracking_uri=uri)
+    finally:
+        stop.set()
+        watcher.join(timeout=30)
+    assert result.steps_done == steps
+    warned = [r.getMessage() for r in caplog.records if uri in r.getMessage()]
+    assert len(warned) == 1 and "mlflow ui --backend-store-uri" in warned[0]
+    local = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    history = sorted((h.step, h.value) for h in local.get_metric_history(result.run_id, "lm_loss"))
+    assert [s for s, _ in history] == list(range(1, steps + 1))
+    assert [v for _, v in history] == pytest.approx([m.lm_loss for m in result.history], rel=1e-6)
+    run = local.get_run(result.run_id)
+    assert run.data.tags["genome_lm.fallback_from"] == uri and run.data.params["data.seq_len"] == "128"
 
 
 @pytest.mark.slow
