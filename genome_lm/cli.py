@@ -19,7 +19,26 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # docstrings are reflowed into paragraphs (a blank line separates them), so --help never
+    # breaks a sentence where the source line did
+    rich_markup_mode="markdown",
 )
+
+
+def _flags_without_type() -> None:
+    """typer (0.29) prints a flag's type as "<bool>" beside it in --help (``--version <bool>``);
+    a flag takes no value, so show none."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_without_type()
 console = Console()
 SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
@@ -205,11 +224,8 @@ def _print_comparison(report: dict, cfg=None) -> None:
     from genome_lm.eval.commands import print_report
     from genome_lm.eval.planted import demo_note
 
-    print_report(report, console)
-    change = report["comparison"]["all"]["change"] * 100
-    console.print(f"loss {'fell' if change < 0 else 'rose'} {abs(change):.1f}% overall after fine-tuning "
-                  f"(base = the run's starting weights; checkpoint {report['models']['model']['path']})",
-                  highlight=False)
+    print_report(report, console)  # its headline sets the model against uniform, Markov and the starting weights
+    console.print(f"(the model: checkpoint {report['models']['model']['path']})", highlight=False)
     if report.get("planted"):
         console.print(demo_note(report["planted"], cfg), highlight=False)
 

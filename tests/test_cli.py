@@ -52,6 +52,29 @@ def test_demo_runs_every_stage(tmp_path):
     assert (tmp_path / "demo" / "run" / "checkpoints" / "step-000002" / "meta.json").exists()
     assert (tmp_path / "demo" / "run" / "mlflow.db").exists()
     assert "fine-tuning in" in result.output and "by preceding context" in result.output
-    assert "overall after fine-tuning" in result.output
+    # the summary sets the model against baselines that need no model, and names each
+    text = " ".join(result.output.split())
+    assert "for guessing A, C, G, T uniformly" in text and "Markov chain fitted on the training split" in text
+    assert "--baseline (the run's starting weights)" in text
     again = runner.invoke(app, ["demo", "--out", str(tmp_path / "demo"), *FAST_DEMO])
-    assert "already up to date" in again.output
+    assert again.exit_code == 0, again.output  # a demo again continues its finished run, never overwrites it
+    assert "already up to date" in again.output and "the run was already complete at step 2" in again.output
+
+
+def test_help_reflows_sentences_and_shows_no_type_for_flags():
+    """A docstring sentence broken across source lines is one line in a wide --help; a flag such as
+    --version shows no "<bool>" value."""
+    result = runner.invoke(app, ["finetune", "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
+    assert result.exit_code == 0, result.output
+    lines = [" ".join(line.split()) for line in result.output.splitlines()]
+    assert any("every rank runs this command and the sizes in" in line for line in lines)  # two source lines
+    top = runner.invoke(app, ["--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
+    assert "--version" in top.output and "<bool>" not in top.output
+    assert "<bool>" not in result.output and "--resume" in result.output
+
+
+def test_a_bad_set_field_blames_set_not_the_config_file(tmp_path):
+    result = runner.invoke(app, ["finetune", "--set", "train.stepz=5", "--set", f"train.out_dir={tmp_path / 'r'}"])
+    assert result.exit_code == 1
+    assert result.output.startswith("error: --set train.stepz:") and ".yaml" not in result.output
+    assert not (tmp_path / "r").exists()

@@ -35,3 +35,41 @@ def test_disabled_bar_prints_nothing(screen):
     bar.update(SimpleNamespace(step=1, lm_loss=1.0, tokens_per_s=10.0))
     bar.close()
     assert screen.getvalue() == ""
+
+
+@pytest.fixture
+def log_file(monkeypatch):
+    """stderr as a file (nohup, CI): not a terminal."""
+    out = io.StringIO()
+    monkeypatch.setattr(progress, "Console", lambda **kw: Console(file=out, force_terminal=False, width=150,
+                                                                    color_system=None, **kw))
+    return out
+
+
+def test_without_a_terminal_training_prints_plain_lines_at_an_interval(log_file, monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    monkeypatch.setenv("GENOME_LM_PROGRESS_SECONDS", "30")
+    bar = progress.StepProgress(True, start=0, total=10)
+    for step in range(1, 11):
+        clock[0] += 7.0  # a step every 7 s: a line every 30 s, and one at the end
+        bar.update(SimpleNamespace(step=step, lm_loss=3.0 - step / 10, tokens_per_s=4_000.0 + step))
+    bar.close()
+    lines = log_file.getvalue().splitlines()
+    assert lines == ["train: step 5/10, loss 2.5000, tok/s 4,005, about 35s left",
+                     "train: step 10/10, loss 2.0000, tok/s 4,010"], lines
+
+
+def test_without_a_terminal_work_in_bases_prints_rate_and_time_left(log_file, monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    monkeypatch.setenv("GENOME_LM_PROGRESS_SECONDS", "10")
+    with progress.progress_bar() as bar:
+        task = bar.add_task("eval model", total=1_000_000, unit="bp")
+        for _ in range(4):
+            clock[0] += 6.0
+            bar.advance(task, 200_000)
+    lines = log_file.getvalue().splitlines()
+    assert lines[0] == "eval model: 400.0 kbp of 1.0 Mbp (40%), 33.3 kbp/s, about 18s left"
+    assert lines[-1].startswith("eval model: 800.0 kbp of 1.0 Mbp (80%)")
+    assert len(lines) == 2  # every 10 s (at 12 s and 24 s); the exit prints nothing new

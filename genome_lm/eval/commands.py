@@ -78,16 +78,16 @@ def print_report(report: dict, out: Console | None = None) -> None:
     out.print(table)
     bits = ", ".join(f"{n} {results[n]['all']['bits']:.4f}" for n in names if results[n]["all"]["bits"] is not None)
     out.print(f"bits per base: {bits}", highlight=False)
-    if comparison and comparison["all"]["change"] is not None:
-        change = comparison["all"]["change"] * 100
-        out.print(f"loss {'fell' if change < 0 else 'rose'} {abs(change):.2f}% overall against the baseline "
-                  f"(95% CI {_fmt_change(comparison['all']).split(' ', 1)[-1]})", highlight=False)
+    from .report import headline
+
+    for line in headline(report):
+        out.print(line, highlight=False)
     if report.get("ablation"):
         _print_ablation(report, out)
     if report.get("planted"):
         from .planted import verdict
 
-        for name in names:
+        for name in report["planted"]["models"]:
             out.print(verdict(report["planted"], name), highlight=False)
     files = report.get("files") or {}
     if files:
@@ -169,6 +169,13 @@ def eval_command(
         report = evaluate(request, progress=not quiet, on_note=lambda t: console.print(t, highlight=False))
     except GenomeLMError as exc:
         _fail(exc)
+    except KeyboardInterrupt:
+        scores = Path(out) / ".scores"
+        kept = len(list(scores.glob("*/window-*.npy"))) if scores.is_dir() else 0
+        Console(stderr=True).print(
+            f"interrupted: the {kept} windows scored so far are kept in {scores} and will be reused when you run the "
+            "same command again", highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     print_report(report)
 
 
@@ -225,14 +232,17 @@ def recall_command(
     chunk: Annotated[str, typer.Option(help="Chunked prefill above this many tokens.")] = "32k",
     seed: Annotated[int, typer.Option(help="Seed of the draws and the bootstrap.")] = 0,
     recall_bench: Annotated[bool, typer.Option(help="Also run recall-bench's own sweep through its CallableModel (when installed; it skips distances whose power-of-two probe exceeds the window).")] = True,
-    out: Annotated[Path, typer.Option(help="JSON file for the results.")] = Path("recall.json"),
+    max_seconds: Annotated[float, typer.Option(help="Time budget: stop before a distance predicted to end past it (from the last distance's time), and run recall-bench only with time left. 0: no limit.", min=0)] = 120,
+    out: Annotated[Path, typer.Option(help="JSON file for the results, rewritten as each distance finishes.")] = Path("recall.json"),
 ) -> None:
     """Long-range recall probe: the copy advantage CE(control) - CE(repeat) per distance.
 
-    A segment of real (or demo) sequence is repeated after d bases of background; the control puts another segment in the first copy's place. The loss on the final segment in both gives the copy advantage in nats per base, with a 95% bootstrap interval over trials. By default d runs from 64 up to the model's window length (64, 256, 1k, ... then the largest d whose probe fits the window); on a CPU the long distances are slow, so use --max-distance or --distances there. When recall-bench is installed its own sweep runs too, through its CallableModel interface, with background from the same sequence; both are printed and written to --out.
+    A segment of real (or demo) sequence is repeated after d bases of background; the control puts another segment in the first copy's place. The loss on the final segment in both gives the copy advantage in nats per base, with a 95% bootstrap interval over trials. By default d runs from 64 up to the model's window length (64, 256, 1k, ... then the largest d whose probe fits the window), within --max-seconds (2 minutes: the distances it leaves out are named, with how to run them). Each distance is printed and written to --out as it finishes. When recall-bench is installed its own sweep runs too, through its CallableModel interface, with background from the same sequence; both are printed and written to --out.
     """
     import json
+    import time
 
+    from .ablation import fmt_delta
     from .recall import (FALLBACK_MAX_DISTANCE, LEAD, SequencePool, copy_probe, default_distances, probe_window,
                          recall_bench_available, run_recall_bench, sweep_to, window_distances)
 
@@ -272,14 +282,44 @@ def recall_command(
             split = config.data.eval_split if config is not None and dataset is None else "eval"
             pool = SequencePool.from_dataset(source, split, min_run=segment * 2) if source else \
                 SequencePool.random(max(dists) * 4 + 4 * segment, seed)
+            doc = {"schema": "genome-lm.recall/1", "model": model, "source": str(source) if source else "random",
+                   "segment": segment, "lead": LEAD, "trials": trials, "seed": seed, "window": window,
+                   "window_from": where, "distances_planned": dists, "complete": False, "rows": [],
+                   "recall_bench": None}
+
+            def write() -> None:
+                atomic_write(out, (json.dumps(doc, indent=1, default=str) + "\n").encode())
+
+            def finished(row) -> None:
+                doc["rows"].append(row.to_json())
+                write()
+                console.print(f"d={row.distance:,}: copy advantage {fmt_delta(row.advantage)} nats/base "
+                              f"[{fmt_delta(row.ci_low)}, {fmt_delta(row.ci_high)}] (CE repeat {row.ce_repeat:.4f}, "
+                              f"control {row.ce_control:.4f}); {out} updated", highlight=False)
+
+            began = time.perf_counter()
+            budget = max_seconds or None
             rows = copy_probe(lm.model, pool, dists, segment=segment, lead=LEAD, trials=trials, seed=seed,
-                              chunk=chunk_size, token_map=lm.token_map,
-                              on_trial=lambda d, i: console.print(f"d={d:,} trial {i + 1}/{trials}", highlight=False)
-                              if i + 1 == trials else None)
+                              chunk=chunk_size, token_map=lm.token_map, on_row=finished, budget_s=budget)
+            left = [d for d in dists if d not in {r.distance for r in rows}]
+            if left:
+                console.print(f"time budget {max_seconds:g} s reached: distances {', '.join(f'{d:,}' for d in left)} "
+                              f"not run (--max-seconds 0 runs every distance; --distances {left[0]} runs one)",
+                              highlight=False)
+            doc["skipped_for_time"] = left
             bench = None
             if recall_bench and recall_bench_available():
-                bench = run_recall_bench(lm.model, pool, dists, trials=trials, seed=seed, segment=segment,
-                                         chunk=chunk_size, token_map=lm.token_map, max_ctx=window)
+                if budget is not None and time.perf_counter() - began > 0.5 * budget:
+                    doc["recall_bench"] = "skipped: over half the time budget spent (--max-seconds 0 runs it)"
+                    console.print(f"recall-bench {doc['recall_bench']}", highlight=False)
+                else:
+                    done = [r.distance for r in rows]
+                    console.print(f"recall-bench's own sweep at {', '.join(f'{d:,}' for d in done)} ...", highlight=False)
+                    bench = run_recall_bench(lm.model, pool, done, trials=trials, seed=seed, segment=segment,
+                                             chunk=chunk_size, token_map=lm.token_map, max_ctx=window)
+                    doc["recall_bench"] = bench
+            doc["complete"] = not left
+            write()
     except ValueError as exc:
         _fail(GenomeLMError(f"{dataset or model}: {exc}"))
     except GenomeLMError as exc:
@@ -291,17 +331,12 @@ def recall_command(
     by_d = {r["dist"]: r for r in bench or []}
     for r in rows:
         rb_row = by_d.get(r.distance)
-        rb_text = "not installed" if bench is None else (
-            f"{rb_row['copy_advantage']:+.4f} +- {rb_row['stderr']:.4f}" if rb_row and rb_row.get("status") == "ok"
-            else (rb_row or {}).get("status", "-"))
+        rb_text = ("not installed" if not recall_bench_available() else "skipped" if bench is None else (
+            f"{fmt_delta(rb_row['copy_advantage'])} +- {abs(rb_row['stderr']):.2e}" if rb_row and rb_row.get("status") == "ok"
+            else (rb_row or {}).get("status", "-")))
         table.add_row(f"{r.distance:,}", f"{r.ce_repeat:.4f}", f"{r.ce_control:.4f}",
-                      f"{r.advantage:+.4f} [{r.ci_low:+.4f}, {r.ci_high:+.4f}]", rb_text)
+                      f"{fmt_delta(r.advantage)} [{fmt_delta(r.ci_low)}, {fmt_delta(r.ci_high)}]", rb_text)
     console.print(table)
-    doc = {"schema": "genome-lm.recall/1", "model": model, "source": str(source) if source else "random",
-           "segment": segment, "lead": LEAD, "trials": trials, "seed": seed, "window": window, "window_from": where,
-           "rows": [r.to_json() for r in rows],
-           "recall_bench": bench}
-    atomic_write(out, (json.dumps(doc, indent=1, default=str) + "\n").encode())
     console.print(f"wrote {out}", highlight=False)
 
 

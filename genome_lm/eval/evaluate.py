@@ -91,6 +91,7 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict:
 
     note = on_note or (lambda text: None)
     out = Path(req.out)
+    started_ms = int(datetime.datetime.now(datetime.timezone.utc).timestamp() * 1000)
     with quiet_megatron_import(), parallel_context() as pg:
         loaded = {"model": load_model(req.model, pg)}
         if req.baseline:
@@ -137,7 +138,12 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict:
                                             token_map=lm.token_map, on_chunk=lambda n, t=task: bar.advance(t, n),
                                             cache=caches[label], max_context=cut)
     scores = {name: scored[name] for name in loaded}
-    results, comparison = rep.summarize(scores, edges, resamples=req.resamples, seed=req.seed)
+    from .baselines import baseline_scores, describe
+
+    markov = _fit_markov(manifest, Path(dataset), loaded["model"].config, note)
+    with_baselines = {**scores, **baseline_scores(scores["model"], dataset, req.split, markov)}
+    baseline_info = describe(markov)
+    results, comparison = rep.summarize(with_baselines, edges, resamples=req.resamples, seed=req.seed)
     ablation = None
     if req.max_contexts:
         from . import ablation as abl
@@ -162,17 +168,45 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict:
                  "tokens_softmasked": int(next(iter(scores.values())).softmasked.sum())},
         "settings": {"chunk": req.chunk, "edges": edges, "max_n_fraction": req.max_n_fraction,
                      "bootstrap": {"resamples": req.resamples, "seed": req.seed, "level": 0.95, "unit": "window"}},
-        "models": {name: lm.info for name, lm in loaded.items()},
+        "models": {**{name: lm.info for name, lm in loaded.items()}, **baseline_info},
         "results": results,
         "comparison": comparison,
         "ablation": ablation,
         "planted": planted,
     }
+    report["headline"] = rep.headline(report)
     write_outputs(report, out)
     if req.tracking:
-        report["mlflow"] = log_to_mlflow(report, out, loaded["model"], req.tracking_uri, note)
+        report["mlflow"] = log_to_mlflow(report, out, loaded["model"], req.tracking_uri, note, started_ms)
         rep.write_json(report, out / "eval.json")
     return report
+
+
+def _fit_markov(manifest, dataset: Path, config, note):
+    """The Markov baseline fitted on a training split: the evaluation dataset's, else the training
+    run's dataset (an evaluation of a FASTA prepared for eval only has none); None, said, when
+    neither has one."""
+    from genome_lm.errors import GenomeLMError as _Error
+
+    from .baselines import fit_markov
+
+    candidates = [(dataset, manifest)]
+    if config is not None and Path(config.data.dataset) != dataset:
+        candidates.append((Path(config.data.dataset), None))
+    for folder, found in candidates:
+        try:
+            if found is None:
+                from genome_lm.data.manifest import Manifest
+
+                found = Manifest.load(folder)
+            split = config.data.train_split if config is not None else "train"
+            if not found.split(split).windows:
+                continue
+            return fit_markov(folder, split)
+        except (_Error, ValueError, KeyError, OSError):
+            continue
+    note("Markov baseline: no training split to fit it on (in the dataset or the model's run); uniform only")
+    return None
 
 
 def _parse_size(text: str) -> int:
@@ -250,18 +284,30 @@ def metrics(report: dict) -> tuple[dict[str, float], list[tuple[str, float, int]
     return flat, series
 
 
-def log_to_mlflow(report: dict, out: Path, lm, tracking_uri: str | None, note) -> dict:
+def eval_run_name(report: dict, lm) -> str:
+    """``eval chr22: demo-cpu step 40`` (the config of the training run and its step), else the
+    model's kind and path."""
+    info = report["models"]["model"]
+    step = f" step {info['step']}" if info.get("step") is not None else ""
+    cfg = lm.config
+    what = Path(cfg.source).stem if cfg is not None and cfg.source else info.get("path") or info.get("kind", "model")
+    return f"eval {report['data']['chrom']}: {what}{step}"
+
+
+def log_to_mlflow(report: dict, out: Path, lm, tracking_uri: str | None, note, started_ms: int | None = None) -> dict:
     """A run in the training run's MLflow store and experiment, tagged as its child (MLflow's
     ``mlflow.parentRunId``), with the settings, per-bucket metrics (also as a series whose step is
     the bucket's first context length) and the files as artifacts. Without a training run: a
-    store in ``out``."""
+    store in ``out``. The run starts when the evaluation started (``started_ms``), so its
+    duration is the evaluation's."""
     from genome_lm.tracking import Tracker
 
     cfg = lm.config
     run_dir = lm.run_dir if lm.run_dir is not None else out
     uri = tracking_uri or (cfg.tracking.uri if cfg is not None else None)
     experiment = cfg.tracking.experiment if cfg is not None else "genome-lm"
-    with Tracker(uri, experiment=experiment, run_name=f"eval {report['data']['chrom']}", run_dir=run_dir) as tracker:
+    with Tracker(uri, experiment=experiment, run_name=eval_run_name(report, lm), run_dir=run_dir,
+                 start_time_ms=started_ms) as tracker:
         if not tracker.active:
             note("MLflow: tracking unavailable; the report files are complete without it")
             return {}

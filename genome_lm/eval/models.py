@@ -84,6 +84,7 @@ def load_model(spec: str | Path, pg, *, init_of: LoadedModel | None = None, seed
         folder, run_dir = found
         meta = verify(folder)
         cfg = RunConfig.model_validate(meta["config"], strict=False)
+        cfg._source = meta.get("config_source")  # the YAML it was read from, for names
         if meta.get("world_size", 1) != 1:
             raise GenomeLMError(f"{folder}: written by {meta['world_size']} ranks; export it "
                                 "(`genome-lm export`) and evaluate the Hugging Face folder")

@@ -27,6 +27,7 @@ both numbers can be reported side by side.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -118,10 +119,20 @@ def probe_sequences(pool: SequencePool, rng: np.random.Generator, distance: int,
 
 def copy_probe(model, pool: SequencePool, distances: list[int], *, segment: int = 256, lead: int = LEAD,
                trials: int = 8, seed: int = 0, chunk: int | None = None, token_map=None, resamples: int = 1000,
-               on_trial=None) -> list[RecallRow]:
-    """Copy advantage per distance (nats per base) with a 95% bootstrap interval over trials."""
+               on_trial=None, on_row=None, budget_s: float | None = None) -> list[RecallRow]:
+    """Copy advantage per distance (nats per base) with a 95% bootstrap interval over trials.
+    ``on_row(row)`` is called as each distance finishes. ``budget_s``: stop before a distance
+    that would end past this many seconds (its time predicted from the last distance's, in
+    proportion to the probe length); the distances run are the rows returned."""
     rows = []
+    start = time.perf_counter()
+    last = None  # (probe length, seconds) of the last distance
     for d in distances:
+        if budget_s is not None and last is not None:
+            predicted = last[1] * (lead + 2 * segment + d) / last[0]
+            if time.perf_counter() - start + predicted > budget_s:
+                break
+        began = time.perf_counter()
         rng = np.random.default_rng([seed, d])
         rep, ctl = np.empty(trials), np.empty(trials)
         for i in range(trials):
@@ -135,6 +146,9 @@ def copy_probe(model, pool: SequencePool, distances: list[int], *, segment: int 
         boot = np.random.default_rng([seed, d, 1]).integers(0, trials, size=(resamples, trials))
         lo, hi = np.percentile(adv[boot].mean(1), [2.5, 97.5])
         rows.append(RecallRow(d, trials, float(rep.mean()), float(ctl.mean()), float(adv.mean()), float(lo), float(hi)))
+        last = (lead + 2 * segment + d, time.perf_counter() - began)
+        if on_row is not None:
+            on_row(rows[-1])
     return rows
 
 

@@ -6,7 +6,8 @@ Schema ``genome-lm.eval/1`` (JSON object; NaN is written as null)::
     created         ISO time; genome_lm: package version
     data            {dataset, split, chrom, source, windows: [window indices], window_length, tokens}
     settings        {chunk, edges: [0, 1024, ...], bootstrap: {resamples, seed, level, unit: "window"}}
-    models          {name: {kind, path, step, ...}}          names: "model", and "baseline" if given
+    models          {name: {kind, path, step, ...}}          names: "model", "baseline" if given, and the
+                    baselines that need no model: "uniform", "markov" (``baselines.py``; kind "baseline")
     results         {name: {all, unmasked, softmasked: Stat, buckets: [Stat + {from, to}]}}
                     Stat = {tokens, nats, nats_ci: [lo, hi], bits, bits_ci: [lo, hi]}
     comparison      null, or {all, unmasked, softmasked: Change, buckets: [Change + {from, to}]}
@@ -14,6 +15,7 @@ Schema ``genome-lm.eval/1`` (JSON object; NaN is written as null)::
     ablation        null, or the model against itself with its context cut (``ablation.py``,
                     ``--max-context``): {model, cuts: [{max_context, all, ..., buckets}]}
     planted         null, or the planted-copies analysis (``planted.analyse``)
+    headline        the overall comparisons in words, each naming what it compares with
     files, mlflow   where the outputs and the MLflow run are
 
 Every file is written to a temporary name and renamed, so a failed run leaves no half-written
@@ -95,6 +97,37 @@ def summarize(scores: dict[str, TokenScores], edges: list[int], *, resamples: in
                 comparison["buckets"] = [{"from": edges[b], "to": edges[b + 1], "change": _num(change[b]),
                                           "ci": [_num(lo[b]), _num(hi[b])]} for b in range(len(edges) - 1)]
     return results, comparison
+
+
+BASELINE_NAMES = {"init": "the run's starting weights", "checkpoint": "another checkpoint",
+                  "huggingface": "a Hugging Face checkpoint", "preset": "a freshly initialised model"}
+
+
+def headline(report: dict) -> list[str]:
+    """One line per comparison of the model's overall loss, each naming what it compares with:
+    the baselines that need no model (uniform, the Markov chain) and ``--baseline`` when given."""
+    results, models = report["results"], report["models"]
+    model = results["model"]["all"]
+    if model["nats"] is None:
+        return []
+    lines = []
+    for name in ("uniform", "markov"):
+        if name not in results or results[name]["all"]["nats"] is None:
+            continue
+        other = results[name]["all"]
+        change = (model["nats"] - other["nats"]) / other["nats"] * 100
+        what = ("guessing A, C, G, T uniformly" if name == "uniform"
+                else f"an order-{models[name]['order']} Markov chain fitted on the training split")
+        lines.append(f"model {model['bits']:.4f} bits/base vs {other['bits']:.4f} for {what}: "
+                     f"{abs(change):.2f}% {'lower' if change < 0 else 'higher'}")
+    comparison = report.get("comparison")
+    if comparison and comparison["all"]["change"] is not None:
+        info = models.get("baseline", {})
+        what = BASELINE_NAMES.get(info.get("kind"), info.get("kind", "the baseline"))
+        change, (lo, hi) = comparison["all"]["change"] * 100, comparison["all"]["ci"]
+        lines.append(f"model vs --baseline ({what}): loss {'fell' if change < 0 else 'rose'} {abs(change):.2f}% "
+                     f"(95% CI {lo * 100:+.2f}% to {hi * 100:+.2f}%)")
+    return lines
 
 
 # ----------------------------------------------------------------------------- files
@@ -207,6 +240,10 @@ def loss_figure(report: dict, axes=None):
 
 def _label(report: dict, name: str) -> str:
     info = report["models"][name]
+    if name == "uniform":
+        return "uniform (1/4 per base, no model)"
+    if name == "markov":
+        return f"order-{info['order']} Markov chain (training split)"
     step = f" step {info['step']}" if info.get("step") is not None else ""
     return f"{name} ({info['kind']}{step})"
 

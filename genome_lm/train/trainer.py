@@ -535,7 +535,8 @@ def train(cfg, *, resume: bool = False, progress: bool = True, tracking_uri: str
             bad_in_row = 0
 
             def checkpoint(step):
-                meta = {"config": cfg.resolved(), "layout": vars(sizes), "model_config": model.cfg.to_hf()}
+                meta = {"config": cfg.resolved(), "config_source": cfg.source, "layout": vars(sizes),
+                        "model_config": model.cfg.to_hf()}
                 history = [dataclasses.asdict(m) for m in result.all_steps]
                 return save_checkpoint(out, step, model, optimizer,
                                        {"step": step, "loader": loader.state_dict(), "run_id": tracker.run_id,

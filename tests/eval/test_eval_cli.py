@@ -21,15 +21,16 @@ def test_report_files_and_schema(evaluated):
     assert report["schema"] == SCHEMA
     assert report["data"]["chrom"] == "chr22" and len(report["data"]["windows"]) == 4
     assert report["settings"]["edges"] == [0, 128, 256, 512, 1024]  # 1 kbp windows: powers of two from 1024 / 8
-    assert set(report["results"]) == {"model", "baseline"}
+    assert set(report["results"]) == {"model", "baseline", "uniform", "markov"}
     assert report["models"]["model"]["kind"] == "checkpoint" and report["models"]["baseline"]["kind"] == "init"
+    assert report["models"]["uniform"]["kind"] == report["models"]["markov"]["kind"] == "baseline"
     for name in ("eval.json", "eval.csv", "loss_by_context.png", "planted_copies.png"):
         assert (out / name).stat().st_size > 0, name
     assert (out / "loss_by_context.png").read_bytes()[:4] == b"\x89PNG"
     rows = list(csv.DictReader((out / "eval.csv").open()))
-    assert len(rows) == 2 * (3 + 4)
+    assert len(rows) == 4 * (3 + 4)
     assert {r["subset"] for r in rows} == {"all", "unmasked", "softmasked", "bucket"}
-    assert "by preceding context" in output and "overall against the baseline" in output
+    assert "by preceding context" in output and "--baseline (the run's starting weights)" in " ".join(output.split())
     assert not list(out.glob(".*tmp*"))  # no temporary file left behind
 
 
@@ -97,7 +98,7 @@ def test_logged_to_mlflow_as_a_child_of_the_training_run(evaluated, demo_run):
 
     from genome_lm.train.checkpoint import latest_checkpoint
 
-    _, report, _ = evaluated
+    out, report, _ = evaluated
     state = json.loads((latest_checkpoint(demo_run / "run") / "state-r00000.json").read_text())
     client = MlflowClient(tracking_uri=f"sqlite:///{demo_run / 'run' / 'mlflow.db'}")
     run = client.get_run(report["mlflow"]["run_id"])
@@ -108,6 +109,11 @@ def test_logged_to_mlflow_as_a_child_of_the_training_run(evaluated, demo_run):
     assert sorted(m.step for m in series) == [0, 128, 256, 512]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"eval.json", "eval.csv", "loss_by_context.png"} <= artifacts
+    # named after the training run's config and step; its duration spans the scoring (it starts
+    # before the first window is scored, not when the results are logged)
+    assert run.info.run_name == "eval chr22: demo-cpu step 2"
+    first_scored_ms = min(p.stat().st_mtime for p in (out / ".scores").glob("*/window-*.npy")) * 1000
+    assert run.info.start_time <= first_scored_ms <= run.info.end_time
 
 
 def test_bad_input_is_a_one_line_error_and_writes_nothing(demo_run, tmp_path):
@@ -149,3 +155,31 @@ def test_results_of_another_schema_are_refused(evaluated, tmp_path):
     other.write_text(json.dumps({**report, "schema": "genome-lm.eval/0"}))
     with pytest.raises(GenomeLMError, match="genome-lm.eval/0"):
         load_result(other)
+
+
+def test_ctrl_c_says_the_scored_windows_are_kept_and_a_rerun_reuses_them(demo_run, tmp_path, monkeypatch):
+    """Ctrl-C after 2 windows: exit 130 with a line naming the kept windows; the same command again
+    reuses them and gives the report of an uninterrupted run."""
+    from genome_lm.eval.cache import WindowCache
+
+    store, stored = WindowCache.store, []
+
+    def interrupt_after_two(self, window, nll):
+        store(self, window, nll)
+        stored.append(window)
+        if len(stored) == 2:
+            raise KeyboardInterrupt
+
+    out = tmp_path / "eval"
+    args = ["eval", "--model", str(demo_run / "run"), "--chrom", "22", "--chunk", "256", "--max-windows", "4",
+            "--resamples", "50", "--out", str(out), "--quiet", "--no-tracking"]
+    monkeypatch.setattr(WindowCache, "store", interrupt_after_two)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 130
+    assert "interrupted: the 2 windows scored so far are kept" in result.output
+    assert "will be reused" in result.output and not (out / "eval.json").exists()
+    monkeypatch.setattr(WindowCache, "store", store)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "2 of 4 windows already scored" in result.output and "reusing them" in result.output
+    assert (out / "eval.json").exists()

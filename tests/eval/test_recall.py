@@ -101,6 +101,66 @@ def test_recall_command_writes_its_rows(tmp_path):
     assert "copy advantage" in result.output
 
 
+class Clocked(NoMemory):
+    """NoMemory on a fake clock: each forward takes 1 ms per token."""
+
+    def __init__(self, clock):
+        super().__init__()
+        self.clock = clock
+
+    def forward(self, ids_BT):
+        self.clock[0] += 1e-3 * ids_BT.shape[1]
+        return super().forward(ids_BT)
+
+
+def test_copy_probe_stops_before_a_distance_predicted_to_end_past_the_budget(pool, monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(recall.time, "perf_counter", lambda: clock[0])
+    seg, trials = 32, 2
+    seconds = {d: trials * 2 * 1e-3 * (recall.LEAD + 2 * seg + d) for d in (64, 256, 1024, 4096)}
+    budget = seconds[64] + seconds[256] + 0.5 * seconds[1024]  # 1024 would end past it
+    seen = []
+    rows = copy_probe(Clocked(clock), pool, [64, 256, 1024, 4096], segment=seg, trials=trials, budget_s=budget,
+                      on_row=seen.append)
+    assert [r.distance for r in rows] == [64, 256] and seen == rows
+    clock[0] = 0.0
+    budget = seconds[64] + seconds[256] + seconds[1024] + 1e-9
+    assert [r.distance for r in copy_probe(Clocked(clock), pool, [64, 256, 1024], segment=seg, trials=trials,
+                                           budget_s=budget)] == [64, 256, 1024]
+    clock[0] = 0.0  # the first distance always runs, whatever the budget
+    assert [r.distance for r in copy_probe(Clocked(clock), pool, [64, 256], segment=seg, trials=trials,
+                                           budget_s=1e-9)] == [64]
+
+
+def test_recall_command_over_its_budget_keeps_what_finished_and_names_the_rest(tmp_path):
+    out = tmp_path / "recall.json"
+    result = CliRunner().invoke(app, ["recall", "--model", "preset:tiny", "--distances", "64,200,300", "--trials", "2",
+                                      "--no-recall-bench", "--segment", "32", "--max-seconds", "0.001",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert [r["distance"] for r in doc["rows"]] == [64]
+    assert doc["skipped_for_time"] == [200, 300] and doc["complete"] is False
+    assert doc["distances_planned"] == [64, 200, 300]
+    assert "time budget 0.001 s reached: distances 200, 300 not run" in result.output
+    assert "d=64: copy advantage" in result.output and "updated" in result.output
+
+
+def test_recall_prints_small_advantages_with_their_digits(tmp_path, monkeypatch):
+    """A 3.6e-5 advantage is printed as such, not as +0.0000."""
+    def tiny_advantage(model, pool, distances, **kw):
+        rows = [recall.RecallRow(d, 2, 1.38620, 1.38623, 3.6e-5, 1.1e-5, 6.2e-5) for d in distances]
+        for r in rows:
+            kw["on_row"](r)
+        return rows
+
+    monkeypatch.setattr(recall, "copy_probe", tiny_advantage)
+    result = CliRunner().invoke(app, ["recall", "--model", "preset:tiny", "--distances", "64", "--trials", "2",
+                                      "--no-recall-bench", "--segment", "32", "--out", str(tmp_path / "r.json")])
+    assert result.exit_code == 0, result.output
+    assert "+3.60e-05" in result.output and "+0.0000" not in result.output
+
+
 # --------------------------------------------------------------------------- a small prepared dataset
 
 WINDOW = 512  # chr22 (eval): 3 windows of 512 bases; chr1 (train): 2 windows
