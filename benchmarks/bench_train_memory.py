@@ -111,7 +111,7 @@ def run(setting: str, T: int, threads: int, limit: int, max_seconds: float) -> d
 
 
 def main() -> None:
-    from genome_lm.cli import parse_size
+    from genome_lm.units import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="32k,64k,128k,256k")

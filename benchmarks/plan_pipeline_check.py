@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="config override, e.g. memory.recompute=full")
     args = ap.parse_args()
 
-    from genome_lm.cli import parse_size
+    from genome_lm.units import parse_size
     from genome_lm.config import load_config
     from genome_lm.plan.measure import measure_pipeline_step
     from genome_lm.plan.memory_model import Hardware, stage_plans

@@ -4,7 +4,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from genome_lm.cli import app, parse_size
+from genome_lm.cli import app
+from genome_lm.units import parse_size
 
 runner = CliRunner()
 
@@ -31,7 +32,7 @@ def test_parse_size(text, value):
 
 @pytest.mark.parametrize("text", ["", "k", "1.5k", "-3", "0", "12q"])
 def test_parse_size_rejects(text):
-    with pytest.raises(typer.BadParameter):
+    with pytest.raises(ValueError, match="size"):
         parse_size(text)
 
 
@@ -44,6 +45,7 @@ FAST_DEMO = ["--window", "8k", "--quiet", "--set", "train.steps=2", "--set", "da
              "--set", "train.indexer_dense_steps=0", "--eval-windows", "1"]
 
 
+@pytest.mark.slow
 def test_demo_runs_every_stage(tmp_path):
     result = runner.invoke(app, ["demo", "--out", str(tmp_path / "demo"), *FAST_DEMO])
     assert result.exit_code == 0, result.output

@@ -249,6 +249,7 @@ def mlflow_server(tmp_path):
         kill()
 
 
+@pytest.mark.slow
 def test_real_server_then_server_dies(tmp_path, mlflow_server, caplog):
     from mlflow.tracking import MlflowClient
 

@@ -50,7 +50,6 @@ Choices, and why:
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,9 +57,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from genome_lm.data.indexed import DTYPE_CODES, INDEX_MAGIC
+from genome_lm.data.indexed import IndexedReader
 from genome_lm.data.manifest import Manifest, Window
+from genome_lm.data.shards import unpack_softmask
 from genome_lm.data.tokenizer import PAD, A, C, G, N, T
+from genome_lm.data.windows import MAX_N_FRACTION, too_many_n
 from genome_lm.errors import GenomeLMError
 
 IGNORE = -100  # label of positions without a target (torch's default ignore_index)
@@ -72,43 +73,6 @@ COMPLEMENT.flags.writeable = False
 
 
 # --------------------------------------------------------------------------- reading
-
-
-class _Indexed:
-    """One Megatron indexed dataset (``prefix.bin`` / ``prefix.idx``) of uint8 items, memory-mapped."""
-
-    def __init__(self, prefix: str):
-        idx_path, bin_path = Path(prefix + ".idx"), Path(prefix + ".bin")
-        for path in (idx_path, bin_path):
-            if not path.exists():
-                raise GenomeLMError(f"{path}: missing (the dataset folder is incomplete; rerun `genome-lm prepare`)")
-        raw = idx_path.read_bytes()
-        head = len(INDEX_MAGIC) + 8 + 1 + 8 + 8
-        if len(raw) < head or raw[: len(INDEX_MAGIC)] != INDEX_MAGIC:
-            raise GenomeLMError(f"{idx_path}: not a Megatron indexed-dataset index")
-        version, code, n_items, n_docs = struct.unpack_from("<QBQQ", raw, len(INDEX_MAGIC))
-        if version != 1 or code != DTYPE_CODES[np.dtype(np.uint8)]:
-            raise GenomeLMError(f"{idx_path}: expected version 1 and uint8 items, "
-                                f"got version {version}, dtype code {code}")
-        if len(raw) != head + 4 * n_items + 8 * n_items + 8 * n_docs:
-            raise GenomeLMError(f"{idx_path}: truncated or corrupt index")
-        self.sizes = np.frombuffer(raw, np.int32, n_items, head).astype(np.int64)
-        self.pointers = np.frombuffer(raw, np.int64, n_items, head + 4 * n_items)
-        self.path = bin_path
-        expected = int(self.pointers[-1] + self.sizes[-1]) if n_items else 0
-        if bin_path.stat().st_size != expected:
-            raise GenomeLMError(f"{bin_path}: {bin_path.stat().st_size} bytes, its index describes {expected}")
-        self.data = np.memmap(bin_path, dtype=np.uint8, mode="r") if expected else np.zeros(0, np.uint8)
-
-    def __len__(self) -> int:
-        return self.sizes.size
-
-    def read(self, item: int, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Elements ``[start, stop)`` of ``item`` (a copy)."""
-        size = int(self.sizes[item])
-        stop = size if stop is None else min(stop, size)
-        base = int(self.pointers[item])
-        return np.array(self.data[base + start : base + stop])
 
 
 class SplitReader:
@@ -123,8 +87,8 @@ class SplitReader:
         self.manifest = Manifest.load(Path(dataset))
         self.split = split
         self.windows: tuple[Window, ...] = self.manifest.split(split).windows
-        self._tokens = _Indexed(self.manifest.path_prefix(split))
-        self._soft = _Indexed(self.manifest.softmask_prefix(split))
+        self._tokens = IndexedReader(self.manifest.path_prefix(split))
+        self._soft = IndexedReader(self.manifest.softmask_prefix(split))
         self.lengths = np.array([w.length for w in self.windows], dtype=np.int64)
         expected_sizes = (("tokens", self._tokens, self.lengths), ("soft-mask", self._soft, (self.lengths + 7) // 8))
         for name, data, expected in expected_sizes:
@@ -143,8 +107,7 @@ class SplitReader:
         """``[stop - start]`` bool soft-mask bits of ``window``, unpacked."""
         stop = int(self.lengths[window]) if stop is None else min(stop, int(self.lengths[window]))
         packed = self._soft.read(window, start // 8, (stop + 7) // 8)
-        bits = np.unpackbits(packed, bitorder="little").astype(bool)
-        return bits[start % 8 : start % 8 + stop - start]
+        return unpack_softmask(packed, max(stop - start, 0), start % 8)
 
 
 # --------------------------------------------------------------------------- one example
@@ -230,8 +193,7 @@ class _Crops:
             raise GenomeLMError(f"seq_len {seq_len} is longer than the windows ({planned}) of "
                                 f"{reader.manifest.folder}; prepare it with --window {seq_len} or more")
         self.reader, self.seq_len, self.softmask_weight = reader, seq_len, softmask_weight
-        n_frac = np.array([w.n_frac for w in reader.windows], dtype=np.float64)
-        self.keep = n_frac <= max_n_fraction
+        self.keep = np.array([not too_many_n(w.n_frac, max_n_fraction) for w in reader.windows], dtype=bool)
         self.window, self.start = _crop_items(reader.lengths, self.keep, seq_len)
         if self.window.size == 0:
             raise GenomeLMError(f"{reader.manifest.folder}: split {reader.split!r} has no window to train on "
@@ -274,7 +236,7 @@ class TrainLoader:
     """
 
     def __init__(self, dataset: str | Path, split: str, *, seq_len: int, micro_batch_size: int = 1,
-                 softmask_weight: float = 0.1, reverse_complement: float = 0.0, max_n_fraction: float = 0.5,
+                 softmask_weight: float = 0.1, reverse_complement: float = 0.0, max_n_fraction: float = MAX_N_FRACTION,
                  seed: int = 0, rank: int = 0, world_size: int = 1, shuffle: bool = True):
         if micro_batch_size < 1:
             raise GenomeLMError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
@@ -369,7 +331,7 @@ class TrainLoader:
 
 
 def eval_batches(dataset: str | Path, split: str, *, seq_len: int, batch_size: int, softmask_weight: float = 0.0,
-                 max_n_fraction: float = 0.5, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
+                 max_n_fraction: float = MAX_N_FRACTION, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
     """One pass over a split in (window, crop) order, no augmentation: global batches of
     ``batch_size * world_size`` items, this rank's ``batch_size`` of each (the last ones may be
     short; a rank whose slice is empty gets no batch for it). ``softmask_weight`` defaults to 0,

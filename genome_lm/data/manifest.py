@@ -60,6 +60,21 @@ class Split:
     def n_tokens(self) -> int:
         return self.data["n_tokens"]
 
+    @property
+    def softmask_fraction(self) -> float:
+        """Soft-masked (lower-case) bases over all bases of the split's windows."""
+        return sum(w.softmask_frac * w.length for w in self.windows) / max(self.n_tokens, 1)
+
+    @property
+    def n_fraction(self) -> float:
+        """N bases over all bases of the split's windows."""
+        return sum(w.n_frac * w.length for w in self.windows) / max(self.n_tokens, 1)
+
+    @property
+    def records(self) -> list[str]:
+        """The FASTA records the split was cut from."""
+        return [c["record"] for c in self.data["chromosomes"]]
+
 
 @dataclass(frozen=True)
 class Manifest:

@@ -37,11 +37,10 @@ from genome_lm.data.manifest import MANIFEST, SCHEMA, Manifest, write_manifest
 from genome_lm.data.names import resolve
 from genome_lm.data.shards import Task, TaskResult, run_task
 from genome_lm.data.tokenizer import TokenizerInfo
-from genome_lm.data.windows import WindowSpec, plan_windows
+from genome_lm.data.windows import STUDY_WINDOW, WindowSpec, plan_windows
 from genome_lm.errors import GenomeLMError
 from genome_lm.progress import progress_bar
 
-STUDY_WINDOW = 524_288
 TASK_BASES = 32 << 20  # a task covers about this many bases: fine enough for progress and balance
 
 
@@ -59,7 +58,7 @@ class PrepareRequest:
         payload = {
             "source": quick_identity(Path(self.fasta)),
             "splits": {"train": list(self.train_chroms), "eval": list(self.eval_chroms)},
-            "windows": asdict(self.windows),
+            "windows": self.windows.as_json(),
             "schema": SCHEMA,
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
@@ -131,7 +130,7 @@ def _build(request, key, staging, out, workers, ray_address, quiet, cache_dir) -
         todo = tasks[writer.next_task :]
         bar = progress.add_task("tokenizing", total=sum(t.bases for t in tasks), unit="bp")
         progress.advance(bar, sum(t.bases for t in tasks[: writer.next_task]))
-        args = (source.handle, request.windows.max_n_frac)
+        args = (source.handle, request.windows.max_n_fraction)
         written = None
         for task, result in zip(todo, _results_in_order(todo, args, workers, ray_address)):
             if written is not None:
@@ -146,7 +145,7 @@ def _build(request, key, staging, out, workers, ray_address, quiet, cache_dir) -
         "request_key": key,
         "source": {**source.identity, "sha256": sha256.result(), "records": [asdict(r) for r in source.records]},
         "tokenizer": TokenizerInfo().to_json(),
-        "windows": asdict(request.windows),
+        "windows": request.windows.as_json(),
         "splits": split_data,
     }
     write_manifest(final, manifest)

@@ -13,6 +13,7 @@ import numpy as np
 
 from genome_lm.data.fasta import FastaHandle, fetch_bytes
 from genome_lm.data.tokenizer import N, InvalidBaseError, count_ambiguous, describe_byte, softmask, tokenize
+from genome_lm.data.windows import too_many_n
 from genome_lm.errors import GenomeLMError
 
 
@@ -42,17 +43,18 @@ def pack_softmask(soft: np.ndarray) -> np.ndarray:
     return np.packbits(soft, bitorder="little")
 
 
-def unpack_softmask(packed: np.ndarray, length: int) -> np.ndarray:
-    """Inverse of :func:`pack_softmask`: ``[length]`` bool."""
-    return np.unpackbits(packed, count=length, bitorder="little").astype(bool)
+def unpack_softmask(packed: np.ndarray, length: int, first: int = 0) -> np.ndarray:
+    """Inverse of :func:`pack_softmask`: ``[length]`` bool, from bit ``first`` of ``packed``
+    (a slice of a window's packed bytes starts at a multiple of 8 bases)."""
+    return np.unpackbits(packed, count=first + length, bitorder="little")[first:].astype(bool)
 
 
 def _fraction(count: int, length: int) -> float:
     return round(count / length, 6)
 
 
-def run_task(task: Task, handle: FastaHandle, max_n_frac: float) -> TaskResult:
-    """Tokenize ``task``'s windows, skipping those with more than ``max_n_frac`` N."""
+def run_task(task: Task, handle: FastaHandle, max_n_fraction: float) -> TaskResult:
+    """Tokenize ``task``'s windows, skipping those with more than ``max_n_fraction`` N."""
     fasta = handle.open()
     result = TaskResult(task.index, [], [], [], [])
     for start, end in task.windows:
@@ -74,8 +76,8 @@ def run_task(task: Task, handle: FastaHandle, max_n_frac: float) -> TaskResult:
             "softmask_frac": _fraction(np.count_nonzero(soft), length),
             "ambiguous_frac": _fraction(count_ambiguous(raw, tokens), length),
         }
-        if info["n_frac"] > max_n_frac:
-            result.skipped.append({**info, "reason": f"N fraction {info['n_frac']} > {max_n_frac}"})
+        if too_many_n(info["n_frac"], max_n_fraction):
+            result.skipped.append({**info, "reason": f"N fraction {info['n_frac']} > {max_n_fraction}"})
             continue
         result.kept.append(info)
         result.tokens.append(tokens)

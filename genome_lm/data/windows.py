@@ -16,6 +16,14 @@ from typing import Literal
 
 TailRule = Literal["keep", "drop"]
 
+STUDY_WINDOW = 524_288  # the published run's window and sequence length: 512k bases
+MAX_N_FRACTION = 0.5  # windows with more N than this are skipped (prepare, training and evaluation)
+
+
+def too_many_n(n_fraction: float, max_n_fraction: float) -> bool:
+    """The one rule for a mostly-N window: prepare skips it, the loader and evaluation leave it out."""
+    return n_fraction > max_n_fraction
+
 
 @dataclass(frozen=True)
 class WindowSpec:
@@ -23,7 +31,7 @@ class WindowSpec:
     stride: int
     tail: TailRule = "keep"
     min_tail: int = 4096
-    max_n_frac: float = 0.5
+    max_n_fraction: float = MAX_N_FRACTION
 
     def __post_init__(self):
         if self.window < 1:
@@ -34,8 +42,13 @@ class WindowSpec:
             raise ValueError(f"tail must be 'keep' or 'drop', got {self.tail!r}")
         if self.min_tail < 1:
             raise ValueError(f"min_tail must be >= 1, got {self.min_tail}")
-        if not 0.0 <= self.max_n_frac <= 1.0:
-            raise ValueError(f"max_n_frac must be in [0, 1], got {self.max_n_frac}")
+        if not 0.0 <= self.max_n_fraction <= 1.0:
+            raise ValueError(f"max_n_fraction must be in [0, 1], got {self.max_n_fraction}")
+
+    def as_json(self) -> dict:
+        """The manifest's ``windows`` entry (schema genome-lm.dataset/1 names the threshold ``max_n_frac``)."""
+        return {"window": self.window, "stride": self.stride, "tail": self.tail, "min_tail": self.min_tail,
+                "max_n_frac": self.max_n_fraction}
 
 
 def plan_windows(length: int, spec: WindowSpec) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:

@@ -44,7 +44,9 @@ def enable_cpu_megatron() -> bool:
 
     Idempotent. Does nothing when a GPU is present.
     """
-    if torch.cuda.is_available() or _state["enabled"]:
+    from .backend import on_gpu
+
+    if on_gpu() or _state["enabled"]:
         return False
     _state["current_device"] = torch.cuda.current_device
     _state["current_stream"] = torch.cuda.current_stream

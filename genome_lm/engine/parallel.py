@@ -67,7 +67,9 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, *,
     torchrun (MASTER_ADDR, RANK, WORLD_SIZE in the environment) rank and size come from there."""
     if dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    from .backend import current
+
+    profile = current()
     if init_method is None and "MASTER_ADDR" in os.environ:
         init_method = "env://"
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank
@@ -77,8 +79,8 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, *,
         if world_size != 1:
             raise ValueError("a multi-process group needs init_method or MASTER_ADDR/MASTER_PORT")
         init_method = f"tcp://127.0.0.1:{free_port()}"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-    if torch.cuda.is_available():
+    dist.init_process_group(profile.process_groups, init_method=init_method, rank=rank, world_size=world_size)
+    if profile.gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
 
 

@@ -18,29 +18,28 @@ from __future__ import annotations
 
 import numpy as np
 
-from .buckets import difference_interval, resample_weights
+from .buckets import (SUBSETS, bucket_centres, difference_interval, errorbars, finite, resample_weights,
+                      subset_and_bucket_sums)
 from .score import TokenScores
 
 
 def summarize(full: TokenScores, cuts: dict[int, TokenScores], edges: list[int], *, resamples: int = 1000,
               seed: int = 0, level: float = 0.95) -> dict:
-    from .report import SUBSETS, _num, _sums
-
     windows, window_pos = np.unique(full.window, return_inverse=True)
     weights = resample_weights(len(windows), resamples, seed)
-    base = _sums(full, window_pos, len(windows), edges)
+    base = subset_and_bucket_sums(full, window_pos, len(windows), edges)
     out = {"model": "model", "cuts": []}
     for N in sorted(cuts):
         scores = cuts[N]
         if not (np.array_equal(scores.context, full.context) and np.array_equal(scores.window, full.window)):
             raise ValueError(f"the context-{N} scores are not on the whole-window scores' tokens")
-        own = _sums(scores, window_pos, len(windows), edges)
+        own = subset_and_bucket_sums(scores, window_pos, len(windows), edges)
         entry: dict = {"max_context": N}
         for part, (b, o) in enumerate(zip(base, own)):
             mean = o.means()
             diff, lo, hi = difference_interval(b, o, weights, level)
-            stats = [{"tokens": int(o.counts[:, g].sum()), "nats": _num(mean[g]), "delta": _num(diff[g]),
-                      "ci": [_num(lo[g]), _num(hi[g])]} for g in range(len(mean))]
+            stats = [{"tokens": int(o.counts[:, g].sum()), "nats": finite(mean[g]), "delta": finite(diff[g]),
+                      "ci": [finite(lo[g]), finite(hi[g])]} for g in range(len(mean))]
             if part == 0:
                 entry.update(zip(SUBSETS, stats))
             else:
@@ -82,13 +81,11 @@ def figure(report: dict):
     """loss(cut) - loss(whole window) against the bucket's context, one line per cut."""
     import matplotlib.pyplot as plt
 
-    from .report import _centres, _errorbars
-
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for i, cut in enumerate(report["ablation"]["cuts"]):
         stats = [b for b in cut["buckets"] if b["tokens"]]
-        y, err = _errorbars(stats, "delta", "ci")
-        ax.errorbar(_centres(stats), y, yerr=err, marker="o", capsize=3, color=f"C{i}",
+        y, err = errorbars(stats, "delta", "ci")
+        ax.errorbar(bucket_centres(stats), y, yerr=err, marker="o", capsize=3, color=f"C{i}",
                     label=f"context cut to {cut['max_context']:,}")
         ax.axvline(cut["max_context"], color=f"C{i}", lw=0.8, ls="--")
     ax.axhline(0, color="grey", lw=0.8)

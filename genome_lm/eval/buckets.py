@@ -20,6 +20,7 @@ the change varies between windows.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,10 +43,12 @@ def default_edges(window: int) -> list[int]:
     return edges + [window]
 
 
-def parse_edges(text: str, window: int, parse_size) -> list[int]:
+def parse_edges(text: str, window: int) -> list[int]:
     """``--buckets`` text -> edges. Comma-separated sizes (``0,1k,4k,64k``; a last edge below the
     window length is followed by the window length), or ``pow2:SIZE`` for 0 then powers of two
-    from SIZE up to the window length. ``parse_size`` turns ``512k`` into bases."""
+    from SIZE up to the window length."""
+    from genome_lm.units import parse_size
+
     text = text.strip()
     try:
         if text.startswith("pow2:"):
@@ -62,7 +65,7 @@ def parse_edges(text: str, window: int, parse_size) -> list[int]:
             edges = [parse_size(x) if x.strip() not in ("0", "") else 0 for x in text.split(",") if x.strip()]
             if edges and edges[-1] < window:
                 edges.append(window)
-    except Exception as exc:  # noqa: BLE001 - typer's BadParameter and ValueError alike
+    except ValueError as exc:
         raise GenomeLMError(f"--buckets {text!r}: {exc}") from None
     if len(edges) < 2 or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
         raise GenomeLMError(f"--buckets {text!r}: edges must start at 0 and increase (e.g. 0,1k,4k,64k or pow2:1k)")
@@ -149,3 +152,37 @@ def difference_interval(base: WindowSums, other: WindowSums, weights: np.ndarray
     difference = other.means() - base.means()
     lo, hi = percentile_interval(_resampled_means(other, weights) - _resampled_means(base, weights), level)
     return difference, lo, hi
+
+
+SUBSETS = ("all", "unmasked", "softmasked")  # the report's rows besides the buckets
+
+
+def finite(x) -> float | None:
+    """``x`` as a float, None when it is not finite (JSON has no NaN)."""
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def subset_and_bucket_sums(scores, window_pos: np.ndarray, n_windows: int, edges: list[int]):
+    """Per-window sums of ``scores`` (``score.TokenScores``): by subset (all, unmasked,
+    soft-masked) and by context bucket."""
+    subset = np.where(scores.softmasked, 2, 1)
+    whole = WindowSums.of(scores.nll, window_pos, np.zeros_like(subset), n_windows, 1)
+    parts = WindowSums.of(scores.nll, window_pos, subset, n_windows, 3)
+    subsets = WindowSums(np.concatenate([whole.sums, parts.sums[:, 1:]], 1),
+                         np.concatenate([whole.counts, parts.counts[:, 1:]], 1))
+    buckets = WindowSums.of(scores.nll, window_pos, bucket_of(scores.context, edges), n_windows, len(edges) - 1)
+    return subsets, buckets
+
+
+def bucket_centres(buckets: list[dict]) -> np.ndarray:
+    """Geometric centre of each [from, to) bucket (from 0 counts as 1), for a log axis."""
+    return np.array([math.sqrt(max(b["from"], 1) * max(b["to"] - 1, 1)) for b in buckets])
+
+
+def errorbars(stats: list[dict], key: str, ci_key: str, scale: float = 1.0):
+    """(values, matplotlib yerr) of ``stats[key]`` and its interval ``stats[ci_key]``, times ``scale``."""
+    y = np.array([np.nan if s[key] is None else s[key] * scale for s in stats])
+    lo = np.array([np.nan if s[ci_key][0] is None else s[ci_key][0] * scale for s in stats])
+    hi = np.array([np.nan if s[ci_key][1] is None else s[ci_key][1] * scale for s in stats])
+    return y, np.vstack([np.clip(y - lo, 0, None), np.clip(hi - y, 0, None)])

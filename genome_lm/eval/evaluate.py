@@ -23,6 +23,7 @@ import datetime
 from dataclasses import dataclass
 from pathlib import Path
 
+from genome_lm.data.windows import MAX_N_FRACTION, STUDY_WINDOW
 from genome_lm.errors import GenomeLMError
 
 from . import report as rep
@@ -37,12 +38,12 @@ class EvalRequest:
     fasta: Path | None = None
     chrom: str | None = None
     split: str = "eval"
-    window: int = 512 * 1024  # with --fasta
+    window: int = STUDY_WINDOW  # with --fasta
     edges: list[int] | None = None  # default: buckets.default_edges(window length)
     bucket_text: str | None = None  # --buckets, parsed once the window length is known
     chunk: int | None = 32768
     max_windows: int | None = None
-    max_n_fraction: float = 0.5
+    max_n_fraction: float = MAX_N_FRACTION
     resamples: int = 1000
     seed: int = 0
     planted: Path | None = None  # default: <genome>.planted.json beside the dataset's FASTA
@@ -114,7 +115,7 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict:
             raise GenomeLMError(f"{dataset}: no window of split {req.split!r} to evaluate (all have more than "
                                 f"{req.max_n_fraction:.0%} N)")
         window_length = max(split.windows[i].length for i in windows)
-        edges = req.edges or (parse_edges(req.bucket_text, window_length, _parse_size) if req.bucket_text
+        edges = req.edges or (parse_edges(req.bucket_text, window_length) if req.bucket_text
                               else default_edges(window_length))
         total = sum(split.windows[i].length - 1 for i in windows)
         # (label, model, cut): every model whole, then the model with each --max-context cut
@@ -207,12 +208,6 @@ def _fit_markov(manifest, dataset: Path, config, note):
             continue
     note("Markov baseline: no training split to fit it on (in the dataset or the model's run); uniform only")
     return None
-
-
-def _parse_size(text: str) -> int:
-    from genome_lm.cli import parse_size
-
-    return parse_size(text)
 
 
 def _planted_beside(manifest) -> Path | None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from genome_lm.engine.backend import on_gpu
 from genome_lm.errors import GenomeLMError
 
 BASES = (4, 5, 6, 7)  # A C G T in genome-lm's tokenizer
@@ -100,7 +101,7 @@ def _path_available(path: str, hf_dir: Path | None) -> str:
             return "this transformers has no glm5_next (needs >= 5.16.1)"
         return ""
     if path == "vllm":
-        if not torch.cuda.is_available():
+        if not on_gpu():
             return "no GPU"
         if importlib.util.find_spec("vllm") is None:
             return "vllm is not installed"

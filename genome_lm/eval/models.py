@@ -13,6 +13,8 @@ Checkpoints are verified (sizes and checksums) before their weights are read.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,9 @@ from pathlib import Path
 import torch
 
 from genome_lm.errors import GenomeLMError
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 
 @dataclass
@@ -32,26 +37,12 @@ class LoadedModel:
     config: object | None = field(default=None, repr=False)  # RunConfig of a training checkpoint
 
 
-def _checkpoint_folder(path: Path) -> tuple[Path, Path] | None:
-    """(checkpoint folder, run folder) when ``path`` is a run or a checkpoint, else None."""
-    from genome_lm.train.checkpoint import latest_checkpoint
-
-    if (path / "meta.json").is_file():
-        return path, path.parent.parent
-    if (path / "checkpoints").is_dir():
-        folder = latest_checkpoint(path)
-        if folder is None:
-            raise GenomeLMError(f"{path}: a run folder without a finished checkpoint (no checkpoints/latest)")
-        return folder, path
-    return None
-
-
-def load_model(spec: str | Path, pg, *, init_of: LoadedModel | None = None, seed: int = 0) -> LoadedModel:
+def load_model(spec: str | Path, pg: ProcessGroupCollection, *, init_of: LoadedModel | None = None,
+               seed: int = 0) -> LoadedModel:
     """Build the model ``spec`` names (see the module docstring) in process groups ``pg``."""
+    from genome_lm.checkpoint import build, load_checkpoint, resolve, token_map, verify
     from genome_lm.config import RunConfig
     from genome_lm.engine.parallel import ParallelSizes
-    from genome_lm.train.checkpoint import load_checkpoint, verify
-    from genome_lm.train.trainer import build, token_map
 
     if str(spec).startswith("preset:"):
         from genome_lm.model import get_preset
@@ -76,12 +67,9 @@ def load_model(spec: str | Path, pg, *, init_of: LoadedModel | None = None, seed
         info = {"kind": "init", "path": init_of.info["path"], "step": 0, "preset": cfg.model.preset,
                 "checkpoint": cfg.model.checkpoint}
         return LoadedModel(model.eval(), info, token_map(cfg, model), init_of.run_dir, init_of.run_id, cfg)
-    path = Path(spec)
-    if not path.exists():
-        raise GenomeLMError(f"{path}: no such model (a run folder, a checkpoint folder, a Hugging Face folder or 'init')")
-    found = _checkpoint_folder(path)
-    if found is not None:
-        folder, run_dir = found
+    found = resolve(spec, what="model")
+    if found.checkpoint is not None:
+        folder, run_dir = found.checkpoint, found.run_dir
         meta = verify(folder)
         cfg = RunConfig.model_validate(meta["config"], strict=False)
         cfg._source = meta.get("config_source")  # the YAML it was read from, for names
@@ -93,20 +81,18 @@ def load_model(spec: str | Path, pg, *, init_of: LoadedModel | None = None, seed
         info = {"kind": "checkpoint", "path": str(folder), "step": int(meta.get("step", state.get("step", 0))),
                 "preset": cfg.model.preset, "checkpoint": cfg.model.checkpoint}
         return LoadedModel(model.eval(), info, token_map(cfg, model), run_dir, state.get("run_id"), cfg)
-    if (path / "config.json").is_file():
-        from genome_lm.model.hf_checkpoint import HFCheckpoint, load_hf_checkpoint
-        from genome_lm.model.model import build_model
+    path = found.path  # a Hugging Face folder
+    from genome_lm.model.hf_checkpoint import HFCheckpoint, load_hf_checkpoint
+    from genome_lm.model.model import build_model
 
-        ckpt = HFCheckpoint(path)
-        model = build_model(ckpt.config(), pg, ParallelSizes())
-        load_hf_checkpoint(model, path)
-        mapping = None
-        if model.cfg.vocab_size > 16:
-            from genome_lm.data.vocab import checkpoint_token_map
+    ckpt = HFCheckpoint(path)
+    model = build_model(ckpt.config(), pg, ParallelSizes())
+    load_hf_checkpoint(model, path)
+    mapping = None
+    if model.cfg.vocab_size > 16:
+        from genome_lm.data.vocab import checkpoint_token_map
 
-            mapping = checkpoint_token_map(path, model.cfg.pad_token_id)
-        info = {"kind": "huggingface", "path": str(path), "step": None,
-                "model_type": json.loads((path / "config.json").read_text()).get("model_type")}
-        return LoadedModel(model.eval(), info, mapping)
-    raise GenomeLMError(f"{path}: not a run folder (checkpoints/), a checkpoint (meta.json) or a Hugging Face "
-                        "model (config.json)")
+        mapping = checkpoint_token_map(path, model.cfg.pad_token_id)
+    info = {"kind": "huggingface", "path": str(path), "step": None,
+            "model_type": json.loads((path / "config.json").read_text()).get("model_type")}
+    return LoadedModel(model.eval(), info, mapping)

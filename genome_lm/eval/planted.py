@@ -18,6 +18,8 @@ the distance from source base to copy base.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import json
 import math
 from pathlib import Path
@@ -25,6 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from .score import TokenScores
+
+if TYPE_CHECKING:
+    from genome_lm.config import RunConfig
 
 LEVEL = 0.95
 
@@ -169,7 +174,7 @@ def distance_figure(section: dict, ax=None):
     return fig
 
 
-def demo_note(section: dict, cfg=None, name: str = "model") -> str:
+def demo_note(section: dict, cfg: RunConfig | None=None, name: str = "model") -> str:
     """For `genome-lm demo`: whether the tuned model uses a first copy in the window, and when it
     does not, why the tiny demo cannot be expected to and what it would take."""
     entry = section["models"].get(name) or {}

@@ -27,6 +27,8 @@ both numbers can be reported side by side.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,6 +39,9 @@ import torch
 from genome_lm.data.tokenizer import A, C, G, N, T
 
 from .score import model_device, token_nll
+
+if TYPE_CHECKING:
+    from genome_lm.model.model import GLM5Model
 
 LETTERS = {A: "A", C: "C", G: "G", T: "T", N: "N"}
 LEAD = 64  # background bases before the first piece of every probe
@@ -117,7 +122,7 @@ def probe_sequences(pool: SequencePool, rng: np.random.Generator, distance: int,
     return repeat, control, lead + segment + distance
 
 
-def copy_probe(model, pool: SequencePool, distances: list[int], *, segment: int = 256, lead: int = LEAD,
+def copy_probe(model: GLM5Model, pool: SequencePool, distances: list[int], *, segment: int = 256, lead: int = LEAD,
                trials: int = 8, seed: int = 0, chunk: int | None = None, token_map=None, resamples: int = 1000,
                on_trial=None, on_row=None, budget_s: float | None = None) -> list[RecallRow]:
     """Copy advantage per distance (nats per base) with a 95% bootstrap interval over trials.
@@ -206,7 +211,7 @@ def recall_bench_available() -> bool:
     return importlib.util.find_spec("recall_bench") is not None
 
 
-def run_recall_bench(model, pool: SequencePool, distances: list[int], *, trials: int = 8, seed: int = 0,
+def run_recall_bench(model: GLM5Model, pool: SequencePool, distances: list[int], *, trials: int = 8, seed: int = 0,
                      segment: int = 256, chunk: int | None = None, token_map=None,
                      max_ctx: int | None = None) -> list[dict]:
     """recall-bench's own copy-advantage sweep through its ``CallableModel`` interface, with
@@ -241,3 +246,101 @@ def run_recall_bench(model, pool: SequencePool, distances: list[int], *, trials:
                                name="genome-lm", device="cpu")
     return rb.evaluate(adapter, distances=distances, seg=segment, trials=trials, seed=seed, background=background,
                        verbose=False)
+
+
+@dataclass
+class RecallRun:
+    """What ``genome-lm recall`` found: the JSON document it wrote, the rows of its own probe and
+    recall-bench's rows (None when not run)."""
+
+    doc: dict
+    rows: list[RecallRow]
+    bench: list[dict] | None
+    source: Path | None
+
+
+def plan_distances(given: list[int] | None, cap: int | None, window: int | None, where: str,
+                   segment: int) -> tuple[list[int], str]:
+    """The distances to probe and a sentence saying where they came from: ``given``, else up to
+    ``cap``, else up to the largest that fits the model's ``window``, else up to 4k."""
+    if given:
+        dists, note = given, "distances from --distances"
+    elif cap is not None:
+        dists, note = sweep_to(cap), f"distances up to --max-distance {cap:,}"
+    elif window is not None:
+        dists = window_distances(window, segment, LEAD)
+        note = (f"distances up to {dists[-1]:,}, the largest whose probe ({LEAD} + 2 x {segment} + d bases) "
+                f"fits the model's {window:,}-base window ({where})")
+    else:
+        dists = default_distances(FALLBACK_MAX_DISTANCE)
+        note = (f"window length unknown ({where}): distances up to {FALLBACK_MAX_DISTANCE:,} only; set "
+                "--max-distance to the model's window length for the full sweep")
+    if window is not None and LEAD + 2 * segment + max(dists) > window:
+        note += (f"; note: the longest probe ({LEAD + 2 * segment + max(dists):,} bases) exceeds the model's "
+                 f"{window:,}-base window ({where})")
+    return dists, f"{note}: {', '.join(f'{d:,}' for d in dists)}"
+
+
+def run_recall(model: str, out: Path, *, dataset: Path | None = None, distances: list[int] | None = None,
+               max_distance: int | None = None, trials: int = 8, segment: int = 256, chunk: int = 32768,
+               seed: int = 0, recall_bench: bool = True, max_seconds: float = 120.0,
+               say=print, on_row=None) -> RecallRun:
+    """``genome-lm recall``: load ``model``, probe each distance within ``max_seconds`` (0: no
+    limit), rewrite ``out`` (JSON, schema genome-lm.recall/1) as each distance finishes, then run
+    recall-bench's own sweep at the same distances when it is installed and time is left.
+    ``say(text)`` gets the notes, ``on_row(row)`` each distance's row."""
+    import json
+
+    from genome_lm.engine import quiet_megatron_import
+    from genome_lm.engine.parallel import parallel_context
+
+    from .models import load_model
+    from .report import atomic_write
+
+    with quiet_megatron_import(), parallel_context() as pg:
+        lm = load_model(model, pg, seed=seed)
+        config = lm.config
+        source = dataset or (Path(config.data.dataset) if config is not None else None)
+        window, where = probe_window(config, source)
+        dists, note = plan_distances(distances, max_distance, window, where, segment)
+        say(note)
+        split = config.data.eval_split if config is not None and dataset is None else "eval"
+        pool = SequencePool.from_dataset(source, split, min_run=segment * 2) if source else \
+            SequencePool.random(max(dists) * 4 + 4 * segment, seed)
+        doc = {"schema": "genome-lm.recall/1", "model": model, "source": str(source) if source else "random",
+               "segment": segment, "lead": LEAD, "trials": trials, "seed": seed, "window": window,
+               "window_from": where, "distances_planned": dists, "complete": False, "rows": [],
+               "recall_bench": None}
+
+        def write() -> None:
+            atomic_write(out, (json.dumps(doc, indent=1, default=str) + "\n").encode())
+
+        def finished(row: RecallRow) -> None:
+            doc["rows"].append(row.to_json())
+            write()
+            if on_row:
+                on_row(row)
+
+        began = time.perf_counter()
+        budget = max_seconds or None
+        rows = copy_probe(lm.model, pool, dists, segment=segment, lead=LEAD, trials=trials, seed=seed,
+                          chunk=chunk, token_map=lm.token_map, on_row=finished, budget_s=budget)
+        left = [d for d in dists if d not in {r.distance for r in rows}]
+        if left:
+            say(f"time budget {max_seconds:g} s reached: distances {', '.join(f'{d:,}' for d in left)} not run "
+                f"(--max-seconds 0 runs every distance; --distances {left[0]} runs one)")
+        doc["skipped_for_time"] = left
+        bench = None
+        if recall_bench and recall_bench_available():
+            if budget is not None and time.perf_counter() - began > 0.5 * budget:
+                doc["recall_bench"] = "skipped: over half the time budget spent (--max-seconds 0 runs it)"
+                say(f"recall-bench {doc['recall_bench']}")
+            else:
+                done = [r.distance for r in rows]
+                say(f"recall-bench's own sweep at {', '.join(f'{d:,}' for d in done)} ...")
+                bench = run_recall_bench(lm.model, pool, done, trials=trials, seed=seed, segment=segment,
+                                         chunk=chunk, token_map=lm.token_map, max_ctx=window)
+                doc["recall_bench"] = bench
+        doc["complete"] = not left
+        write()
+    return RecallRun(doc, rows, bench, source)

@@ -33,32 +33,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .buckets import WindowSums, bucket_of, change_interval, mean_interval, resample_weights
+from .buckets import (SUBSETS, bucket_centres, change_interval, errorbars, finite, mean_interval, resample_weights,
+                      subset_and_bucket_sums)
 from .score import TokenScores
 
 SCHEMA = "genome-lm.eval/1"
 LN2 = math.log(2)
-SUBSETS = ("all", "unmasked", "softmasked")
-
-
-def _num(x):
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
 def _stat(tokens, mean, lo, hi) -> dict:
-    return {"tokens": int(tokens), "nats": _num(mean), "nats_ci": [_num(lo), _num(hi)],
-            "bits": _num(mean / LN2), "bits_ci": [_num(lo / LN2), _num(hi / LN2)]}
-
-
-def _sums(scores: TokenScores, window_pos: np.ndarray, n_windows: int, edges: list[int]):
-    subset = np.where(scores.softmasked, 2, 1)
-    whole = WindowSums.of(scores.nll, window_pos, np.zeros_like(subset), n_windows, 1)
-    parts = WindowSums.of(scores.nll, window_pos, subset, n_windows, 3)
-    subsets = WindowSums(np.concatenate([whole.sums, parts.sums[:, 1:]], 1),
-                         np.concatenate([whole.counts, parts.counts[:, 1:]], 1))
-    buckets = WindowSums.of(scores.nll, window_pos, bucket_of(scores.context, edges), n_windows, len(edges) - 1)
-    return subsets, buckets
+    return {"tokens": int(tokens), "nats": finite(mean), "nats_ci": [finite(lo), finite(hi)],
+            "bits": finite(mean / LN2), "bits_ci": [finite(lo / LN2), finite(hi / LN2)]}
 
 
 def summarize(scores: dict[str, TokenScores], edges: list[int], *, resamples: int = 1000, seed: int = 0,
@@ -73,7 +56,7 @@ def summarize(scores: dict[str, TokenScores], edges: list[int], *, resamples: in
             raise ValueError(f"models {names[0]} and {name} were scored on different tokens")
     windows, window_pos = np.unique(first.window, return_inverse=True)
     weights = resample_weights(len(windows), resamples, seed)
-    sums = {name: _sums(s, window_pos, len(windows), edges) for name, s in scores.items()}
+    sums = {name: subset_and_bucket_sums(s, window_pos, len(windows), edges) for name, s in scores.items()}
     results = {}
     for name, (subsets, buckets) in sums.items():
         entry = {}
@@ -91,11 +74,11 @@ def summarize(scores: dict[str, TokenScores], edges: list[int], *, resamples: in
         for part in (0, 1):
             change, lo, hi = change_interval(sums["baseline"][part], sums[target][part], weights, level)
             if part == 0:
-                comparison.update({subset: {"change": _num(change[i]), "ci": [_num(lo[i]), _num(hi[i])]}
+                comparison.update({subset: {"change": finite(change[i]), "ci": [finite(lo[i]), finite(hi[i])]}
                                    for i, subset in enumerate(SUBSETS)})
             else:
-                comparison["buckets"] = [{"from": edges[b], "to": edges[b + 1], "change": _num(change[b]),
-                                          "ci": [_num(lo[b]), _num(hi[b])]} for b in range(len(edges) - 1)]
+                comparison["buckets"] = [{"from": edges[b], "to": edges[b + 1], "change": finite(change[b]),
+                                          "ci": [finite(lo[b]), finite(hi[b])]} for b in range(len(edges) - 1)]
     return results, comparison
 
 
@@ -190,18 +173,6 @@ def _save_figure(fig, path: Path) -> None:
     atomic_write(path, buf.getvalue())
 
 
-def _centres(buckets: list[dict]) -> np.ndarray:
-    """Geometric centre of each [from, to) bucket (from 0 counts as 1), for a log axis."""
-    return np.array([math.sqrt(max(b["from"], 1) * max(b["to"] - 1, 1)) for b in buckets])
-
-
-def _errorbars(stats: list[dict], key: str, ci_key: str, scale: float = 1.0):
-    y = np.array([np.nan if s[key] is None else s[key] * scale for s in stats])
-    lo = np.array([np.nan if s[ci_key][0] is None else s[ci_key][0] * scale for s in stats])
-    hi = np.array([np.nan if s[ci_key][1] is None else s[ci_key][1] * scale for s in stats])
-    return y, np.vstack([np.clip(y - lo, 0, None), np.clip(hi - y, 0, None)])
-
-
 def loss_figure(report: dict, axes=None):
     """Loss (bits per base) against preceding context per model, with bootstrap intervals, and
     the relative change against the baseline when there is one (a second panel). ``axes``: draw
@@ -216,8 +187,8 @@ def loss_figure(report: dict, axes=None):
     ax = axes[0]
     for name, entry in report["results"].items():
         buckets = [b for b in entry["buckets"] if b["tokens"]]
-        y, err = _errorbars(buckets, "bits", "bits_ci")
-        ax.errorbar(_centres(buckets), y, yerr=err, marker="o", capsize=3, label=_label(report, name))
+        y, err = errorbars(buckets, "bits", "bits_ci")
+        ax.errorbar(bucket_centres(buckets), y, yerr=err, marker="o", capsize=3, label=_label(report, name))
     ax.set_xscale("log")
     ax.set_xlabel("preceding context in the window (bases)")
     ax.set_ylabel("loss (bits per base)")
@@ -226,8 +197,8 @@ def loss_figure(report: dict, axes=None):
     if comparison and len(axes) > 1:
         ax = axes[1]
         stats = [c for c, b in zip(comparison["buckets"], report["results"]["model"]["buckets"]) if b["tokens"]]
-        y, err = _errorbars(stats, "change", "ci", 100)
-        ax.errorbar(_centres(stats), y, yerr=err, marker="o", capsize=3, color="C2")
+        y, err = errorbars(stats, "change", "ci", 100)
+        ax.errorbar(bucket_centres(stats), y, yerr=err, marker="o", capsize=3, color="C2")
         ax.axhline(0, color="grey", lw=0.8)
         ax.set_xscale("log")
         ax.set_xlabel("preceding context in the window (bases)")

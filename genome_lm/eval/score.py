@@ -12,12 +12,18 @@ over, so memory is bounded by the chunk (plus the carried keys) whatever the win
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from genome_lm.data.tokenizer import N
+from genome_lm.data.windows import MAX_N_FRACTION, too_many_n
+
+if TYPE_CHECKING:
+    from genome_lm.model.model import GLM5Model
 
 
 @dataclass
@@ -42,17 +48,17 @@ class TokenScores:
         return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("nll", "context", "window", "softmasked")))
 
 
-def select_windows(windows, *, max_windows: int | None = None, max_n_fraction: float = 0.5) -> list[int]:
+def select_windows(windows, *, max_windows: int | None = None, max_n_fraction: float = MAX_N_FRACTION) -> list[int]:
     """Indices of the split's windows to score: those with at most ``max_n_fraction`` N, and of
     them ``max_windows`` evenly spaced ones (all when None)."""
-    keep = [i for i, w in enumerate(windows) if w.n_frac <= max_n_fraction and w.length >= 2]
+    keep = [i for i, w in enumerate(windows) if not too_many_n(w.n_frac, max_n_fraction) and w.length >= 2]
     if max_windows is not None and len(keep) > max_windows:
         picks = np.linspace(0, len(keep) - 1, max_windows).round().astype(int)
         keep = [keep[i] for i in sorted(set(picks.tolist()))]
     return keep
 
 
-def model_device(model) -> torch.device:
+def model_device(model: GLM5Model) -> torch.device:
     """Where the model's parameters are (``build_model`` puts them on the GPU when there is one):
     the device its inputs go to; the CPU for a model without parameters."""
     first = next(model.parameters(), None)
@@ -60,7 +66,7 @@ def model_device(model) -> torch.device:
 
 
 @torch.no_grad()
-def token_nll(model, tokens: np.ndarray, *, chunk: int | None = None, token_map: torch.Tensor | None = None,
+def token_nll(model: GLM5Model, tokens: np.ndarray, *, chunk: int | None = None, token_map: torch.Tensor | None = None,
               device: torch.device | str | None = None, on_chunk=None) -> np.ndarray:
     """NLL [L - 1] (nats, float64) of tokens[1:] given the tokens before each, for one sequence
     of genome-lm token ids, computed on ``device`` (default: the model's). ``token_map``:
@@ -91,7 +97,7 @@ def token_nll(model, tokens: np.ndarray, *, chunk: int | None = None, token_map:
 
 
 @torch.no_grad()
-def token_nll_cut(model, tokens: np.ndarray, max_context: int, **kwargs) -> np.ndarray:
+def token_nll_cut(model: GLM5Model, tokens: np.ndarray, max_context: int, **kwargs) -> np.ndarray:
     """``token_nll`` with every target seeing at most ``max_context`` tokens: the sequence is cut
     into segments of ``max_context`` inputs, each scored alone from scratch (segment s predicts
     the targets at positions s*N+1 .. (s+1)*N from the inputs s*N .. , so their contexts are
@@ -106,7 +112,8 @@ def token_nll_cut(model, tokens: np.ndarray, max_context: int, **kwargs) -> np.n
 
 
 @torch.no_grad()
-def score_split(model, dataset, split: str, *, windows: list[int] | None = None, max_windows: int | None = None,
+def score_split(model: GLM5Model, dataset, split: str, *, windows: list[int] | None = None,
+                max_windows: int | None = None,
                 chunk: int | None = None, token_map: torch.Tensor | None = None,
                 device: torch.device | str | None = None, on_chunk=None, cache=None,
                 max_context: int | None = None) -> TokenScores:

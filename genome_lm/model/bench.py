@@ -22,6 +22,8 @@ holds the median.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import json
 import os
 import statistics
@@ -30,6 +32,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+if TYPE_CHECKING:
+    import torch
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 IMPLS = ("genome-lm", "transformers")
 DNA_IDS = (4, 5, 6, 7, 8)  # A C G T N in genome-lm's tokenizer
@@ -114,6 +120,38 @@ def growth(rows: list[dict]) -> list[dict]:
     return out
 
 
+def with_ratio(rows: list[dict], key: str, group: tuple[str, ...], baseline: dict, out: str) -> list[dict]:
+    """Add ``out`` = row[key] / baseline row's [key] to every row, the baseline being the row with
+    the same ``group`` values that matches ``baseline`` (None where either side is missing)."""
+    base = {tuple(r[g] for g in group): r[key] for r in rows if all(r.get(k) == v for k, v in baseline.items())}
+    for row in rows:
+        ref = base.get(tuple(row[g] for g in group))
+        row[out] = row[key] / ref if ref and row.get(key) == row.get(key) and row.get(key) is not None else None
+    return rows
+
+
+def kernel_bench(op: str, lengths: tuple[int, ...], backward: bool = True) -> dict[str, list[dict]]:
+    """``genome-lm bench kernels``: KDA rows (time relative to the chunked torch path) and DSA rows
+    (time and memory relative to the sparse path) for ``op`` in kda, dsa or all."""
+    results = {}
+    if op in ("kda", "all"):
+        from genome_lm_kernels.kda.bench import bench as bench_kda
+
+        results["kda"] = with_ratio(bench_kda(lengths=lengths, backward=backward), "seconds", ("mode", "T"),
+                                    {"impl": "torch"}, "x torch time")
+    if op in ("dsa", "all"):
+        from genome_lm_kernels.dsa.bench import bench as bench_dsa
+
+        rows = bench_dsa(lengths=lengths)
+        for row in rows:
+            row["peak_mib"] = row["peak_bytes"] / 2**20 if row.get("peak_bytes") is not None else None
+            row["kib_per_token"] = row["bytes_per_token"] / 1024 if row.get("bytes_per_token") is not None else None
+            row["note"] = row.get("skipped") or ("extrapolated" if row.get("extrapolated") else "measured")
+        with_ratio(rows, "time_s", ("T",), {"path": "sparse"}, "x sparse time")
+        results["dsa"] = with_ratio(rows, "peak_mib", ("T",), {"path": "sparse"}, "x sparse memory")
+    return results
+
+
 # --------------------------------------------------------------------------------- subprocesses
 def _run_worker(role: str, cfg: dict, timeout_s: float) -> dict:
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", PYTHONWARNINGS="ignore")
@@ -160,7 +198,7 @@ def _next_token_loss(logits, ids):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
 
 
-def _time_steps(model, step, cfg: dict) -> dict:
+def _time_steps(model: torch.nn.Module, step, cfg: dict) -> dict:
     """Warm up once, then time up to ``repeats`` steps (at least one) within ``step_budget_s``."""
     base = _rss_mib("VmRSS")
     _reset_peak()
@@ -178,7 +216,7 @@ def _time_steps(model, step, cfg: dict) -> dict:
                 peak_mib=max(_rss_mib("VmHWM") - base, 0.0), loss=loss, note="measured")
 
 
-def _build_genome_lm(cfg: dict, pg):
+def _build_genome_lm(cfg: dict, pg: ProcessGroupCollection):
     import torch
 
     from genome_lm.engine.parallel import ParallelSizes

@@ -7,13 +7,16 @@ modules expect; the mHC residual streams are ``[S, B, N, hidden]`` with N = ``hc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+
+if TYPE_CHECKING:
+    from genome_lm.engine.parallel import ParallelSizes
 
 TransformerImpl = Literal["local", "transformer_engine"]
 
@@ -54,7 +57,7 @@ class BuildOptions:
         return LocalSpecProvider()
 
 
-def megatron_config(cfg: ModelConfig, sizes, options: BuildOptions):
+def megatron_config(cfg: ModelConfig, sizes: ParallelSizes, options: BuildOptions):
     """The megatron-core ``MLATransformerConfig`` (a ``TransformerConfig``) its MLP, MoE and
     parallel linear layers read, with the MLA, DSA-indexer and linear-attention sizes filled in
     from the model config. genome-lm's own KDA and DSA layers read their sizes from the model
@@ -63,7 +66,9 @@ def megatron_config(cfg: ModelConfig, sizes, options: BuildOptions):
     ``activation_func_clamp_value``."""
     from megatron.core.transformer import MLATransformerConfig
 
-    on_gpu = torch.cuda.is_available()
+    from genome_lm.engine.backend import current
+
+    backend = current()
     return MLATransformerConfig(
         num_layers=cfg.num_hidden_layers,
         hidden_size=cfg.hidden_size,
@@ -99,7 +104,7 @@ def megatron_config(cfg: ModelConfig, sizes, options: BuildOptions):
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        use_cpu_initialization=not on_gpu,
+        use_cpu_initialization=backend.cpu_initialization,
         params_dtype=options.dtype,
         bf16=options.dtype == torch.bfloat16,
         transformer_impl=options.transformer_impl,
@@ -108,7 +113,7 @@ def megatron_config(cfg: ModelConfig, sizes, options: BuildOptions):
         pipeline_model_parallel_size=getattr(sizes, "pp", 1),
         pipeline_dtype=options.dtype,
         # stages exchange the mHC streams with isend/irecv pairs (gloo has no batched p2p sync)
-        batch_p2p_comm=on_gpu,
+        batch_p2p_comm=backend.batch_p2p,
         expert_model_parallel_size=sizes.ep,
         expert_tensor_parallel_size=sizes.etp,
         num_moe_experts=cfg.n_routed_experts,
@@ -121,7 +126,7 @@ def megatron_config(cfg: ModelConfig, sizes, options: BuildOptions):
         moe_router_dtype="fp32",
         moe_router_load_balancing_type=options.moe_aux_loss if options.moe_aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=options.moe_aux_loss_coeff,
-        moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+        moe_token_dispatcher_type=backend.moe_dispatcher,
         moe_grouped_gemm=False,
     )
 
@@ -273,3 +278,34 @@ def tp_shared(weight: torch.Tensor, tp_group) -> torch.Tensor:
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     return copy_to_tensor_model_parallel_region(weight, group=tp_group)
+
+
+# ------------------------------------------------------------------ submodules named by the specs
+@dataclass
+class AttentionSubmodules:
+    """The parallel linear classes (or specs) a KDA or DSA layer builds its projections from:
+    ``linear_column`` splits the output features over tensor-parallel ranks (q/k/v, gates,
+    the MLA up-projections), ``linear_row`` the input features (the output projection)."""
+
+    linear_column: Any
+    linear_row: Any
+
+
+@dataclass
+class DecoderLayerSubmodules:
+    """What one decoder layer holds besides its mHC and norms: the attention (KDA or DSA) and
+    the MLP (dense ``MLP`` or megatron-core's ``MoELayer`` builder)."""
+
+    attention: Any
+    mlp: Any
+
+
+def attention_submodules(provider) -> AttentionSubmodules:
+    """The provider's column- and row-parallel linear classes."""
+    return AttentionSubmodules(linear_column=provider.column_parallel_linear(),
+                               linear_row=provider.row_parallel_linear())
+
+
+def is_dense_mlp(spec) -> bool:
+    """A dense-MLP spec (a ``ModuleSpec``), not megatron-core's MoE builder (a ``partial``)."""
+    return hasattr(spec, "module")

@@ -43,7 +43,7 @@ from genome_lm.engine.context_parallel import (gather_sequence, gather_sequence_
 from . import recompute_memo
 from .common import BuildOptions, RMSNorm, column_linear, replicated_linear, row_linear, tp_shared
 from .config import SHARED, ModelConfig
-from .specs import AttentionSubmodules, attention_submodules
+from .common import AttentionSubmodules, attention_submodules
 
 IndexerLossMode = Literal["off", "dense", "sparse"]
 

@@ -12,8 +12,8 @@ Two steps, in both directions:
    (``_full_from_hf`` / ``_full_to_hf``): for instance megatron-core's ``linear_fc1`` is
    ``[gate; up]`` and genome-lm's KDA ``conv_weight`` is ``[q; k; v]`` convolutions.
 2. layout: a rank holds a slice of the full tensor along ``partition_dim`` in its tensor (or
-   expert-tensor) parallel group, and experts ``ep_rank * local + j`` (``_shard`` / ``_gather``).
-   The GLU ``linear_fc1`` is sharded as ``[gate_r; up_r]`` on each rank.
+   expert-tensor) parallel group, and experts ``ep_rank * local + j``; the slicing, gathers and
+   the pipeline stages' transfers to rank 0 are ``genome_lm.engine.layout``'s.
 
 Loading reads one checkpoint tensor at a time through memory-mapped ``safe_open`` and copies
 the local slice into the parameter, so the weights are never held twice. Export gathers one
@@ -21,6 +21,8 @@ parameter at a time and writes shards of at most ``max_shard_bytes``.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import json
 import re
@@ -31,7 +33,12 @@ import torch.distributed as dist
 
 from genome_lm.errors import GenomeLMError
 
+from genome_lm.engine.layout import ep_gather, expert_offset, to_rank0, tp_gather, tp_slice
+
 from .config import ModelConfig
+
+if TYPE_CHECKING:
+    from genome_lm.model.model import GLM5Model
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -175,41 +182,14 @@ def _is_glu(name: str) -> bool:
     return name.endswith("linear_fc1.weight")
 
 
-def _groups(model, name: str):
+def _groups(model: GLM5Model, name: str):
     """(tensor-parallel group of this parameter, expert-parallel group or None)."""
     if ".experts.local_experts." in name:
         return model.pg.expt_tp, model.pg.ep
     return model.pg.tp, None
 
 
-def _expert_offset(model, name: str) -> int:
-    if ".experts.local_experts." not in name:
-        return 0
-    local = model.cfg.n_routed_experts // model.pg.ep.size()
-    return model.pg.ep.rank() * local
-
-
-def _shard(full: torch.Tensor, param: torch.Tensor, name: str, group) -> torch.Tensor:
-    if not getattr(param, "tensor_model_parallel", False) or group is None or group.size() == 1:
-        return full
-    dim, rank, size = param.partition_dim, group.rank(), group.size()
-    if _is_glu(name):
-        return torch.cat([half.chunk(size, dim=0)[rank] for half in full.chunk(2, dim=0)], dim=0)
-    return full.chunk(size, dim=dim)[rank]
-
-
-def _gather(local: torch.Tensor, param: torch.Tensor, name: str, group) -> torch.Tensor:
-    if not getattr(param, "tensor_model_parallel", False) or group is None or group.size() == 1:
-        return local
-    parts = [torch.empty_like(local) for _ in range(group.size())]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    if _is_glu(name):
-        halves = [p.chunk(2, dim=0) for p in parts]
-        return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])], dim=0)
-    return torch.cat(parts, dim=param.partition_dim)
-
-
-def _weights(model):
+def _weights(model: GLM5Model):
     """(name, tensor) of everything a checkpoint holds on this rank: parameters and the router's
     expert bias, named with the model's layer numbers (``GLM5Model.global_name``)."""
     rename = getattr(model, "global_name", lambda name: name)
@@ -222,7 +202,7 @@ def _weights(model):
 
 # ---------------------------------------------------------------------------------- load, export
 @torch.no_grad()
-def load_hf_checkpoint(model, path: str | Path, *, check_config: bool = True) -> None:
+def load_hf_checkpoint(model: GLM5Model, path: str | Path, *, check_config: bool = True) -> None:
     """Copy the checkpoint's text weights into ``model`` (any tensor / expert parallel layout).
 
     Streams file by file: each safetensors file is opened (memory-mapped), the tensors this rank
@@ -239,7 +219,7 @@ def load_hf_checkpoint(model, path: str | Path, *, check_config: bool = True) ->
     wanted: dict[str, list[str]] = {}
     owner: dict[str, list[str]] = {}  # checkpoint key -> parameters that need it
     for name in targets:
-        keys = hf_keys(name, model.cfg, ckpt.prefix, _expert_offset(model, name))
+        keys = hf_keys(name, model.cfg, ckpt.prefix, expert_offset(model.cfg.n_routed_experts, _groups(model, name)[1]))
         missing = [k for k in keys if not ckpt.has(k)]
         if missing:
             raise CheckpointError(f"{ckpt.path}: tensor {missing[0]} is missing (needed for {name})")
@@ -266,29 +246,27 @@ def load_hf_checkpoint(model, path: str | Path, *, check_config: bool = True) ->
         ckpt.close()
 
 
-def _stage_tensors(model, prefix: str):
+def _stage_tensors(model: GLM5Model, prefix: str):
     """(checkpoint key, full tensor) of this pipeline stage's weights, gathered over the tensor
     and expert parallel ranks (collective within the stage: every rank of it iterates)."""
     for name, param in _weights(model):
         tp_group, ep_group = _groups(model, name)
-        full = _gather(param.detach(), param, name, tp_group)
-        experts = [full]
-        if ep_group is not None and ep_group.size() > 1:
-            experts = [torch.empty_like(full) for _ in range(ep_group.size())]
-            dist.all_gather(experts, full.contiguous(), group=ep_group)
-        local_count = model.cfg.n_routed_experts // (ep_group.size() if ep_group is not None else 1)
+        full = tp_gather(param.detach(), param, tp_group, glu=_is_glu(name))
+        experts = ep_gather(full, ep_group)
+        local_count = model.cfg.n_routed_experts // len(experts)
         for ep_rank, tensor in enumerate(experts):
             keys = hf_keys(name, model.cfg, prefix, ep_rank * local_count if ep_group is not None else 0)
             yield from zip(keys, _full_to_hf(name, tensor))
 
 
-def _copy_into(param: torch.Tensor, name: str, tensors: list[torch.Tensor], model, ckpt: HFCheckpoint) -> None:
+def _copy_into(param: torch.Tensor, name: str, tensors: list[torch.Tensor], model: GLM5Model,
+               ckpt: HFCheckpoint) -> None:
     full = _full_from_hf(name, tensors)
     tp_group, _ = _groups(model, name)
     if full.dim() != param.dim() or (tp_group.size() == 1 and full.shape != param.shape):
         raise CheckpointError(f"{ckpt.path}: {hf_keys(name, model.cfg, ckpt.prefix)[0]} has shape "
                               f"{tuple(full.shape)}, which does not fit {name} {tuple(param.shape)}")
-    local = _shard(full, param, name, tp_group)
+    local = tp_slice(full, param, tp_group, glu=_is_glu(name))
     if local.shape != param.shape:
         raise CheckpointError(f"{ckpt.path}: {hf_keys(name, model.cfg, ckpt.prefix)[0]} has shape "
                               f"{tuple(full.shape)}, which does not fit {name} {tuple(param.shape)} at this layout")
@@ -296,7 +274,7 @@ def _copy_into(param: torch.Tensor, name: str, tensors: list[torch.Tensor], mode
 
 
 @torch.no_grad()
-def export_hf_checkpoint(model, out: str | Path, *, dtype: torch.dtype | None = None,
+def export_hf_checkpoint(model: GLM5Model, out: str | Path, *, dtype: torch.dtype | None = None,
                          like: str | Path | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
     """Write the model's weights as a glm5_next safetensors checkpoint (collective: call on every
     rank; rank 0 writes). Each tensor keeps the dtype it has in ``like`` (a checkpoint folder),
@@ -330,31 +308,8 @@ def export_hf_checkpoint(model, out: str | Path, *, dtype: torch.dtype | None = 
         pending[key] = t
         pending_bytes += t.numel() * t.element_size()
 
-    pp = model.pg.pp
-    # the ranks that hold rank 0's tensor/expert/data-parallel coordinates in the other stages
-    # send their stage's tensors to rank 0, one at a time
-    sender = pp.size() > 1 and pp.rank() > 0 and dist.get_global_rank(pp, 0) == 0
-    for key, tensor in _stage_tensors(model, prefix):
-        if rank0:
-            add(key, tensor)
-        elif sender:
-            dist.send_object_list([(key, tuple(tensor.shape), tensor.dtype)], dst=0)
-            dist.send(tensor.contiguous(), dst=0)
-    if sender:
-        dist.send_object_list([None], dst=0)
-    if rank0 and pp.size() > 1:
-        device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"  # NCCL: GPU only
-        for stage in range(1, pp.size()):
-            src = dist.get_global_rank(pp, stage)
-            while True:
-                meta = [None]
-                dist.recv_object_list(meta, src=src)
-                if meta[0] is None:
-                    break
-                key, shape, dt = meta[0]
-                tensor = torch.empty(shape, dtype=dt, device=device)
-                dist.recv(tensor, src=src)
-                add(key, tensor.cpu())
+    for key, tensor in to_rank0(_stage_tensors(model, prefix), model.pg.pp):
+        add(key, tensor)
     if rank0:
         flush()
         total = len(files)

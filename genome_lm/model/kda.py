@@ -30,7 +30,7 @@ from genome_lm.engine.context_parallel import group_size, head_slice, heads_per_
 
 from .common import BuildOptions, column_linear, replicated_linear, row_linear, tp_shared
 from .config import ModelConfig
-from .specs import AttentionSubmodules, attention_submodules
+from .common import AttentionSubmodules, attention_submodules
 
 
 class KDAState:

@@ -21,22 +21,28 @@ and the MoE hold 1/tp of the tokens. The positions are padded at the end to a mu
 attention and the dense MLP see the whole sequence: their input is all-gathered and their
 (already all-reduced) output cut back to the rank's slice. The replicated parameters that see
 only the rank's slice (mHC, norms) are marked ``sequence_parallel`` so that
-``allreduce_sequence_parallel_grads`` sums their gradients.
+the training step (``train.optim.allreduce_sequence_parallel_grads``) sums their gradients.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
 
 from genome_lm.errors import GenomeLMError
 
-from .common import BuildOptions, HyperConnection, RMSNorm, megatron_config
-from .config import LINEAR, SHARED, ModelConfig
+from .common import BuildOptions, RMSNorm, megatron_config
+from .config import SHARED, ModelConfig
 from .dsa import IndexerLossMode
-from .specs import DecoderLayerSubmodules, decoder_layer_spec, is_dense_mlp
+from .layer import DecoderLayer, gather_positions, scatter_positions  # noqa: F401  (DecoderLayer: callers)
+from .specs import decoder_layer_spec
+
+if TYPE_CHECKING:
+    from genome_lm.engine.parallel import ParallelSizes
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from genome_lm.config import RunConfig
 
 
 class ModelOutput(NamedTuple):
@@ -44,114 +50,11 @@ class ModelOutput(NamedTuple):
     indexer_losses: list[torch.Tensor]  # one per DSA layer with its own indexer, when asked for
 
 
-class DecoderLayer(nn.Module):
-    """One layer, built from ``specs.decoder_layer_spec``: mHC -> RMSNorm -> attention (KDA or
-    DSA) -> merge, then mHC -> RMSNorm -> MLP (dense or MoE) -> merge."""
-
-    def __init__(self, cfg: ModelConfig, layer_idx: int, tf_config, options: BuildOptions, pg,
-                 submodules: DecoderLayerSubmodules):
-        super().__init__()
-        from megatron.core.transformer.spec_utils import build_module
-
-        self.is_kda = cfg.layer_types[layer_idx] == LINEAR
-        self.attn_hc = HyperConnection(cfg)
-        self.ffn_hc = HyperConnection(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.dtype)
-        self.self_attention = build_module(submodules.attention, cfg, layer_idx, tf_config, options, pg.tp, pg.cp)
-        if is_dense_mlp(submodules.mlp):
-            self.mlp = build_module(submodules.mlp, tf_config, ffn_hidden_size=cfg.intermediate_size, tp_group=pg.tp)
-        else:
-            import dataclasses
-
-            # Under tensor parallel the MoE layer runs sequence-parallel (megatron-core refuses to
-            # train it otherwise): each rank routes its slice of the tokens, see forward().
-            self.moe_sequence_parallel = pg.tp.size() > 1
-            moe_config = dataclasses.replace(tf_config, sequence_parallel=True) if self.moe_sequence_parallel \
-                else tf_config
-            self.mlp = submodules.mlp(config=moe_config, layer_number=layer_idx + 1, pg_collection=pg)
-            self.mlp.register_forward_hook(_drop_dispatcher_state)
-        self.tp_group = pg.tp
-
-    def forward(self, streams: torch.Tensor, idx: torch.Tensor | None, indexer_loss: IndexerLossMode,
-                indexer_tokens: int | None = None, cache=None, sp_len: int | None = None):
-        """streams [S, B, N, D] -> (streams, selection for a following shared layer, indexer loss).
-        ``cache`` (``prefill.KDACache`` / ``DSACache``): streaming evaluation, these S tokens follow
-        the ones the cache holds. ``sp_len``: sequence parallel, the streams are this rank's slice
-        of ``sp_len`` positions (padded to a multiple of tp)."""
-        post, comb, x = self.attn_hc(streams)
-        x = self.input_layernorm(x)
-        if sp_len is not None:
-            x = gather_positions(x, sp_len, self.tp_group)
-        loss = None
-        if cache is not None:
-            out, idx = cache.attend(self.self_attention, x, idx)
-        elif self.is_kda:
-            out = self.self_attention(x)
-        else:
-            out, idx, loss = self.self_attention(x, idx, indexer_loss, indexer_tokens)
-        if sp_len is not None:
-            out = scatter_positions(out, self.tp_group)
-        streams = HyperConnection.merge(post, comb, out, streams)
-        post, comb, x = self.ffn_hc(streams)
-        x = self.post_attention_layernorm(x)
-        if sp_len is not None and getattr(self, "moe_sequence_parallel", False):
-            out = self.mlp(x)[0]  # already this rank's slice, as the MoE layer expects
-        elif sp_len is not None:
-            out = scatter_positions(self.mlp(gather_positions(x, sp_len, self.tp_group))[0], self.tp_group)
-        elif getattr(self, "moe_sequence_parallel", False):
-            from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
-                                                                scatter_to_sequence_parallel_region)
-
-            S, pad = x.shape[0], -x.shape[0] % self.tp_group.size()
-            if pad:  # zero rows so the tokens split evenly; their outputs are dropped below
-                x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
-            out = self.mlp(scatter_to_sequence_parallel_region(x, group=self.tp_group))[0]
-            # everything after the MoE is replicated over the ranks: split (not reduce) the gradient
-            out = gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False,
-                                                       group=self.tp_group)[:S]
-        else:
-            out = self.mlp(x)[0]
-        return HyperConnection.merge(post, comb, out, streams), idx, loss
-
-
-def gather_positions(x: torch.Tensor, length: int, group) -> torch.Tensor:
-    """Sequence parallel -> whole sequence: all-gather the ranks' slices [S / tp, ...] and drop
-    the padding rows. Backward keeps the rank's slice of the (replicated) gradient."""
-    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
-    return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=group)[:length]
-
-
-def scatter_positions(x: torch.Tensor, group) -> torch.Tensor:
-    """Whole sequence (replicated over the TP ranks) -> this rank's slice (its own storage), after
-    padding with zero rows to a multiple of tp. Backward all-gathers the slices' gradients."""
-    from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
-
-    pad = -x.shape[0] % group.size()
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
-    # the split is a view of the whole tensor: copy the slice, or whatever saves it for backward
-    # (the mHC merge) keeps the whole sequence alive
-    return scatter_to_sequence_parallel_region(x, group=group).clone()
-
-
-def _drop_dispatcher_state(moe, args, output) -> None:
-    """megatron-core's token dispatcher keeps the last call's routing probabilities
-    (``local_probs``, with their autograd history) as an attribute, though only that call uses
-    them. Under whole-layer recomputation that history is the recomputed layer's graph, which then
-    stays alive after backward: about one layer of activations per MoE layer (measured: +290 MiB
-    per layer at 16k tokens, so full recompute saved nothing). Dropping it after the call frees it."""
-    dispatcher = getattr(moe, "token_dispatcher", None)
-    for name, value in list(vars(dispatcher).items() if dispatcher is not None else ()):
-        if torch.is_tensor(value) and value.grad_fn is not None:
-            setattr(dispatcher, name, None)
-
-
 class GLM5Model(nn.Module):
     """GLM-5.3-Flash text model. ``forward(input_ids [B, T]) -> ModelOutput``."""
 
-    def __init__(self, cfg: ModelConfig, pg, sizes, options: BuildOptions = BuildOptions(), layer_specs=None):
+    def __init__(self, cfg: ModelConfig, pg: ProcessGroupCollection, sizes: ParallelSizes,
+                 options: BuildOptions = BuildOptions(), layer_specs=None):
         """``layer_specs``: one megatron-core ``ModuleSpec`` per layer; default
         ``specs.decoder_layer_spec`` with the options' spec provider."""
         super().__init__()
@@ -294,22 +197,8 @@ def pipeline_layers(tf_config, stage: int) -> tuple[int, int]:
                          f"{tf_config.num_layers} layers: {exc}") from None
 
 
-def allreduce_sequence_parallel_grads(model) -> None:
-    """Sum over tensor-parallel ranks the gradients of replicated parameters that saw only this
-    rank's tokens (megatron-core marks them ``sequence_parallel``: the MoE routers). Call after
-    backward, before the optimizer; a no-op without tensor parallel."""
-    group = model.pg.tp
-    if group.size() == 1:
-        return
-    for p in model.parameters():
-        if getattr(p, "sequence_parallel", False):
-            grad = getattr(p, "main_grad", None)
-            grad = p.grad if grad is None else grad
-            if grad is not None:
-                torch.distributed.all_reduce(grad, group=group)
-
-
-def build_model(cfg: ModelConfig, pg, sizes, *, transformer_impl: str = "local", kernel_backend: str = "auto",
+def build_model(cfg: ModelConfig, pg: ProcessGroupCollection, sizes: ParallelSizes, *,
+                transformer_impl: str = "local", kernel_backend: str = "auto",
                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                 moe_aux_loss_coeff: float = 0.0, moe_aux_loss: str = "seq_aux_loss",
                 absorbed_mla: bool | None = None) -> GLM5Model:
@@ -318,12 +207,15 @@ def build_model(cfg: ModelConfig, pg, sizes, *, transformer_impl: str = "local",
     the GPU kernel backends (where it runs on tensor cores), per-head on the CPU paths."""
     from genome_lm_kernels import GPU_BACKENDS, resolve_backend
 
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from genome_lm.engine.backend import current
+
+    profile = current()
+    device = torch.device(device or profile.device)
     backend = resolve_backend(kernel_backend, device)
     options = BuildOptions(transformer_impl=transformer_impl, dtype=dtype, kernel_backend=backend,
                            moe_aux_loss_coeff=moe_aux_loss_coeff, moe_aux_loss=moe_aux_loss,
                            absorbed_mla=backend in GPU_BACKENDS if absorbed_mla is None else absorbed_mla)
-    if torch.cuda.is_available():  # megatron_config: use_cpu_initialization only without a GPU
+    if not profile.cpu_initialization:
         # megatron-core initialises its parallel layers on the GPU from the CUDA RNG tracker's
         # states (data-, tensor- and expert-parallel), which must be seeded first; the callers'
         # torch.manual_seed picks the seed
@@ -331,3 +223,17 @@ def build_model(cfg: ModelConfig, pg, sizes, *, transformer_impl: str = "local",
 
         model_parallel_cuda_manual_seed(torch.initial_seed())
     return GLM5Model(cfg, pg, sizes, options).to(device)
+
+
+def pipeline_stages(cfg: ModelConfig, run: RunConfig) -> list[tuple[int, int]]:
+    """(first layer, number of layers) per pipeline stage of ``run`` (a RunConfig), as the trainer
+    splits them (``pipeline_split``: megatron-core's rule, checked); no process group needed."""
+    p = run.parallel
+    if p.pp == 1:
+        return [(0, cfg.num_hidden_layers)]
+    from genome_lm.engine import quiet_megatron_import
+    from genome_lm.engine.parallel import ParallelSizes
+
+    with quiet_megatron_import():
+        tf_config = megatron_config(cfg, ParallelSizes(tp=p.tp, cp=p.cp, pp=p.pp), BuildOptions())
+    return pipeline_split(cfg, tf_config)

@@ -17,13 +17,19 @@ apart ("after ties").
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from genome_lm.engine.backend import on_gpu
 from genome_lm.errors import GenomeLMError
+
+if TYPE_CHECKING:
+    from genome_lm.model.model import GLM5Model
 
 DNA_IDS = (4, 5, 6, 7, 8)  # A C G T N in genome-lm's tokenizer
 
@@ -43,7 +49,7 @@ class ParityRow:
 class _IndexerInputs:
     """Records each indexer's (q, k, w, gate, ape, kpool, topk) during a forward of genome-lm's model."""
 
-    def __init__(self, model):
+    def __init__(self, model: GLM5Model):
         self.indexers = [m for m in model.modules() if hasattr(m, "indexer") and m.indexer is not None]
         self.seen: list[tuple] = []
 
@@ -90,7 +96,7 @@ def _import_transformers_model():
     """transformers' glm5_next class, with flash-linear-attention hidden on a CPU machine: when fla
     is importable, glm5_next swaps its torch KDA for fla's Triton kernels, which fail without a
     GPU (DESIGN.md section 6). The torch path is the independent reference we want."""
-    if not torch.cuda.is_available() and "fla" not in sys.modules:
+    if not on_gpu() and "fla" not in sys.modules:
         sys.modules["fla"] = None  # type: ignore[assignment]
     try:
         import transformers

@@ -30,12 +30,17 @@ MoE, mHC, norms and the output layer act token by token and need no state. One p
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from genome_lm_kernels.dsa import indexer as dsa_indexer
 from genome_lm_kernels.dsa.indexer import compute_dtype
 from genome_lm_kernels.dsa.reference import slot_width
 from genome_lm_kernels.dsa.sparse_attention import GATHER_ELEMENTS, gather_rows, own_keys
+
+if TYPE_CHECKING:
+    from genome_lm.model.model import GLM5Model
 
 SELECT_BLOCK = 64  # queries per indexer block when the layer sets none: select_tokens' default
 
@@ -202,7 +207,7 @@ class Prefill:
     the last stopped. ``total_tokens`` (optional) sizes the DSA caches once and fixes the
     selection layout to that of a full forward over that many tokens."""
 
-    def __init__(self, model, *, total_tokens: int | None = None):
+    def __init__(self, model: GLM5Model, *, total_tokens: int | None = None):
         if model.pg.tp.size() > 1 or model.pg.cp.size() > 1:
             raise ValueError("chunked prefill runs the whole model in one process (no tensor or context parallel)")
         self.model = model
@@ -223,7 +228,7 @@ class Prefill:
         return sum(c.nbytes for c in self.caches)
 
 
-def chunked_logits(model, ids_BT: torch.Tensor, chunk: int):
+def chunked_logits(model: GLM5Model, ids_BT: torch.Tensor, chunk: int):
     """Yield (start, logits [B, c, V]) for consecutive chunks of ``ids``."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")

@@ -10,7 +10,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from pathlib import Path
+
+from genome_lm.errors import GenomeLMError
+
 from .config import ModelConfig
+
+if TYPE_CHECKING:
+    from genome_lm.config import RunConfig
 
 GLM_5_3_FLASH = ModelConfig(index_kpool=4, pad_token_id=154820)
 
@@ -34,3 +43,15 @@ def get_preset(name: str) -> ModelConfig:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown model preset {name!r}; choose from {', '.join(PRESETS)}") from None
+
+
+def model_config(run: RunConfig) -> ModelConfig:
+    """The ModelConfig a run (a RunConfig) builds: its checkpoint's config.json when there is one,
+    else its preset."""
+    ckpt = run.model.checkpoint
+    if ckpt and (Path(ckpt) / "config.json").exists():
+        return ModelConfig.from_hf(Path(ckpt) / "config.json")
+    try:
+        return get_preset(run.model.preset)
+    except ValueError as exc:
+        raise GenomeLMError(str(exc)) from None

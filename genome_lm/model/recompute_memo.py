@@ -23,6 +23,8 @@ from typing import Callable, TypeVar
 
 import torch
 
+from genome_lm.engine.backend import on_gpu
+
 T = TypeVar("T")
 
 _local = threading.local()
@@ -73,7 +75,7 @@ def on_host(enabled: bool = True, pinned: bool = False):
     """Keep the tensors recorded meanwhile in host memory (pinned when asked and possible), and
     bring them back to their device when replayed."""
     before = getattr(_local, "host", None)
-    _local.host = (pinned and torch.cuda.is_available()) if enabled else None
+    _local.host = (pinned and on_gpu()) if enabled else None
     try:
         yield
     finally:

@@ -88,14 +88,14 @@ class GLMRouterBase(TopKRouter):
         return _AttachAuxLoss.apply(activation, aux_loss, self, float(aux_loss_coeff))
 
 
-def set_aux_loss_grad_scale(model, scale: float) -> None:
+def set_aux_loss_grad_scale(model: torch.nn.Module, scale: float) -> None:
     """The factor on each micro-batch's auxiliary-loss gradient, in every router of ``model``."""
     for module in model.modules():
         if isinstance(module, GLMRouterBase):
             module.aux_loss_grad_scale = scale
 
 
-def take_aux_loss(model) -> torch.Tensor:
+def take_aux_loss(model: torch.nn.Module) -> torch.Tensor:
     """Sum over the routers of ``model`` of the auxiliary losses recorded since the last call
     (without their coefficient; this rank's share under tensor/context parallel), and reset."""
     total = torch.zeros((), dtype=torch.float32)

@@ -21,35 +21,8 @@ replicated ``nn.Linear`` (every tensor-parallel rank holds them whole), as befor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
+from .common import DecoderLayerSubmodules, attention_submodules, is_dense_mlp  # noqa: F401  (is_dense_mlp: callers)
 from .config import DENSE, LINEAR, ModelConfig
-
-
-@dataclass
-class AttentionSubmodules:
-    """The parallel linear classes (or specs) a KDA or DSA layer builds its projections from:
-    ``linear_column`` splits the output features over tensor-parallel ranks (q/k/v, gates,
-    the MLA up-projections), ``linear_row`` the input features (the output projection)."""
-
-    linear_column: Any
-    linear_row: Any
-
-
-@dataclass
-class DecoderLayerSubmodules:
-    """What one decoder layer holds besides its mHC and norms: the attention (KDA or DSA) and
-    the MLP (dense ``MLP`` or megatron-core's ``MoELayer`` builder)."""
-
-    attention: Any
-    mlp: Any
-
-
-def attention_submodules(provider) -> AttentionSubmodules:
-    """The provider's column- and row-parallel linear classes."""
-    return AttentionSubmodules(linear_column=provider.column_parallel_linear(),
-                               linear_row=provider.row_parallel_linear())
 
 
 def attention_spec(cfg: ModelConfig, layer_idx: int, provider):
@@ -85,12 +58,7 @@ def decoder_layer_spec(cfg: ModelConfig, layer_idx: int, provider):
     """The spec of decoder layer ``layer_idx`` (see the module docstring)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from .model import DecoderLayer
+    from .layer import DecoderLayer
 
     return ModuleSpec(module=DecoderLayer, submodules=DecoderLayerSubmodules(
         attention=attention_spec(cfg, layer_idx, provider), mlp=mlp_spec(cfg, layer_idx, provider)))
-
-
-def is_dense_mlp(spec) -> bool:
-    """A dense-MLP spec (a ``ModuleSpec``), not megatron-core's MoE builder (a ``partial``)."""
-    return hasattr(spec, "module")

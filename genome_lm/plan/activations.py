@@ -21,7 +21,7 @@ from genome_lm.model import common
 from genome_lm.model.config import ModelConfig
 
 F32, I64 = 4, 8
-KDA_CHUNK = 64  # genome_lm_kernels/kda/chunked.py CHUNK: one entering state per 64 tokens
+KDA_CHUNK = 64  # kernels/genome_lm_kernels/kda/chunked.py CHUNK: one entering state per 64 tokens
 
 
 @dataclass(frozen=True)
@@ -268,12 +268,12 @@ def indexer_blocks(cfg: ModelConfig, s: Shard, seq_len: int, batch: int) -> tupl
     """(selection, loss forward, loss backward) bytes of one query block of the DSA indexer (both backends run these
     in torch), over the whole sequence on every CP rank, ``query_chunk`` queries at a time:
 
-    - forward, selection (``genome_lm_kernels/dsa/indexer.py``): the [chunk, T / kpool] fp32 pool
+    - forward, selection (``kernels/genome_lm_kernels/dsa/indexer.py``): the [chunk, T / kpool] fp32 pool
       scores and one head's scores being added in, 8 bytes per query and pool, with the
       visibility mask of the pools that end inside the block (2 bytes each); and for the
       queries whose top-k is tied (``pick_pools``), ``TIED_ROWS`` of them at a time, a copy of
       their scores, four bool masks and two int64 tensors, 28 bytes per pool;
-    - forward and backward, the sparse indexer loss (``genome_lm_kernels/dsa/loss.py``): per query its
+    - forward and backward, the sparse indexer loss (``kernels/genome_lm_kernels/dsa/loss.py``): per query its
       candidate pool keys [topk / kpool, Di] and the [Hi, topk / kpool] scores with their ReLU
       and weighting, fp32; backward holds their gradients as well.
     """

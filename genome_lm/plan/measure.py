@@ -20,12 +20,18 @@ quantity ``torch.cuda.max_memory_allocated`` reports on a GPU and the planner pr
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import json
 import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+
+if TYPE_CHECKING:
+    from genome_lm.config import RunConfig
+    from genome_lm.model.model import GLM5Model
 
 MMAP_THRESHOLD = "65536"
 WARM_UP_TOKENS = 8192  # long enough to take every kernel path (DSA's gathered blocks start at 2k)
@@ -50,7 +56,7 @@ def _status(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _timed_peak(model, step, T: int, barrier=None) -> tuple[float, int]:
+def _timed_peak(model: GLM5Model, step, T: int, barrier=None) -> tuple[float, int]:
     """Seconds and added resident bytes of ``step(T)``, after a warm-up ``step`` (its gradients
     dropped) that pages in the code and the libraries' one-time buffers; ``barrier``: all ranks
     reset their high-water marks before any of them starts the measured step."""
@@ -152,7 +158,7 @@ def _pipeline_worker(spec: dict) -> dict:
     return {"seq_len": T * n_micro, "seconds": seconds, "peak_bytes": peak}
 
 
-def measure_pipeline_step(run, threads: int = 1, timeout: float = 900) -> list[Measured]:
+def measure_pipeline_step(run: RunConfig, threads: int = 1, timeout: float = 900) -> list[Measured]:
     """One training step of ``run`` split into ``parallel.pp`` pipeline stages, one process per
     stage (gloo), all its micro-batches through the 1F1B schedule: each stage's peak, measured as
     in ``measure_step``. ``parallel`` must hold pipeline parallel only (data parallel 1)."""
@@ -182,7 +188,7 @@ def measure_pipeline_step(run, threads: int = 1, timeout: float = 900) -> list[M
     return results
 
 
-def measure_step(run, threads: int = 1, timeout: float = 600) -> Measured:
+def measure_step(run: RunConfig, threads: int = 1, timeout: float = 600) -> Measured:
     """Run one step of ``run`` (a ``RunConfig``) in a fresh process; see the module docstring."""
     env = _worker_env()
     spec = json.dumps({"run": run.model_dump_json(), "threads": threads})
@@ -193,7 +199,7 @@ def measure_step(run, threads: int = 1, timeout: float = 600) -> Measured:
     return Measured(**json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def measure_gpu_step(run, device: str = "cuda") -> int:
+def measure_gpu_step(run: RunConfig, device: str = "cuda") -> int:
     """Bytes one forward + backward of ``run``'s model (random weights, bf16, the config's kernel
     backend and memory switches, as the trainer applies them) adds on a GPU: the allocator's
     peak during the step (``torch.cuda.max_memory_allocated``) minus what was allocated before
@@ -237,7 +243,7 @@ def measure_gpu_step(run, device: str = "cuda") -> int:
     return peak
 
 
-def planned_gpu_step(run) -> float:
+def planned_gpu_step(run: RunConfig) -> float:
     """The plan's figure for ``measure_gpu_step``: its activation peak plus the gradients as plain
     bf16 ``.grad`` tensors (2 bytes per parameter; the trainer's megatron-core DDP keeps fp32)."""
     from genome_lm.plan.memory_model import Hardware, estimate

@@ -3,7 +3,7 @@
     plan = estimate(run_config, Hardware(...))
 
 The model sizes come from the config the trainer builds (``model.preset`` or the checkpoint's
-config.json, exactly as ``train.trainer.build`` reads them); the bytes per token of each piece
+config.json, exactly as ``checkpoint.build`` reads them); the bytes per token of each piece
 from ``plan.activations``. The step's peak is the largest of
 
     forward end / loss:   static + sum over layers of what they keep + the loss head
@@ -31,11 +31,13 @@ stages (one micro-batch's [S, B, N, D] in each direction; a sent output is freed
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from genome_lm.config import RunConfig
 from genome_lm.errors import GenomeLMError
 from genome_lm.model.config import DENSE, FULL, LINEAR, ModelConfig
+
+from genome_lm.model.model import pipeline_stages  # noqa: F401  (re-exported for the planner's callers)
+from genome_lm.model.presets import model_config  # noqa: F401
 
 from . import activations as act
 
@@ -103,19 +105,6 @@ class Plan:
     @property
     def fits(self) -> bool:
         return self.peak <= self.usable
-
-
-def model_config(run: RunConfig) -> ModelConfig:
-    """The ModelConfig the trainer would build: the checkpoint's config.json when it is there."""
-    from genome_lm.model import get_preset
-
-    ckpt = run.model.checkpoint
-    if ckpt and (Path(ckpt) / "config.json").exists():
-        return ModelConfig.from_hf(Path(ckpt) / "config.json")
-    try:
-        return get_preset(run.model.preset)
-    except ValueError as exc:
-        raise GenomeLMError(str(exc)) from None
 
 
 # --------------------------------------------------------------------------------- parameters
@@ -269,22 +258,6 @@ def world_size(run: RunConfig, hw: Hardware) -> int:
     if gpus % (p.ep * p.etp):
         raise GenomeLMError(f"--gpus {gpus} is not a multiple of ep x etp = {p.ep * p.etp}")
     return gpus
-
-
-def pipeline_stages(cfg: ModelConfig, run: RunConfig) -> list[tuple[int, int]]:
-    """(first layer, number of layers) per pipeline stage, as the trainer splits them
-    (``genome_lm.model.model.pipeline_split``: megatron-core's rule, checked)."""
-    p = run.parallel
-    if p.pp == 1:
-        return [(0, cfg.num_hidden_layers)]
-    from genome_lm.engine import quiet_megatron_import
-    from genome_lm.engine.parallel import ParallelSizes
-    from genome_lm.model.common import BuildOptions, megatron_config
-    from genome_lm.model.model import pipeline_split
-
-    with quiet_megatron_import():
-        tf_config = megatron_config(cfg, ParallelSizes(tp=p.tp, cp=p.cp, pp=p.pp), BuildOptions())
-    return pipeline_split(cfg, tf_config)
 
 
 def in_flight(run: RunConfig, gpus: int, stage: int) -> int:

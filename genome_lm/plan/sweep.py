@@ -4,6 +4,8 @@ JSON and a PNG (two panels: tokens/s and peak memory against length, one line pe
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import json
 from pathlib import Path
 
@@ -14,6 +16,9 @@ from genome_lm.config import load_config
 from .measure import measure_step
 from .memory_model import Hardware, estimate, with_changes
 
+if TYPE_CHECKING:
+    from genome_lm.config import RunConfig
+
 SETTINGS: dict[str, dict] = {
     "plain": {},
     "selective": {"recompute": "selective", "recompute_modules": ["attention"]},
@@ -23,7 +28,7 @@ SETTINGS: dict[str, dict] = {
 }
 
 
-def predicted_step(run) -> float:
+def predicted_step(run: RunConfig) -> float:
     """Bytes a step adds to the built model on a CPU: gradients and the activation peak."""
     plan = estimate(run, Hardware(device="cpu"))
     return sum(i.bytes for i in plan.device if i.name.startswith(("gradients", "activations")))

@@ -64,7 +64,7 @@ def compile_check(ctx) -> tuple[list[dict], str]:
     precision); on a CPU, sm_90 at the TP 8 shapes only (the full sweep is
     ``genome-lm bench kernels --compile-for``). Triton's own cache is used, so with a warm
     cache the compile times are cache hits."""
-    from . import Skip
+    from .sections import Skip
     from genome_lm_kernels.compile_check import run_in_subprocess
 
     if ctx.target is None:

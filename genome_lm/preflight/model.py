@@ -39,7 +39,7 @@ def slice_peak(ctx) -> tuple[list[dict], str]:
 
 def _dataset(ctx):
     """A small prepared dataset of random DNA (needs pysam for the FASTA), or the one given."""
-    from . import Skip
+    from .sections import Skip
 
     if ctx.dataset is not None:
         return ctx.dataset
@@ -59,7 +59,7 @@ def _dataset(ctx):
         for name, length in (("chr1", 12000), ("chr2", 6000), ("chr22", 3000)):
             seq = "".join(rng.choice(list("ACGTacgt"), length))
             f.write(f">{name}\n" + "\n".join(seq[i:i + 60] for i in range(0, length, 60)) + "\n")
-    spec = WindowSpec(2048, 2048, "keep", min_tail=100, max_n_frac=1.0)
+    spec = WindowSpec(2048, 2048, "keep", min_tail=100, max_n_fraction=1.0)
     prepare(PrepareRequest(fasta, root / "ds", ("chr1", "chr2"), ("chr22",), spec), workers=1, quiet=True,
             cache_dir=root / "cache")
     return root / "ds"

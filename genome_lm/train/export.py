@@ -17,19 +17,16 @@ from genome_lm.errors import GenomeLMError
 
 def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | None = None,
                like: str | Path | None = None) -> Path:
+    from genome_lm.checkpoint import load_checkpoint, resolve, verify
     from genome_lm.config import RunConfig
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
-    from genome_lm.model.hf_checkpoint import export_hf_checkpoint
-
     from genome_lm.model.config import ModelConfig
+    from genome_lm.model.hf_checkpoint import export_hf_checkpoint
     from genome_lm.model.model import build_model
 
-    from .checkpoint import latest_checkpoint, load_checkpoint, verify
-
-    run_dir = Path(run_dir)
-    folder = run_dir / "checkpoints" / checkpoint if checkpoint else latest_checkpoint(run_dir)
-    if folder is None or not folder.is_dir():
-        raise GenomeLMError(f"{run_dir}: no checkpoint to export (looked for checkpoints/latest)")
+    folder = resolve(run_dir, step=checkpoint, what="checkpoint to export").checkpoint
+    if folder is None:
+        raise GenomeLMError(f"{run_dir}: a Hugging Face folder already; export takes a training run or checkpoint")
     meta = verify(folder)
     cfg = RunConfig.model_validate(meta["config"], strict=False)
     sizes = ParallelSizes(**meta["layout"])

@@ -25,6 +25,8 @@ Each function changes the model in place and returns nothing; ``apply_memory`` a
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import contextlib
 import functools
 
@@ -32,8 +34,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from genome_lm.engine.backend import on_gpu
 from genome_lm.model import recompute_memo
 from genome_lm.model.recompute_memo import Memo
+
+if TYPE_CHECKING:
+    from genome_lm.model.model import GLM5Model
 
 
 # The wrappers replace a module's ``forward`` on the instance instead of nesting modules, so
@@ -84,7 +90,7 @@ def _is_moe(module: nn.Module) -> bool:
     return isinstance(module, MoELayer)
 
 
-def apply_recompute(model, mode: str, modules=("attention",), nested: bool = False) -> None:
+def apply_recompute(model: GLM5Model, mode: str, modules=("attention",), nested: bool = False) -> None:
     """``nested`` (with "full"): the attention and MLP/MoE blocks are checkpointed inside each
     recomputed layer too, so the layer's backward recomputes and holds one block at a time."""
     if mode == "none":
@@ -105,7 +111,7 @@ def apply_recompute(model, mode: str, modules=("attention",), nested: bool = Fal
                 recompute(layer.mlp)
 
 
-def apply_moe_chunks(model, chunks: int, recompute_chunks: bool = False) -> None:
+def apply_moe_chunks(model: GLM5Model, chunks: int, recompute_chunks: bool = False) -> None:
     if chunks <= 1:
         return
     for layer in model.layers:
@@ -120,18 +126,20 @@ def offload_saved_tensors(enabled: bool, pinned: bool):
     if not enabled:
         yield
         return
-    pin = pinned and torch.cuda.is_available()
+    from genome_lm.engine.backend import current
+
+    pin = pinned and current().pinned_host_memory
     with torch.autograd.graph.save_on_cpu(pin_memory=pin), recompute_memo.on_host(pinned=pin):
         yield
 
 
 def release_host_cache() -> None:
     """Give the pinned host blocks cached by the CUDA host allocator back to the system."""
-    if torch.cuda.is_available() and hasattr(torch._C, "_host_emptyCache"):
+    if on_gpu() and hasattr(torch._C, "_host_emptyCache"):
         torch._C._host_emptyCache()
 
 
-def apply_dsa_query_chunk(model, chunk: int | None) -> None:
+def apply_dsa_query_chunk(model: GLM5Model, chunk: int | None) -> None:
     """Queries per block through each DSA layer's indexer, sparse attention and indexer loss:
     bounds their per-block transients ([chunk, T / kpool] indexer scores, gathered keys)."""
     if chunk is None:
@@ -143,7 +151,7 @@ def apply_dsa_query_chunk(model, chunk: int | None) -> None:
             layer.self_attention.query_chunk = chunk
 
 
-def apply_dsa_keep_selection(model, keep: bool) -> None:
+def apply_dsa_keep_selection(model: GLM5Model, keep: bool) -> None:
     """Whether a recomputed DSA layer replays its forward's token selection (``keep``) or runs
     the indexer again."""
     from genome_lm.model.dsa import DSAAttention
@@ -153,7 +161,7 @@ def apply_dsa_keep_selection(model, keep: bool) -> None:
             layer.self_attention.keep_selection = keep
 
 
-def apply_memory(model, memory) -> None:
+def apply_memory(model: GLM5Model, memory) -> None:
     """Apply a ``config.MemoryConfig`` (chunking first, so recompute wraps the chunked MoE)."""
     apply_dsa_query_chunk(model, memory.dsa_query_chunk)
     apply_dsa_keep_selection(model, memory.dsa_keep_selection)

@@ -11,9 +11,18 @@ every rank, replicated ones once, then summed over the model-parallel groups.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from genome_lm.errors import GenomeLMError
+
+if TYPE_CHECKING:
+    from genome_lm.model.model import GLM5Model
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from genome_lm.config import RunConfig
+    from genome_lm.engine.backend import BackendProfile
 
 
 def learning_rate(step: int, train) -> float:
@@ -34,7 +43,7 @@ def _is_expert(name: str) -> bool:
     return ".experts." in name
 
 
-def grad_norm(named_params, pg) -> float:
+def grad_norm(named_params, pg: ProcessGroupCollection) -> float:
     """Global L2 norm of the gradients (``main_grad`` when megatron-core DDP holds them)."""
     dense = torch.zeros((), dtype=torch.float64)
     expert = torch.zeros((), dtype=torch.float64)
@@ -66,7 +75,7 @@ def grad_norm(named_params, pg) -> float:
 class CPUAdamW:
     """torch AdamW over megatron-core DDP's fp32 gradient buffers, with global-norm clipping."""
 
-    def __init__(self, ddp_model, train, pg):
+    def __init__(self, ddp_model, train, pg: ProcessGroupCollection):
         self.named = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
         self.pg, self.clip = pg, train.grad_clip
         decay = [p for n, p in self.named if p.dim() > 1]
@@ -103,3 +112,125 @@ class CPUAdamW:
 
     def load_state_dict(self, state):
         self.optimizer.load_state_dict(state)
+
+
+def allreduce_sequence_parallel_grads(model: GLM5Model) -> None:
+    """Sum over tensor-parallel ranks the gradients of replicated parameters that saw only this
+    rank's tokens (megatron-core marks them ``sequence_parallel``: the MoE routers). Call after
+    backward, before the optimizer; a no-op without tensor parallel."""
+    group = model.pg.tp
+    if group.size() == 1:
+        return
+    for p in model.parameters():
+        if getattr(p, "sequence_parallel", False):
+            grad = getattr(p, "main_grad", None)
+            grad = p.grad if grad is None else grad
+            if grad is not None:
+                torch.distributed.all_reduce(grad, group=group)
+
+
+# ------------------------------------------------------------------ the optimizer the loop steps
+def make_optimizer(cfg: RunConfig, ddp, pg: ProcessGroupCollection, backend: BackendProfile):
+    """The run's optimizer behind the loop's small interface (``set_lr``, ``zero_grad``, ``step``,
+    state dicts): genome-lm's CPUAdamW on the CPU profile, megatron-core's distributed optimizer
+    on the GPU one."""
+    if not backend.distributed_optimizer:
+        return CPUAdamW(ddp, cfg.train, pg)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    optimizer = get_megatron_optimizer(OptimizerConfig(**megatron_optimizer_options(cfg, ddp.module.options.dtype)),
+                                       [ddp], pg_collection=pg, use_gloo_process_groups=False)
+    apply_weight_decay_multipliers(optimizer.param_groups, cfg.train.weight_decay)
+    return MegatronOptimizer(optimizer)
+
+
+def megatron_optimizer_options(cfg: RunConfig, params_dtype: torch.dtype) -> dict:
+    """megatron-core's ``OptimizerConfig`` fields for a run (GPU path):
+
+    - ``loss_scale=1.0``: a constant grad scaler, the only way megatron-core's optimizer checks
+      the gradients for inf/NaN (across ranks) when training in bf16; without one it clips with
+      a NaN norm (which scales nothing) and applies the step;
+    - ``use_precision_aware_optimizer`` with ``optimizer_cpu_offload``: the hybrid CPU/GPU
+      optimizer reuses that path, and without it the fp32 main parameters stay on the GPU
+      (Megatron-LM refuses the combination)."""
+    t = cfg.train
+    offload = cfg.memory.optimizer_offload
+    return dict(optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+                adam_beta2=t.adam_beta2, clip_grad=t.grad_clip, bf16=cfg.model.dtype == "bf16",
+                params_dtype=params_dtype, loss_scale=1.0, use_distributed_optimizer=True,
+                optimizer_cpu_offload=offload, use_precision_aware_optimizer=offload)
+
+
+def apply_weight_decay_multipliers(param_groups, weight_decay: float) -> None:
+    """Each group's weight decay from megatron-core's ``wd_mult`` (0 for 1-D parameters and
+    biases): megatron-core leaves that to its ``OptimizerParamScheduler``, which genome-lm does
+    not use (it sets the learning rate itself), so without this every parameter, norms and
+    KDA's ``A_log``/``dt_bias`` included, would decay. The CPU optimizer follows the same rule."""
+    for group in param_groups:
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
+
+
+class MegatronOptimizer:
+    """megatron-core's optimizer behind the small interface the loop uses (GPU path)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def step(self) -> tuple[bool, float]:
+        ok, norm, _ = self.optimizer.step()
+        return bool(ok), float(norm) if norm is not None else float("nan")
+
+    def state_dict(self):
+        """megatron-core's optimizer state and, for each distributed optimizer in it, this rank's
+        shard of the fp32 main parameters and Adam moments: ``DistributedOptimizer.state_dict()``
+        leaves those out (megatron-core saves them apart), and without them a resumed run would
+        restart Adam. Tensors, numbers and dtypes only: it loads with ``weights_only=True``.
+
+        Before the first update Adam has no state yet (every step so far was skipped), and
+        megatron-core can neither save nor reload that: the checkpoint then says so, and a resume
+        starts the optimizer afresh, which is what it is."""
+        inner = _inner_optimizers(self.optimizer)
+        if not any(len(getattr(o, "state", {})) for o in inner):
+            return {"optimizer": None, "param_state": [None] * len(inner), "no_step_yet": True}
+        return {"optimizer": self.optimizer.state_dict(), "param_state": [_param_state(o) for o in inner]}
+
+    def load_state_dict(self, state):
+        if state.get("no_step_yet"):
+            return
+        inner = _inner_optimizers(self.optimizer)
+        if len(state["param_state"]) != len(inner):
+            raise GenomeLMError(f"the checkpoint's optimizer has {len(state['param_state'])} parts, this run's "
+                                f"{len(inner)}: resume with the parallel layout it was saved with")
+        self.optimizer.load_state_dict(state["optimizer"])
+        for optimizer, shard in zip(inner, state["param_state"]):
+            if shard is not None:
+                optimizer.load_parameter_state_from_dp_reshardable(shard)
+
+
+def _inner_optimizers(optimizer) -> list:
+    """The optimizers inside megatron-core's ``ChainedOptimizer`` (dense and expert parameters),
+    or the optimizer itself."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _param_state(optimizer):
+    """A distributed optimizer's shard of main parameters and optimizer states, in megatron-core's
+    own per-bucket layout (``get_parameter_state_dp_reshardable``); None for other optimizers.
+    Its loader skips entries flagged as padding, a flag its getter does not set: set it."""
+    if not hasattr(optimizer, "get_parameter_state_dp_reshardable"):
+        return None
+    state = optimizer.get_parameter_state_dp_reshardable()
+    for key, by_dtype in state.items():
+        if isinstance(key, int):  # one grad buffer: {dtype: [bucket: [per-parameter dict]]}
+            for buckets in by_dtype.values():
+                for bucket in buckets:
+                    for tensors in bucket:
+                        tensors.setdefault("padding", False)
+    return state

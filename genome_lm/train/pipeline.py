@@ -26,16 +26,19 @@ longer has the gradient's shape.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from genome_lm.model.model import GLM5Model
 
 # forward(micro-batch index, input streams or None on the first stage)
 #   -> (streams to send, or None on the last stage; this stage's loss term, or None)
 StageForward = Callable[[int, torch.Tensor | None], tuple[torch.Tensor | None, torch.Tensor | None]]
 
 
-def communicator(model):
+def communicator(model: GLM5Model):
     """megatron-core's point-to-point communicator over the model's pipeline group."""
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
@@ -51,7 +54,7 @@ def _backward(tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
                                             accumulate_grad=True)
 
 
-def run_1f1b(model, n_micro: int, shape: tuple[int, ...], forward: StageForward, comm=None) -> None:
+def run_1f1b(model: GLM5Model, n_micro: int, shape: tuple[int, ...], forward: StageForward, comm=None) -> None:
     """Forward and backward of ``n_micro`` micro-batches through this rank's stage.
 
     ``shape``: the streams' shape for every micro-batch (``GLM5Model.stream_shape``). Gradients

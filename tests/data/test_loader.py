@@ -36,14 +36,14 @@ SOFT_W = 0.25  # not the default, so a weight that ignores the setting shows
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     """A small prepared dataset: windows of 1000 with uneven tails, N runs, lowercase stretches,
-    one window 80% N (kept by prepare, max_n_frac=1, so the loader's own skipping is exercised)."""
+    one window 80% N (kept by prepare, max_n_fraction=1, so the loader's own skipping is exercised)."""
     rng = np.random.default_rng(20261202)
     root = tmp_path_factory.mktemp("loader")
     chr1 = bytearray(random_sequence(rng, 5437))
     chr1[2100:2900] = b"N" * 800
     records = {"chr1": bytes(chr1), "chr2": random_sequence(rng, 3263), "chr22": random_sequence(rng, 2111)}
     fasta = write_fasta(root / "genome.fa", records)
-    spec = WindowSpec(1000, 1000, "keep", min_tail=50, max_n_frac=1.0)
+    spec = WindowSpec(1000, 1000, "keep", min_tail=50, max_n_fraction=1.0)
     request = PrepareRequest(fasta, root / "ds", ("chr1", "chr2"), ("chr22",), spec)
     prepare(request, workers=1, quiet=True, cache_dir=root / "cache")
     return root / "ds", records

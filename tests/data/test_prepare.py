@@ -81,7 +81,7 @@ def random_genome(tmp_path, rng, compression="plain", names=("chr1", "chr2", "ch
 @pytest.mark.parametrize("window,stride,tail", [(1000, 1000, "keep"), (777, 500, "drop"), (4096, 4096, "keep")])
 def test_tokens_match_an_independent_read(tmp_path, rng, compression, window, stride, tail):
     fasta, records = random_genome(tmp_path, rng, compression)
-    spec = WindowSpec(window, stride, tail, min_tail=100, max_n_frac=0.5)
+    spec = WindowSpec(window, stride, tail, min_tail=100, max_n_fraction=0.5)
     result = prepare(PrepareRequest(fasta, tmp_path / "out", ("1", "chr2"), ("NC_000022.11",), spec), workers=1, quiet=True)
     manifest = result.manifest
     check_against_pyfaidx(manifest, fasta, tmp_path, rng)
@@ -100,7 +100,7 @@ def test_mostly_n_windows_are_skipped_and_recorded(tmp_path, rng):
     seq[2000:2700] = b"N" * 700  # window [2000, 3000) is 70% N
     seq[5000:5300] = b"n" * 300  # window [5000, 6000) is 30% N: kept
     fasta = write_fasta(tmp_path / "g.fa", {"chr1": bytes(seq), "chr22": random_sequence(rng, 3000)})
-    spec = WindowSpec(1000, 1000, "keep", 100, max_n_frac=0.5)
+    spec = WindowSpec(1000, 1000, "keep", 100, max_n_fraction=0.5)
     manifest = prepare(PrepareRequest(fasta, tmp_path / "out", ("chr1",), ("chr22",), spec), workers=1, quiet=True).manifest
     skipped = [(w["start"], w["reason"]) for w in manifest.split("train").data["skipped"]]
     assert [s for s, _ in skipped if s == 2000] == [2000] and "N fraction" in skipped[0][1]

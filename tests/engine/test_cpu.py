@@ -90,17 +90,20 @@ def test_megatron_ddp_gradient_sync_runs_on_cpu_with_the_redirection():
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_the_stream_redirection_is_still_needed():
     """If this fails, megatron-core's gradient buffers no longer ask for the current CUDA stream."""
     result = _run(redirect=False, script=DDP)
     assert result.returncode != 0 and "current_stream" in result.stderr, result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_megatron_moe_runs_on_cpu_with_the_redirection():
     result = _run(redirect=True)
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_the_redirection_is_still_needed():
     """If this fails, megatron-core no longer calls torch.cuda.current_device here: drop the redirection."""
     result = _run(redirect=False)
@@ -144,6 +147,7 @@ IMPORT_ONLY = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_importing_genome_lm_redirects_nothing():
     """Importing every genome-lm module (the CLI, the model, the trainer, eval, plan) applies
     none of the redirections: only building megatron-core modules does."""

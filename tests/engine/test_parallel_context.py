@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import os, warnings
@@ -42,6 +44,7 @@ def _run(setup: str) -> dict[str, list[str]]:
     return {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()}
 
 
+@pytest.mark.slow
 def test_a_context_that_started_the_default_group_destroys_everything():
     seen = _run("")
     start, end = map(int, seen["threads"])
@@ -49,6 +52,7 @@ def test_a_context_that_started_the_default_group_destroys_everything():
     assert seen["initialised"] == ["False"]
 
 
+@pytest.mark.slow
 def test_under_an_existing_default_group_only_the_new_groups_go():
     seen = _run("init_distributed()")
     start, end = map(int, seen["threads"])

@@ -32,6 +32,7 @@ def test_a_cut_beyond_the_window_is_the_whole_window_score(tiny_model):
         assert np.array_equal(token_nll_cut(tiny_model, tokens, N), whole)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("N", [1, 64, 97])
 def test_a_cut_of_n_is_each_segment_scored_alone(tiny_model, N):
     """Independently: every target j (1-based position in the window) predicted by a forward over

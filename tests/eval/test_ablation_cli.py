@@ -23,6 +23,7 @@ def ablated(demo_run, tmp_path_factory):
     return out, json.loads((out / "eval.json").read_text()), result.output
 
 
+@pytest.mark.slow
 def test_ablation_in_every_output(ablated, demo_run):
     out, report, text = ablated
     cuts = report["ablation"]["cuts"]

@@ -4,7 +4,6 @@ order-2 source gives 2), and both baselines in the table, JSON, CSV, plot and ML
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 

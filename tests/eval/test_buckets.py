@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 
-from genome_lm.cli import parse_size
 from genome_lm.errors import GenomeLMError
 from genome_lm.eval.buckets import (WindowSums, bucket_of, change_interval, default_edges, mean_interval,
                                     parse_edges, resample_weights)
@@ -29,13 +28,13 @@ def test_default_edges(window, edges):
     ("pow2:1k", 3000, [0, 1024, 2048, 3000]),
 ])
 def test_parse_edges(text, window, edges):
-    assert parse_edges(text, window, parse_size) == edges
+    assert parse_edges(text, window) == edges
 
 
 @pytest.mark.parametrize("text", ["1k,2k", "0,4k,2k", "pow2:3k", "0,abc", ""])
 def test_bad_edges_are_one_line_errors(text):
     with pytest.raises(GenomeLMError, match="--buckets"):
-        parse_edges(text, 32 * K, parse_size)
+        parse_edges(text, 32 * K)
 
 
 def test_bucket_of_hand_computed():

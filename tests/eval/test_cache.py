@@ -41,6 +41,7 @@ def _eval(demo_run, out, monkeypatch, stop=None, chunk=256):
     return report, counting.calls, notes
 
 
+@pytest.mark.slow
 def test_interrupted_eval_scores_only_the_missing_windows(demo_run, tmp_path, monkeypatch):
     whole, calls, _ = _eval(demo_run, tmp_path / "whole", monkeypatch)
     assert calls == 4
@@ -63,6 +64,7 @@ def test_interrupted_eval_scores_only_the_missing_windows(demo_run, tmp_path, mo
     assert calls == 1 and again["results"] == whole["results"]
 
 
+@pytest.mark.slow
 def test_changed_settings_or_weights_never_reuse_scores(demo_run, tmp_path, monkeypatch):
     out = tmp_path / "eval"
     _eval(demo_run, out, monkeypatch)

@@ -58,8 +58,8 @@ def test_losses_match_a_full_forward_of_the_checkpoint(evaluated, demo_run):
     from the checkpoint with plain cross-entropy; the change is (model - baseline) / baseline."""
     from genome_lm.config import RunConfig
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
-    from genome_lm.train.checkpoint import latest_checkpoint, load_checkpoint, verify
-    from genome_lm.train.trainer import build
+    from genome_lm.checkpoint import latest_checkpoint, load_checkpoint, verify
+    from genome_lm.checkpoint import build
 
     _, report, _ = evaluated
     folder = latest_checkpoint(demo_run / "run")
@@ -96,7 +96,7 @@ def test_losses_match_a_full_forward_of_the_checkpoint(evaluated, demo_run):
 def test_logged_to_mlflow_as_a_child_of_the_training_run(evaluated, demo_run):
     from mlflow.tracking import MlflowClient
 
-    from genome_lm.train.checkpoint import latest_checkpoint
+    from genome_lm.checkpoint import latest_checkpoint
 
     out, report, _ = evaluated
     state = json.loads((latest_checkpoint(demo_run / "run") / "state-r00000.json").read_text())

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from genome_lm.cli import app
@@ -13,6 +14,7 @@ from tests.model.hf_oracle import make_checkpoint
 ROW = re.compile(r"(\w+) T=([\d,]+): mean \|d logprob\| (\S+), max (\S+)")
 
 
+@pytest.mark.slow
 def test_prefill_and_transformers_agree_with_the_training_forward(tmp_path):
     """A random glm5_next checkpoint made by transformers: genome-lm's training forward, its chunked
     prefill (chunks of 64 over 150 and 333 tokens) and transformers' own forward give the same

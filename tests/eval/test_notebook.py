@@ -1,11 +1,13 @@
 """The analysis notebook runs on a demo evaluation's output (so it never goes stale)."""
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 from tests.conftest import REPO
 
 
+@pytest.mark.slow
 def test_analysis_notebook_executes_on_the_demo_output(evaluated, monkeypatch, tmp_path):
     out, report, _ = evaluated
     monkeypatch.setenv("GENOME_LM_EVAL_JSON", str(out / "eval.json"))

@@ -120,6 +120,7 @@ MEMORY_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_chunked_memory_does_not_grow_with_the_window():
     """Peak resident memory (a fresh process): a 16k window in chunks of 256 needs no more than
     a 2k window, apart from the carried DSA keys (2.3 MiB); one full forward of the same 16k

@@ -208,6 +208,7 @@ def test_sparse_attention_triton_empty_rows(generator, nan_poison):
     _check_attention("triton", 33, 2, torch.float32, generator, kpool=4, topk=2)
 
 
+@pytest.mark.slow
 def test_sparse_attention_triton_several_blocks(generator, nan_poison):
     """S = 75 slots: two BLOCK_S = 64 blocks, the tail in the second (online-softmax rescaling)."""
     _check_attention("triton", 65, 2, torch.float32, generator, kpool=4, topk=72)
@@ -284,6 +285,7 @@ def test_indexer_loss_with_heads_split_over_ranks(T, sparse, generator, nan_pois
 # ---------------------------------------------------------------- memory: no [T, T]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
 def test_chunked_paths_never_build_T_by_T(generator):
     """At T = 16384 one fp32 [T, T] tensor is 1 GiB; the chunked paths must stay far below."""

@@ -85,6 +85,7 @@ def test_triton_tensor_cores_within_bf16_bound(T, H, D, dv, dtype, generator, na
     check_mla("triton", T, H, D, dv, dtype, generator, bound=torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_triton_empty_rows_and_several_slot_blocks(generator, nan_poison):
     """topk 2: queries with no key (lse -inf, o 0); topk 72: 75 slots over several BS blocks."""
     check_mla("triton-fp32", 33, 2, 16, 16, torch.float32, generator, topk=2)
@@ -98,6 +99,7 @@ def test_rejects_values_wider_than_the_latent(generator):
             dsa.sparse_mla(q, kv, idx, scale=0.3, dv=32, backend=backend)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,bound", [("torch", torch.float64), ("triton-fp32", torch.float32),
                                            ("triton", torch.bfloat16)], ids=["torch", "triton-fp32", "triton"])
 def test_absorbing_inside_the_op(backend, bound, generator, nan_poison, monkeypatch):

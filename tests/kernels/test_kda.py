@@ -106,6 +106,7 @@ TRITON_CASES = [  # (B, T, H, K, V, initial state, l2norm): the interpreter is s
 PRECISIONS = [("triton-fp32", torch.float32), ("triton", torch.bfloat16)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,bound", PRECISIONS, ids=[p[0] for p in PRECISIONS])
 @pytest.mark.parametrize(
     "B,T,H,K,V,with_state,l2", TRITON_CASES,
@@ -116,6 +117,7 @@ def test_triton_matches_reference(B, T, H, K, V, with_state, l2, backend, bound,
     check_against_reference(x, backend, l2, bound, generator)
 
 
+@pytest.mark.slow
 def test_triton_matches_reference_bf16_inputs(generator, nan_poison):
     x = make_inputs(2, 65, 2, 16, 16, generator, dtype=torch.bfloat16)
     check_against_reference(x, "triton", True, torch.bfloat16, generator)

@@ -102,6 +102,7 @@ def ours(x: dict, backend: str, use_qk_l2norm: bool):
                use_qk_l2norm=use_qk_l2norm, backend=backend)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["reference", "torch"])
 @pytest.mark.parametrize("i", range(len(LENGTHS)), ids=[f"B{B}-T{T}-H{H}" for T in LENGTHS])
 def test_matches_fla_naive(i, backend, fla_results):
@@ -114,6 +115,7 @@ def test_matches_fla_naive(i, backend, fla_results):
         assert_rel_close(S, S_ref, torch.float32, f"{name} final state")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["reference", "torch"])
 @pytest.mark.parametrize("i", range(len(LENGTHS)), ids=[f"B{B}-T{T}-H{H}" for T in LENGTHS])
 def test_matches_transformers_glm5_next(i, backend, transformers_results):

@@ -82,6 +82,7 @@ def case_id(c):
     return "-".join(parts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("B,T,H,K,V,with_state,with_do,with_dS,l2,decay", CASES, ids=[case_id(c) for c in CASES])
 def test_triton_backward_matches_reference(
     B, T, H, K, V, with_state, with_do, with_dS, l2, decay, generator, nan_poison
@@ -90,6 +91,7 @@ def test_triton_backward_matches_reference(
     check_gradients(x, l2, generator, with_do=with_do, with_dS=with_dS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES[:4], ids=[case_id(c) for c in CASES[:4]])
 def test_tensor_core_backward_within_bf16_bound(case, generator, nan_poison):
     B, T, H, K, V, with_state, with_do, with_dS, l2, decay = case
@@ -104,6 +106,7 @@ def test_triton_backward_strong_decay(generator, nan_poison):
     check_gradients(x, True, generator)
 
 
+@pytest.mark.slow
 def test_triton_backward_bf16_inputs(generator, nan_poison):
     """bf16 q, k, v, g, beta, initial state: gradients come back in each input's dtype."""
     x = make_inputs(2, 65, 2, 16, 16, generator, dtype=torch.bfloat16)
@@ -135,6 +138,7 @@ def test_triton_backward_matches_torch_chunked(with_state, generator, nan_poison
         assert_rel_close(a, b, torch.float32, f"d{name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["triton", "triton-fp32"])
 def test_backward_runs_triton_not_torch(backend, generator, nan_poison, monkeypatch):
     """With the torch chunked path made to raise, forward and backward still run (and match the

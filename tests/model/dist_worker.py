@@ -22,9 +22,10 @@ import torch.nn.functional as F  # noqa: E402
 
 from genome_lm.engine.context_parallel import zigzag_merge, zigzag_split  # noqa: E402
 from genome_lm.engine.parallel import ParallelSizes, init_distributed, parallel_context  # noqa: E402
-from genome_lm.model.hf_checkpoint import (HFCheckpoint, _gather, _groups, export_hf_checkpoint,  # noqa: E402
-                                           load_hf_checkpoint)
-from genome_lm.model.model import allreduce_sequence_parallel_grads, build_model  # noqa: E402
+from genome_lm.engine.layout import ep_gather, tp_gather  # noqa: E402
+from genome_lm.model.hf_checkpoint import HFCheckpoint, _groups, export_hf_checkpoint, load_hf_checkpoint  # noqa: E402
+from genome_lm.model.model import build_model  # noqa: E402
+from genome_lm.train.optim import allreduce_sequence_parallel_grads  # noqa: E402
 
 
 def full_grads(model):
@@ -37,10 +38,9 @@ def full_grads(model):
         if ".experts.local_experts." in name and expt_dp.size() > 1:
             torch.distributed.all_reduce(g, group=expt_dp)
         tp_group, ep_group = _groups(model, name)
-        g = _gather(g, p, name, tp_group)
+        g = tp_gather(g, p, tp_group, glu=name.endswith("linear_fc1.weight"))
         if ep_group is not None and ep_group.size() > 1:
-            parts = [torch.empty_like(g) for _ in range(ep_group.size())]
-            torch.distributed.all_gather(parts, g.contiguous(), group=ep_group)
+            parts = ep_gather(g, ep_group)
             local = model.cfg.n_routed_experts // ep_group.size()
             prefix, rest = name.split(".experts.local_experts.")
             j, tail = rest.split(".", 1)

@@ -35,6 +35,7 @@ def _text_tensors(path):
     return {k: ckpt.get(k) for k in ckpt.weight_map if "visual" not in k}
 
 
+@pytest.mark.slow
 def test_round_trip_is_bit_identical(hf_dir, model_from, tmp_path):
     model = model_from()
     load_hf_checkpoint(model, hf_dir)
@@ -137,6 +138,7 @@ with parallel_context() as pg:
 """
 
 
+@pytest.mark.slow
 def test_loading_streams_instead_of_holding_a_second_copy(tmp_path):
     """Peak extra memory while loading stays well under the checkpoint's size (a loader that read
     every tensor first, or kept every file mapped, would need at least 1x)."""

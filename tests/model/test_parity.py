@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 
 from .hf_oracle import make_checkpoint
 
@@ -29,6 +30,7 @@ def _max_diffs(stdout: str) -> dict[int, float]:
     return {int(t.replace(",", "")): float(d) for t, d in re.findall(r"T=([\d,]+): max \|d logit\| (\S+)", stdout)}
 
 
+@pytest.mark.slow
 def test_tiny_random_config_matches_transformers(tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt", seed=11)
     result = _parity(ckpt, "--lengths", LENGTHS, "--tol", "1e-4")
@@ -38,6 +40,7 @@ def test_tiny_random_config_matches_transformers(tmp_path):
     assert all(0 <= d <= 1e-4 for d in diffs.values()), diffs
 
 
+@pytest.mark.slow
 def test_other_config_softplus_gate_shared_indexer_more_layers(tmp_path):
     """Not a preset: 8 layers with two DSA layers in a row (the second shares the first's
     selection), the softplus decay (no safe gate), k-pool 8, more MLA heads, group-limited routing
@@ -54,6 +57,7 @@ def test_other_config_softplus_gate_shared_indexer_more_layers(tmp_path):
     assert max(_max_diffs(result.stdout).values()) <= 1e-4
 
 
+@pytest.mark.slow
 def test_swiglu_clamp_matches_transformers(tmp_path):
     """A swiglu limit the random weights' MLP activations exceed (glm5_next's default, 10, is
     never reached at this scale), in the dense MLP, the experts and the shared expert; that the
@@ -64,6 +68,7 @@ def test_swiglu_clamp_matches_transformers(tmp_path):
     assert max(_max_diffs(result.stdout).values()) <= 1e-4
 
 
+@pytest.mark.slow
 def test_parity_fails_when_the_loader_is_wrong(tmp_path):
     """Swap the q and k short convolutions while loading: parity must see it and exit non-zero."""
     ckpt = make_checkpoint(tmp_path / "ckpt", seed=2)
@@ -108,6 +113,7 @@ def _zero_indexer_queries(ckpt):
     assert zeroed == 1  # the one DSA layer of TINY_TEXT
 
 
+@pytest.mark.slow
 def test_top_k_ties_are_counted_and_reported_apart(tmp_path):
     """With all pool scores equal, query t (kpool 4, top-k 16: 4 pools kept) first has a tied
     boundary at t = 19 ((t + 1) // 4 = 5 visible pools); parity is judged on positions 0-18 and
@@ -128,7 +134,7 @@ def test_boundary_ties_on_crafted_scores():
 
     from genome_lm.model.parity import boundary_ties
 
-    kpool, topk, D = 1, 2, 4  # one token per pool, keep 2
+    kpool, topk = 1, 2  # one token per pool, keep 2 (head dim 4)
     k = torch.tensor([[[1.0, 0, 0, 0], [0, 1.0, 0, 0], [0, 1.0, 0, 0], [0, 0, 0, 1.0]]])  # pools 1 and 2 equal
     q = torch.tensor([[[[0.0, 0, 0, 1.0]], [[0.0, 0, 0, 1.0]], [[1.0, 1.0, 0, 0]], [[1.0, 1.0, 0, 0]]]])
     w = torch.ones(1, 4, 1)

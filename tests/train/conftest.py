@@ -14,7 +14,7 @@ def small_dataset(tmp_path_factory):
     records = {"chr1": random_sequence(rng, 9000), "chr2": random_sequence(rng, 5000),
                "chr22": random_sequence(rng, 3000)}
     fasta = write_fasta(root / "genome.fa", records)
-    spec = WindowSpec(1024, 1024, "keep", min_tail=100, max_n_frac=1.0)
+    spec = WindowSpec(1024, 1024, "keep", min_tail=100, max_n_fraction=1.0)
     prepare(PrepareRequest(fasta, root / "ds", ("chr1", "chr2"), ("chr22",), spec), workers=1, quiet=True,
             cache_dir=root / "cache")
     return root / "ds"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from genome_lm.errors import GenomeLMError
-from genome_lm.train.checkpoint import (CheckpointCorrupt, latest_checkpoint, load_checkpoint, save_checkpoint,
+from genome_lm.checkpoint import (CheckpointCorrupt, latest_checkpoint, load_checkpoint, save_checkpoint,
                                         verify)
 
 
@@ -60,7 +60,7 @@ def test_truncated_or_altered_files_are_named_and_the_previous_checkpoint_stays(
 def test_interrupted_save_leaves_latest_alone(tmp_path, monkeypatch):
     model, opt = _model_and_opt(0)
     save_checkpoint(tmp_path, 1, model, opt, {})
-    import genome_lm.train.checkpoint as ckpt
+    import genome_lm.checkpoint.training as ckpt
 
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
@@ -170,19 +170,19 @@ def test_distributed_optimizer_shards_survive_a_checkpoint(tmp_path):
     """The GPU path's optimizer wrapper saves each distributed optimizer's shard of main
     parameters and Adam moments (megatron-core's state_dict() alone would restart Adam) and
     loads it back through megatron-core's own loader, with weights_only=True."""
-    from genome_lm.train.trainer import _MegatronOptimizer
+    from genome_lm.train.optim import MegatronOptimizer
 
     model, _ = _model_and_opt(0)
     dense, expert = list(model[0].parameters()), list(model[1].parameters())
-    saved = _MegatronOptimizer(_Chained([_ShardedAdam(dense, 1), _ShardedAdam(expert, 2)]))
+    saved = MegatronOptimizer(_Chained([_ShardedAdam(dense, 1), _ShardedAdam(expert, 2)]))
     folder = save_checkpoint(tmp_path, 3, model, saved, {})
-    fresh = _MegatronOptimizer(_Chained([_ShardedAdam(dense, 7), _ShardedAdam(expert, 8)]))
+    fresh = MegatronOptimizer(_Chained([_ShardedAdam(dense, 7), _ShardedAdam(expert, 8)]))
     load_checkpoint(folder, model, fresh)
     for a, b in zip(saved.optimizer.chained_optimizers, fresh.optimizer.chained_optimizers):
         assert a.step_count == b.step_count
         for p in a.states:
             for key in ("param", "exp_avg", "exp_avg_sq"):
                 assert torch.equal(a.states[p][key], b.states[p][key]), key
-    other_layout = _MegatronOptimizer(_Chained([_ShardedAdam(dense + expert, 9)]))
+    other_layout = MegatronOptimizer(_Chained([_ShardedAdam(dense + expert, 9)]))
     with pytest.raises(GenomeLMError, match="optimizer has 2 parts, this run's 1"):
         load_checkpoint(folder, model, other_layout)

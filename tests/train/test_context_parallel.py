@@ -5,7 +5,7 @@ whole sequences."""
 import pytest
 
 from genome_lm.config import load_config
-from genome_lm.engine.launch import train_on_ray
+from genome_lm.train.launch import train_on_ray
 from genome_lm.train.trainer import train
 
 

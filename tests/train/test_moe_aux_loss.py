@@ -110,7 +110,7 @@ def test_router_aux_loss_matches_the_formula(kind, tmp_path):
     coeff x scale x the formula's, and a forward alone records nothing."""
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
     from genome_lm.model.router import GLMRouterBase, take_aux_loss
-    from genome_lm.train.trainer import build
+    from genome_lm.checkpoint import build
 
     coeff, scale = 0.3, 0.25
     cfg = load_config("demo-cpu", [f"train.moe_aux_loss_coeff={coeff}", f"train.moe_aux_loss={kind}",

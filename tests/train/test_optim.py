@@ -62,7 +62,8 @@ def test_megatron_weight_decay_groups_follow_the_cpu_optimizers_rule():
     from genome_lm.config import load_config
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
     from genome_lm.train.optim import CPUAdamW
-    from genome_lm.train.trainer import apply_weight_decay_multipliers, build, megatron_optimizer_options
+    from genome_lm.checkpoint import build
+    from genome_lm.train.optim import apply_weight_decay_multipliers, megatron_optimizer_options
 
     cfg = load_config("demo-cpu", ["train.weight_decay=0.1"])
     with parallel_context() as pg:
@@ -88,7 +89,7 @@ def test_megatron_optimizer_config_checks_gradients_and_offloads_whole(name):
     from megatron.core.optimizer import OptimizerConfig
 
     from genome_lm.config import load_config
-    from genome_lm.train.trainer import megatron_optimizer_options
+    from genome_lm.train.optim import megatron_optimizer_options
 
     cfg = load_config(name)
     config = OptimizerConfig(**megatron_optimizer_options(cfg, torch.bfloat16))  # megatron-core's own checks pass
@@ -99,7 +100,7 @@ def test_megatron_optimizer_config_checks_gradients_and_offloads_whole(name):
 def test_checkpoint_before_any_update_saves_no_optimizer_state():
     """All steps skipped so far: Adam has no state, which megatron-core cannot save or reload;
     the checkpoint records that and a resume keeps the fresh optimizer."""
-    from genome_lm.train.trainer import _MegatronOptimizer
+    from genome_lm.train.optim import MegatronOptimizer
 
     class Inner:
         def __init__(self, state):
@@ -111,10 +112,10 @@ def test_checkpoint_before_any_update_saves_no_optimizer_state():
         def load_state_dict(self, state):
             self.loaded.append(state)
 
-    fresh = _MegatronOptimizer(Inner({}))
+    fresh = MegatronOptimizer(Inner({}))
     state = fresh.state_dict()
     assert state == {"optimizer": None, "param_state": [None], "no_step_yet": True}
     fresh.load_state_dict(state)
     assert fresh.optimizer.loaded == []
-    stepped = _MegatronOptimizer(Inner({"p": {"exp_avg": torch.zeros(1)}}))
+    stepped = MegatronOptimizer(Inner({"p": {"exp_avg": torch.zeros(1)}}))
     assert stepped.state_dict() == {"optimizer": {"inner": 1}, "param_state": [None]}

@@ -1,6 +1,9 @@
 """Training under nohup, CI or a log file: progress in plain lines (``genome_lm.progress``)."""
 
+import pytest
 
+
+@pytest.mark.slow
 def test_a_piped_finetune_reports_progress_in_its_log(small_dataset, tmp_path):
     """`genome-lm finetune ... 2> log`: plain lines with step, loss and tokens/s."""
     import os

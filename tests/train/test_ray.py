@@ -3,10 +3,11 @@
 import pytest
 
 from genome_lm.config import load_config
-from genome_lm.engine.launch import train_on_ray
+from genome_lm.train.launch import train_on_ray
 from genome_lm.train.trainer import train
 
 
+@pytest.mark.slow
 def test_two_ray_workers_match_one_process(small_dataset, tmp_path):
     """The global batch of 2 sequences split over 2 ranks gives the losses of one process that
     takes both sequences: the loss is normalised over the global batch and gradients are summed."""

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy:D
 STEPS = 2
 
 
+@pytest.mark.slow
 def test_finetune_on_two_local_ray_workers(small_dataset, tmp_path):
     from mlflow.tracking import MlflowClient
 

@@ -11,7 +11,7 @@ import pytest
 
 from genome_lm.config import load_config
 from genome_lm.errors import GenomeLMError
-from genome_lm.train.checkpoint import CheckpointCorrupt, verify
+from genome_lm.checkpoint import CheckpointCorrupt, verify
 from genome_lm.train.trainer import train
 
 pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy:DeprecationWarning")
@@ -78,6 +78,7 @@ def test_resume_from_a_damaged_checkpoint_is_a_clear_error(damaged_run, small_da
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-000004"
 
 
+@pytest.mark.slow
 def test_finetune_resume_from_a_damaged_checkpoint_fails_with_one_line(damaged_run, small_dataset):
     out, bad, how = damaged_run
     before = _snapshot(out)
@@ -121,6 +122,7 @@ def test_resume_from_by_name_and_a_bad_name(two_checkpoints, small_dataset, tmp_
     assert result.resumed_from == out / "checkpoints" / "step-000002" and result.steps_done == 3
 
 
+@pytest.mark.slow
 def test_a_new_run_into_a_run_folder_is_refused(two_checkpoints, small_dataset, tmp_path):
     """Without --resume the checkpoints of the run there are never overwritten silently; --overwrite
     replaces them, and says so."""
@@ -148,6 +150,7 @@ def test_a_new_run_into_a_run_folder_is_refused(two_checkpoints, small_dataset, 
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-000002"]
 
 
+@pytest.mark.slow
 def test_resumed_run_repeats_no_step_and_reports_the_whole_run(two_checkpoints, small_dataset, tmp_path):
     """A run killed after step 4 whose last checkpoint is step 2 (latest rewound to it): MLflow had
     steps 1-4; resumed, the run's history holds each of steps 1-6 once, the summary starts at

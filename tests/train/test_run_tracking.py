@@ -64,6 +64,9 @@ def test_local_run_records_config_metrics_curve_and_checkpoint(small_dataset, tm
     assert params["train.steps"] == str(STEPS) and params["data.seq_len"] == "128"
     assert params["model.preset"] == "tiny" and params["model.kernel_backend"] == "torch"
     assert params["memory.recompute"] == "none" and params["train.global_batch_size"] == "2"
+    # the backend profile the run resolved (genome_lm.engine.backend), the CPU one here
+    assert params["backend.profile"] == "cpu" and params["backend.optimizer"] == "cpu-adamw"
+    assert params["backend.moe_dispatcher"] == "allgather" and params["backend.process_groups"] == "gloo"
     assert params["data.dataset"] == str(small_dataset) and params["train.out_dir"] == str(out)
     # the checkpoint path, equal to the returned one
     assert params["checkpoint"] == str(result.checkpoint)

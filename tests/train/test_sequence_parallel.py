@@ -5,7 +5,7 @@ gradient norms of one process."""
 import pytest
 
 from genome_lm.config import load_config
-from genome_lm.engine.launch import train_on_ray
+from genome_lm.train.launch import train_on_ray
 from genome_lm.train.trainer import train
 from tests.train.parallel_runs import assert_same_history, overrides, tiny_checkpoint
 

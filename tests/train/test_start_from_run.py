@@ -12,8 +12,9 @@ from safetensors.torch import load_file
 
 from genome_lm.config import load_config
 from genome_lm.errors import GenomeLMError
-from genome_lm.train.checkpoint import CheckpointCorrupt, rng_state
-from genome_lm.train.trainer import build, train
+from genome_lm.checkpoint import CheckpointCorrupt, rng_state
+from genome_lm.checkpoint import build
+from genome_lm.train.trainer import train
 
 SEQ = 128
 WEIGHTS = "model-r00000.safetensors"
@@ -36,7 +37,7 @@ def first_run(small_dataset, tmp_path_factory):
 
 
 def _build(cfg, then=None):
-    """``trainer.build`` as ``train`` calls it (seeded, inside the run's process groups); returns the
+    """``checkpoint.build`` as ``train`` calls it (seeded, inside the run's process groups); returns the
     model's tensors, the random generators' state right after, and ``then(model)``."""
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
 

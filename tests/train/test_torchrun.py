@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from genome_lm.train.checkpoint import latest_checkpoint
+from genome_lm.checkpoint import latest_checkpoint
 
 
 def _free_port() -> int:

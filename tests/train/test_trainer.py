@@ -41,6 +41,7 @@ def test_loss_falls_and_everything_is_logged(small_dataset, tmp_path):
     assert (tmp_path / "run" / "loss_curve.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_stopped_run_resumes_bit_for_bit(small_dataset, tmp_path):
     full = train(_config(small_dataset, tmp_path / "full", steps=4), progress=False)
     part = train(_config(small_dataset, tmp_path / "part", steps=4), progress=False, max_steps=2)
@@ -62,6 +63,7 @@ KILLED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_gives_the_uninterrupted_losses(small_dataset, tmp_path):
     overrides = [f"data.dataset={small_dataset}", "train.steps=6", "data.seq_len=256", "train.global_batch_size=2",
                  "train.save_every=2", "model.kernel_backend=torch"]
@@ -87,6 +89,7 @@ def test_sigkill_then_resume_gives_the_uninterrupted_losses(small_dataset, tmp_p
     assert json.loads(resumed.stdout.strip().splitlines()[-1]) == expected[done:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_checkpoints_and_stops(small_dataset, tmp_path, sig):
     args = [f"data.dataset={small_dataset}", "train.steps=50", "data.seq_len=256", "train.global_batch_size=2",
@@ -177,11 +180,12 @@ RANK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_rank_stops_both_after_the_same_step(small_dataset, tmp_path):
     """Two data-parallel ranks (gloo); only rank 1 gets SIGTERM. Both stop after the same step,
     write one complete checkpoint and exit 0 (deciding per rank, they deadlocked in its collectives)."""
     from genome_lm.engine.parallel import free_port
-    from genome_lm.train.checkpoint import latest_checkpoint, verify
+    from genome_lm.checkpoint import latest_checkpoint, verify
 
     out = tmp_path / "two"
     args = [f"data.dataset={small_dataset}", "train.steps=200", "data.seq_len=128", "train.global_batch_size=2",
@@ -225,6 +229,7 @@ def test_bad_settings_are_errors(small_dataset, tmp_path, override, message):
                       if "global" in override else [override]), progress=False)
 
 
+@pytest.mark.slow
 def test_export_writes_the_trained_weights_as_hugging_face(small_dataset, tmp_path):
     import torch
     from safetensors.torch import load_file
@@ -244,6 +249,7 @@ def test_export_writes_the_trained_weights_as_hugging_face(small_dataset, tmp_pa
     assert torch.equal(ckpt.get(hf_keys(name, ckpt.config(), ckpt.prefix)[0]), trained[name])
 
 
+@pytest.mark.slow
 def test_pretrained_checkpoint_with_its_own_vocabulary(small_dataset, tmp_path):
     """Start from a glm5_next checkpoint whose vocabulary is text: bases train as its letters."""
     from tests.data.test_vocab import write_tokenizer
@@ -260,7 +266,7 @@ def test_pretrained_checkpoint_with_its_own_vocabulary(small_dataset, tmp_path):
     from genome_lm.data.loader import TrainLoader
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
     from genome_lm.train.loss import lm_loss
-    from genome_lm.train.trainer import build
+    from genome_lm.checkpoint import build
 
     loader = TrainLoader(str(small_dataset), "train", seq_len=256, micro_batch_size=1, softmask_weight=0.1,
                          reverse_complement=cfg.data.reverse_complement, seed=cfg.train.seed)
@@ -276,7 +282,7 @@ def test_pretrained_checkpoint_with_its_own_vocabulary(small_dataset, tmp_path):
     assert result.history[0].lm_loss == pytest.approx(float(total), rel=1e-5)
     assert abs(float(unmapped) - float(total)) > 1e-3
     # a new run from this run: the tokenizer is found through its meta.json's model.checkpoint
-    from genome_lm.train.trainer import token_map
+    from genome_lm.checkpoint import token_map
 
     again = _config(small_dataset, tmp_path / "run2", steps=1, extra=[f"model.checkpoint={tmp_path / 'run'}"])
     with parallel_context() as pg:

@@ -1,8 +1,4 @@
-"""The evaluation commands of the CLI: `eval`, `check-logprobs`, `recall`.
-
-Registered on the typer app by ``register(app)`` (called from ``genome_lm.cli``); each parses
-its options and calls one function of ``genome_lm.eval``.
-"""
+"""Evaluation commands: ``eval``, ``check-logprobs`` and ``recall`` (genome_lm.eval does the work)."""
 
 from __future__ import annotations
 
@@ -13,20 +9,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from genome_lm.errors import GenomeLMError
+from genome_lm.data.windows import MAX_N_FRACTION
 
-console = Console()
-
-
-def _fail(exc: GenomeLMError) -> None:
-    Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-    raise typer.Exit(1)
-
-
-def _size(text: str) -> int:
-    from genome_lm.cli import parse_size
-
-    return parse_size(text)
+from .base import app, console, size, sizes
 
 
 def _fmt_ci(stat: dict, unit: str = "nats") -> str:
@@ -78,14 +63,14 @@ def print_report(report: dict, out: Console | None = None) -> None:
     out.print(table)
     bits = ", ".join(f"{n} {results[n]['all']['bits']:.4f}" for n in names if results[n]["all"]["bits"] is not None)
     out.print(f"bits per base: {bits}", highlight=False)
-    from .report import headline
+    from genome_lm.eval.report import headline
 
     for line in headline(report):
         out.print(line, highlight=False)
     if report.get("ablation"):
         _print_ablation(report, out)
     if report.get("planted"):
-        from .planted import verdict
+        from genome_lm.eval.planted import verdict
 
         for name in report["planted"]["models"]:
             out.print(verdict(report["planted"], name), highlight=False)
@@ -98,7 +83,7 @@ def print_report(report: dict, out: Console | None = None) -> None:
 
 
 def _print_ablation(report: dict, out: Console) -> None:
-    from .ablation import fmt_delta_ci, verdict
+    from genome_lm.eval.ablation import fmt_delta_ci, verdict
 
     cuts = report["ablation"]["cuts"]
     table = Table(title="context ablation: loss(context cut to N) - loss(whole window), nats/base [95% CI over "
@@ -115,13 +100,7 @@ def _print_ablation(report: dict, out: Console) -> None:
         out.print(line, highlight=False)
 
 
-def _sizes(text: str) -> list[int]:
-    try:
-        return [_size(x) for x in text.split(",") if x.strip()]
-    except typer.BadParameter as err:
-        raise typer.BadParameter(str(err), param_hint="--max-context") from None
-
-
+@app.command("eval")
 def eval_command(
     model: Annotated[str, typer.Option(help="The model: a training run folder (its latest checkpoint), a checkpoint folder, or a Hugging Face glm5_next folder.")],
     chrom: Annotated[Optional[str], typer.Option(help="Chromosome to evaluate (chr22, 22 and NC_000022.11 all match); default: every window of the split.")] = None,
@@ -133,7 +112,7 @@ def eval_command(
     buckets: Annotated[Optional[str], typer.Option(help="Context buckets: edges '0,1k,4k,64k' (the window length is added), or 'pow2:1k' (0, then powers of two from 1k). Default: pow2:1k up to the window length.")] = None,
     chunk: Annotated[str, typer.Option(help="Chunked prefill: tokens per forward chunk (memory stays bounded whatever the window); '0' scores each window in one forward.")] = "32k",
     max_windows: Annotated[Optional[int], typer.Option(help="Score at most this many windows, evenly spaced over the chromosome.", min=1)] = None,
-    max_n: Annotated[float, typer.Option(help="Skip windows with more than this fraction of N.")] = 0.5,
+    max_n: Annotated[float, typer.Option(help="Skip windows with more than this fraction of N.")] = MAX_N_FRACTION,
     resamples: Annotated[int, typer.Option(help="Bootstrap resamples over windows for the 95% intervals.", min=10)] = 1000,
     seed: Annotated[int, typer.Option(help="Seed of the bootstrap.")] = 0,
     planted: Annotated[Optional[Path], typer.Option(help="Planted-copies JSON (demo genome); default: <genome>.planted.json beside the dataset's FASTA when present.")] = None,
@@ -153,22 +132,21 @@ def eval_command(
 
     Writes eval.json (schema genome-lm.eval/1), eval.csv and loss_by_context.png, and logs them to MLflow next to the training run. On the demo genome it also compares the loss on planted later copies whose first copy lies inside the window with those whose first copy lies outside it.
     """
-    from .evaluate import EvalRequest, evaluate
+    from genome_lm.checkpoint.paths import is_run_folder
+    from genome_lm.eval.evaluate import EvalRequest, evaluate
 
-    chunk_size = 0 if chunk.strip() in ("0", "none") else _size(chunk)
+    chunk_size = 0 if chunk.strip() in ("0", "none") else size(chunk, "--chunk")
     if out is None:
         run = Path(model)
         tag = f"eval-{chrom}" if chrom else "eval"
-        out = run / tag if (run / "checkpoints").is_dir() else Path(tag)
+        out = run / tag if is_run_folder(run) else Path(tag)
     request = EvalRequest(model=model, out=out, baseline=baseline, dataset=dataset, fasta=fasta, chrom=chrom,
-                          split=split, window=_size(window), bucket_text=buckets, chunk=chunk_size or None,
+                          split=split, window=size(window, "--window"), bucket_text=buckets, chunk=chunk_size or None,
                           max_windows=max_windows, max_n_fraction=max_n, resamples=resamples, seed=seed,
-                          planted=planted, max_contexts=_sizes(max_context) if max_context else None,
+                          planted=planted, max_contexts=sizes(max_context, "--max-context") if max_context else None,
                           tracking=tracking, tracking_uri=tracking_uri)
     try:
         report = evaluate(request, progress=not quiet, on_note=lambda t: console.print(t, highlight=False))
-    except GenomeLMError as exc:
-        _fail(exc)
     except KeyboardInterrupt:
         scores = Path(out) / ".scores"
         kept = len(list(scores.glob("*/window-*.npy"))) if scores.is_dir() else 0
@@ -179,6 +157,7 @@ def eval_command(
     print_report(report)
 
 
+@app.command("check-logprobs")
 def check_logprobs_command(
     model: Annotated[str, typer.Option(help="A training run, checkpoint or Hugging Face glm5_next folder, or preset:tiny (fresh seeded weights).")],
     lengths: Annotated[str, typer.Option(help="Comma-separated context lengths (k=1024); one sequence each.")] = "1k,4k,16k",
@@ -192,20 +171,17 @@ def check_logprobs_command(
 
     The same tokens go through the training forward and through genome-lm's chunked prefill (carried KDA state, cached DSA keys), transformers' glm5_next (a Hugging Face model, when installed) and vLLM (when installed on a GPU). Prints mean and max |delta logprob| of the realised next token per context length and exits with status 1 when any path exceeds --threshold. On CPU in fp32 the prefill path stays below 1e-4.
     """
-    from .logprobs import check_logprobs
+    from genome_lm.eval.logprobs import check_logprobs
 
-    sizes = [_size(x) for x in lengths.split(",") if x.strip()]
+    lengths_ = sizes(lengths, "--lengths")
     wanted = tuple(x.strip() for x in paths.split(",") if x.strip())
 
     def show(row):
         console.print(f"{row.path} T={row.length:,}: mean |d logprob| {row.mean_abs:.3g}, max {row.max_abs:.3g}",
                       highlight=False)
 
-    try:
-        rows, limit = check_logprobs(model, sizes, chunk=_size(chunk), threshold=threshold, seed=seed,
-                                     dataset=dataset, paths=wanted, progress=show)
-    except GenomeLMError as exc:
-        _fail(exc)
+    rows, limit = check_logprobs(model, lengths_, chunk=size(chunk, "--chunk"), threshold=threshold, seed=seed,
+                                 dataset=dataset, paths=wanted, progress=show)
     table = Table(title=f"training forward vs inference paths: |delta log p(next token)| ({model})", title_justify="left")
     for column in ("path", "T", "mean |d logprob|", "max |d logprob|", f"<= {limit:g}", "note"):
         table.add_column(column, justify="left" if column in ("path", "note") else "right")
@@ -222,6 +198,7 @@ def check_logprobs_command(
     console.print(f"every path that ran ({', '.join(ran)}) agrees within {limit:g}", highlight=False)
 
 
+@app.command("recall")
 def recall_command(
     model: Annotated[str, typer.Option(help="A training run, checkpoint or Hugging Face folder, or preset:tiny.")],
     dataset: Annotated[Optional[Path], typer.Option(help="Draw segments and background from this dataset's evaluation split (N-free stretches); default: the run's data.dataset, else random DNA.")] = None,
@@ -239,91 +216,24 @@ def recall_command(
 
     A segment of real (or demo) sequence is repeated after d bases of background; the control puts another segment in the first copy's place. The loss on the final segment in both gives the copy advantage in nats per base, with a 95% bootstrap interval over trials. By default d runs from 64 up to the model's window length (64, 256, 1k, ... then the largest d whose probe fits the window), within --max-seconds (2 minutes: the distances it leaves out are named, with how to run them). Each distance is printed and written to --out as it finishes. When recall-bench is installed its own sweep runs too, through its CallableModel interface, with background from the same sequence; both are printed and written to --out.
     """
-    import json
-    import time
+    from genome_lm.errors import GenomeLMError
+    from genome_lm.eval.ablation import fmt_delta
+    from genome_lm.eval.recall import recall_bench_available, run_recall
 
-    from .ablation import fmt_delta
-    from .recall import (FALLBACK_MAX_DISTANCE, LEAD, SequencePool, copy_probe, default_distances, probe_window,
-                         recall_bench_available, run_recall_bench, sweep_to, window_distances)
+    def finished(row) -> None:
+        console.print(f"d={row.distance:,}: copy advantage {fmt_delta(row.advantage)} nats/base "
+                      f"[{fmt_delta(row.ci_low)}, {fmt_delta(row.ci_high)}] (CE repeat {row.ce_repeat:.4f}, "
+                      f"control {row.ce_control:.4f}); {out} updated", highlight=False)
 
-    chunk_size = _size(chunk)
-    given = [_size(x) for x in distances.split(",")] if distances else None
-    cap = _size(max_distance) if max_distance else None
     try:
-        from genome_lm.engine import quiet_megatron_import
-        from genome_lm.engine.parallel import parallel_context
-
-        from .models import load_model
-        from .report import atomic_write
-
-        with quiet_megatron_import(), parallel_context() as pg:
-            lm = load_model(model, pg, seed=seed)
-            config = lm.config
-            source = dataset or (Path(config.data.dataset) if config is not None else None)
-            window, where = probe_window(config, source)
-            if given:
-                dists = given
-                note = "distances from --distances"
-            elif cap is not None:
-                dists = sweep_to(cap)
-                note = f"distances up to --max-distance {cap:,}"
-            elif window is not None:
-                dists = window_distances(window, segment, LEAD)
-                note = (f"distances up to {dists[-1]:,}, the largest whose probe ({LEAD} + 2 x {segment} + d bases) "
-                        f"fits the model's {window:,}-base window ({where})")
-            else:
-                dists = default_distances(FALLBACK_MAX_DISTANCE)
-                note = (f"window length unknown ({where}): distances up to {FALLBACK_MAX_DISTANCE:,} only; set "
-                        "--max-distance to the model's window length for the full sweep")
-            if window is not None and LEAD + 2 * segment + max(dists) > window:
-                note += (f"; note: the longest probe ({LEAD + 2 * segment + max(dists):,} bases) exceeds the model's "
-                         f"{window:,}-base window ({where})")
-            console.print(f"{note}: {', '.join(f'{d:,}' for d in dists)}", highlight=False, soft_wrap=True)
-            split = config.data.eval_split if config is not None and dataset is None else "eval"
-            pool = SequencePool.from_dataset(source, split, min_run=segment * 2) if source else \
-                SequencePool.random(max(dists) * 4 + 4 * segment, seed)
-            doc = {"schema": "genome-lm.recall/1", "model": model, "source": str(source) if source else "random",
-                   "segment": segment, "lead": LEAD, "trials": trials, "seed": seed, "window": window,
-                   "window_from": where, "distances_planned": dists, "complete": False, "rows": [],
-                   "recall_bench": None}
-
-            def write() -> None:
-                atomic_write(out, (json.dumps(doc, indent=1, default=str) + "\n").encode())
-
-            def finished(row) -> None:
-                doc["rows"].append(row.to_json())
-                write()
-                console.print(f"d={row.distance:,}: copy advantage {fmt_delta(row.advantage)} nats/base "
-                              f"[{fmt_delta(row.ci_low)}, {fmt_delta(row.ci_high)}] (CE repeat {row.ce_repeat:.4f}, "
-                              f"control {row.ce_control:.4f}); {out} updated", highlight=False)
-
-            began = time.perf_counter()
-            budget = max_seconds or None
-            rows = copy_probe(lm.model, pool, dists, segment=segment, lead=LEAD, trials=trials, seed=seed,
-                              chunk=chunk_size, token_map=lm.token_map, on_row=finished, budget_s=budget)
-            left = [d for d in dists if d not in {r.distance for r in rows}]
-            if left:
-                console.print(f"time budget {max_seconds:g} s reached: distances {', '.join(f'{d:,}' for d in left)} "
-                              f"not run (--max-seconds 0 runs every distance; --distances {left[0]} runs one)",
-                              highlight=False)
-            doc["skipped_for_time"] = left
-            bench = None
-            if recall_bench and recall_bench_available():
-                if budget is not None and time.perf_counter() - began > 0.5 * budget:
-                    doc["recall_bench"] = "skipped: over half the time budget spent (--max-seconds 0 runs it)"
-                    console.print(f"recall-bench {doc['recall_bench']}", highlight=False)
-                else:
-                    done = [r.distance for r in rows]
-                    console.print(f"recall-bench's own sweep at {', '.join(f'{d:,}' for d in done)} ...", highlight=False)
-                    bench = run_recall_bench(lm.model, pool, done, trials=trials, seed=seed, segment=segment,
-                                             chunk=chunk_size, token_map=lm.token_map, max_ctx=window)
-                    doc["recall_bench"] = bench
-            doc["complete"] = not left
-            write()
+        found = run_recall(model, out, dataset=dataset, distances=sizes(distances, "--distances") if distances else None,
+                           max_distance=size(max_distance, "--max-distance"), trials=trials, segment=segment,
+                           chunk=size(chunk, "--chunk"), seed=seed, recall_bench=recall_bench,
+                           max_seconds=max_seconds, say=lambda t: console.print(t, highlight=False, soft_wrap=True),
+                           on_row=finished)
     except ValueError as exc:
-        _fail(GenomeLMError(f"{dataset or model}: {exc}"))
-    except GenomeLMError as exc:
-        _fail(exc)
+        raise GenomeLMError(f"{dataset or model}: {exc}") from None
+    rows, bench, source = found.rows, found.bench, found.source
     table = Table(title=f"copy advantage CE(control) - CE(repeat), nats/base, {segment}-base segment, {trials} trials "
                         f"({model}; {'dataset ' + str(source) if source else 'random DNA'})", title_justify="left")
     for column in ("distance", "CE repeat", "CE control", "advantage [95% CI]", "recall-bench"):
@@ -338,10 +248,3 @@ def recall_command(
                       f"{fmt_delta(r.advantage)} [{fmt_delta(r.ci_low)}, {fmt_delta(r.ci_high)}]", rb_text)
     console.print(table)
     console.print(f"wrote {out}", highlight=False)
-
-
-def register(app: typer.Typer) -> None:
-    """Add the evaluation commands to the CLI."""
-    app.command("eval")(eval_command)
-    app.command("check-logprobs")(check_logprobs_command)
-    app.command("recall")(recall_command)

@@ -15,8 +15,13 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from genome_lm.engine.backend import on_gpu
 from genome_lm.errors import GenomeLMError
+
+if TYPE_CHECKING:
+    from genome_lm.config import RunConfig
 
 
 class _Worker:
@@ -36,9 +41,9 @@ class _Worker:
 
         from genome_lm.config import RunConfig
         from genome_lm.engine.parallel import init_distributed
-        from genome_lm.train.trainer import train
+        from .trainer import train
 
-        if torch.cuda.is_available():
+        if on_gpu():
             os.environ["LOCAL_RANK"] = "0"  # Ray gives each actor exactly one visible GPU
         torch.set_num_threads(max(1, options.pop("threads", 1)))
         init_distributed(self.rank, self.world_size, init_method=rendezvous)
@@ -47,23 +52,23 @@ class _Worker:
         return result if self.rank == 0 else None
 
 
-def check_layout(cfg, world_size: int) -> None:
+def check_layout(cfg: RunConfig, world_size: int) -> None:
     """The parallel layout's one-line errors for ``world_size`` ranks, raised here instead of on
     every rank once the workers are placed: the sizes against the world, and the pipeline split
     of the model's layers (``model.model.pipeline_split``, as the ranks will build it)."""
-    from genome_lm.plan.memory_model import model_config, pipeline_stages
-
-    from .parallel import ParallelSizes
+    from genome_lm.engine.parallel import ParallelSizes
+    from genome_lm.model.model import pipeline_stages
+    from genome_lm.model.presets import model_config
 
     ParallelSizes.of(cfg.parallel).check(world_size)
     pipeline_stages(model_config(cfg), cfg)
 
 
-def train_on_ray(cfg, *, address: str, workers: int, cpus_per_worker: int = 1, gpus: bool | None = None,
+def train_on_ray(cfg: RunConfig, *, address: str, workers: int, cpus_per_worker: int = 1, gpus: bool | None = None,
                  resume: bool = False, tracking_uri: str | None = None, progress: bool = True,
                  max_steps: int | None = None, resume_from: str | None = None, overwrite: bool = False):
     """Run ``train(cfg)`` on ``workers`` Ray actors; returns rank 0's ``TrainResult``."""
-    from genome_lm.train.trainer import check_run_folder
+    from genome_lm.checkpoint import check_run_folder
 
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group

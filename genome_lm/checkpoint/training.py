@@ -12,6 +12,8 @@ that is truncated or altered fails its checksum with an error naming it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import base64
 import hashlib
 import json
@@ -25,7 +27,11 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from genome_lm.engine.backend import on_gpu
 from genome_lm.errors import GenomeLMError
+
+if TYPE_CHECKING:
+    from genome_lm.model.model import GLM5Model
 
 LATEST = "latest"
 
@@ -60,7 +66,7 @@ def rng_state() -> dict:
         "python": repr(random.getstate()),
         "numpy": json.loads(json.dumps(np.random.get_state(legacy=False), default=lambda a: a.tolist())),
     }
-    if torch.cuda.is_available():
+    if on_gpu():
         state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
     return state
 
@@ -72,17 +78,18 @@ def set_rng_state(state: dict) -> None:
     random.setstate(ast.literal_eval(state["python"]))
     np_state = dict(state["numpy"])
     np.random.set_state(np_state)
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and on_gpu():
         torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8))
 
 
-def _model_tensors(model) -> dict[str, torch.Tensor]:
+def _model_tensors(model: GLM5Model) -> dict[str, torch.Tensor]:
     tensors = {n: p.detach().contiguous() for n, p in model.named_parameters()}
     tensors.update({n: b.detach().contiguous() for n, b in model.named_buffers() if n.endswith("expert_bias")})
     return tensors
 
 
-def save_checkpoint(out: str | Path, step: int, model, optimizer, state: dict, meta: dict | None = None) -> Path:
+def save_checkpoint(out: str | Path, step: int, model: GLM5Model, optimizer, state: dict,
+                    meta: dict | None = None) -> Path:
     """Collective: every rank calls it. Returns the finished folder."""
     rank, world = _rank_world()
     root = Path(out) / "checkpoints"
@@ -143,7 +150,7 @@ def weight_layout(layout: dict) -> dict:
     return {k: v for k, v in layout.items() if k != "sequence_parallel"}
 
 
-def load_checkpoint(folder: str | Path, model, optimizer=None, layout: dict | None = None) -> dict:
+def load_checkpoint(folder: str | Path, model: GLM5Model, optimizer=None, layout: dict | None = None) -> dict:
     """Restore model, optimizer (unless None: weights only) and RNG states; returns the trainer's
     saved state dict. ``layout``: this run's parallel sizes, which must be the checkpoint's."""
     folder = Path(folder)
@@ -167,7 +174,7 @@ def load_checkpoint(folder: str | Path, model, optimizer=None, layout: dict | No
     return state
 
 
-def load_weights(folder: str | Path, model) -> None:
+def load_weights(folder: str | Path, model: GLM5Model) -> None:
     """Copy this rank's saved parameters (and MoE expert biases) into ``model``: weights only, no
     optimizer, trainer state or RNG. The caller verifies the folder and checks its layout first."""
     folder = Path(folder)

@@ -1,0 +1,17 @@
+"""Checkpoints: training checkpoints (save, verify, load), what a path names, and the model a run
+configuration names with its weights.
+
+    training.py   the checkpoint format: per-rank safetensors, optimizer state and RNG, a verified
+                  meta.json, written atomically (``save_checkpoint``, ``verify``, ``load_checkpoint``)
+    paths.py      run folder / checkpoint folder / Hugging Face folder (``resolve``), the run
+                  folder's checkpoints, and where a resumed run starts
+    models.py     the model a RunConfig builds, with weights (``build``) and its token map
+
+The Hugging Face glm5_next format (names, shards, config.json) is ``genome_lm.model.hf_checkpoint``.
+"""
+
+from .models import build, token_map  # noqa: F401
+from .paths import (ModelPath, check_run_folder, existing_checkpoints, resolve, resume_point,  # noqa: F401
+                    training_checkpoint)
+from .training import (CheckpointCorrupt, latest_checkpoint, load_checkpoint, load_weights,  # noqa: F401
+                       rng_state, save_checkpoint, set_rng_state, verify, weight_layout)

@@ -1,0 +1,45 @@
+"""The `genome-lm` command line: thin commands (parse the options, call one function, print).
+
+One module per subject registers its commands on the shared app (``base.app``), in the order
+of a study: data, training, evaluation, planning, checks, the demo, benchmarks. A GenomeLMError
+from any command is printed as one ``error:`` line with exit status 1 (``base._Commands``).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from genome_lm import __version__
+
+from .base import app, console
+
+__all__ = ["app", "run"]
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"genome-lm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = None,
+) -> None:
+    """genome-lm: fine-tune a long-context genome language model."""
+
+
+from . import data, train, eval, plan, check, demo, bench  # noqa: E402,F401  (registration order = --help order)
+
+
+def run() -> None:  # console-script entry point
+    try:
+        app()
+    except KeyboardInterrupt:
+        print("interrupted; run the same command again to resume", file=sys.stderr)
+        sys.exit(130)

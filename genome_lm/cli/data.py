@@ -1,0 +1,93 @@
+"""Data commands: ``prepare`` (FASTA -> tokenized windows) and ``demo-genome``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from genome_lm.data.windows import MAX_N_FRACTION
+from genome_lm.units import split_names
+
+from .base import app, console, size
+
+
+@app.command()
+def prepare(
+    fasta: Annotated[Path, typer.Option(help="Genome FASTA: plain, gzip or BGZF; an index beside it is used.")],
+    out: Annotated[Path, typer.Option(help="Output dataset folder (created; replaced atomically).")] = Path(
+        "data/prepared"
+    ),
+    train_chroms: Annotated[
+        str, typer.Option(help="Comma-separated chromosomes for training; chr1, 1 and NC_000001.11 all match.")
+    ] = "chr1,chr2",
+    eval_chroms: Annotated[str, typer.Option(help="Comma-separated chromosomes for evaluation ('' for none).")] = "chr22",
+    window: Annotated[str, typer.Option(help="Window length in bases: 524288, 512k, 1M (k=1024, M=1048576).")] = "512k",
+    stride: Annotated[
+        Optional[str], typer.Option(help="Distance between window starts; default: the window (no overlap).")
+    ] = None,
+    tail: Annotated[
+        str, typer.Option(help="The bases after the last full window: 'keep' as one shorter window, or 'drop'.")
+    ] = "keep",
+    min_tail: Annotated[str, typer.Option(help="A kept tail needs at least this many bases, else it is dropped.")] = "4k",
+    max_n: Annotated[
+        float, typer.Option(help="Skip (and record) windows whose fraction of N bases is above this.")
+    ] = MAX_N_FRACTION,
+    workers: Annotated[
+        Optional[int], typer.Option(help="Worker processes on this machine; default: one per core but one (1: no worker processes).", min=1)
+    ] = None,
+    ray_address: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Run the work as Ray tasks on this cluster ('auto', 'host:port'); every node must see the FASTA and --out at the same paths."
+        ),
+    ] = None,
+    force: Annotated[bool, typer.Option(help="Rebuild even if a finished dataset for the same request exists.")] = False,
+    quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
+) -> None:
+    """Stream a genome FASTA into tokenized windows (Megatron .bin/.idx + manifest).
+
+    Defaults reproduce the study: chr1 and chr2 for training, chr22 for evaluation, 512k-base windows. One token per base (A C G T N); soft-masked bases keep a per-token flag.
+    """
+    from genome_lm.data.prepare import PrepareRequest
+    from genome_lm.data.prepare import prepare as run_prepare
+    from genome_lm.data.windows import WindowSpec
+
+    length = size(window, "--window")
+    try:
+        spec = WindowSpec(length, size(stride, "--stride") if stride else length, tail, size(min_tail, "--min-tail"),
+                          max_n)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    request = PrepareRequest(fasta, out, split_names(train_chroms), split_names(eval_chroms), spec)
+    result = run_prepare(request, workers=workers, ray_address=ray_address, force=force, quiet=quiet)
+    print_dataset_summary(result.manifest, reused=result.reused)
+
+
+def print_dataset_summary(manifest, reused: bool = False) -> None:
+    """One row per split: records, windows, skipped windows, tokens, soft-masked and N fractions."""
+    table = Table(title=f"{manifest.folder}" + (" (already up to date)" if reused else ""))
+    for column in ("split", "chromosomes", "windows", "skipped", "tokens", "soft-masked", "N"):
+        table.add_column(column, justify="left" if column in ("split", "chromosomes") else "right")
+    for name in manifest.data["splits"]:
+        split = manifest.split(name)
+        table.add_row(name, ", ".join(split.records), f"{len(split.windows):,}", f"{len(split.data['skipped']):,}",
+                      f"{split.n_tokens:,}", f"{split.softmask_fraction:.1%}", f"{split.n_fraction:.2%}")
+    console.print(table)
+
+
+@app.command("demo-genome")
+def demo_genome(
+    out: Annotated[Path, typer.Option(help="FASTA to write; the planted copies go to <out>.planted.json.")] = Path(
+        "data/demo/genome.fa"
+    ),
+    seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same genome.")] = 0,
+    scale: Annotated[float, typer.Option(help="Length multiplier (1.0: chr1 4 Mbp, chr2 3 Mbp, chr22 2 Mbp).")] = 1.0,
+) -> None:
+    """Write the built-in synthetic demo genome (chr1, chr2, chr22) with planted long-range copies."""
+    from genome_lm.data.demo_genome import planted_json_path, write_demo_genome
+
+    path = write_demo_genome(out, seed=seed, scale=scale)
+    console.print(f"wrote {path} and {planted_json_path(path)}")

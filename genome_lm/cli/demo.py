@@ -1,0 +1,38 @@
+"""``genome-lm demo``: the study end to end on the built-in demo genome (genome_lm.demo)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .base import app, console, size
+from .data import print_dataset_summary
+from .eval import print_report
+from .train import print_training
+
+
+@app.command()
+def demo(
+    out: Annotated[Path, typer.Option(help="Folder for the demo's genome and dataset.")] = Path("data/demo"),
+    window: Annotated[str, typer.Option(help="Window length for the demo dataset.")] = "32k",
+    quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
+    config: Annotated[str, typer.Option(help="Training config (name in configs/ or a path).")] = "demo-cpu",
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a training field (repeatable).")] = None,
+    eval_windows: Annotated[int, typer.Option(help="Evaluation windows of chr22 to score (each model), evenly spaced.")] = 8,
+) -> None:
+    """Run the study end to end on the built-in demo genome, on this CPU.
+
+    demo genome -> prepare (chr1, chr2 train; chr22 eval) -> fine-tune the tiny model (config demo-cpu, tracked in MLflow) -> `genome-lm eval` of the tuned against the starting model on the same chr22 windows: loss by preceding-context length with 95% intervals, and the loss on planted later copies whose first copy lies inside the window against those whose first copy lies outside it. The report goes to <out>/run/eval-chr22 and to MLflow."""
+    from genome_lm.demo import run_demo
+    from genome_lm.eval.planted import demo_note
+
+    result = run_demo(out, size(window, "--window"), config=config, overrides=set_, eval_windows=eval_windows,
+                      progress=not quiet, on_dataset=lambda p: print_dataset_summary(p.manifest, reused=p.reused),
+                      on_trained=print_training)
+    report = result.report
+    print_report(report, console)  # its headline sets the model against uniform, Markov and the starting weights
+    console.print(f"(the model: checkpoint {report['models']['model']['path']})", highlight=False)
+    if report.get("planted"):
+        console.print(demo_note(report["planted"], result.config), highlight=False)

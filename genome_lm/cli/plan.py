@@ -1,0 +1,73 @@
+"""``genome-lm plan``: memory per GPU and host for a config, before a run (genome_lm.plan)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from genome_lm.errors import GenomeLMError
+
+from .base import app, console, size
+
+
+@app.command("plan")
+def plan(
+    config: Annotated[Optional[str], typer.Option(help="A config in configs/ (e.g. glm-5.3-flash-1m-64xb200) or a YAML path.")] = None,
+    seq_len: Annotated[Optional[str], typer.Option(help="Tokens per sequence: 524288, 512k or 1M (default: the config's).")] = None,
+    tp: Annotated[Optional[int], typer.Option(help="Tensor parallel size.")] = None,
+    cp: Annotated[Optional[int], typer.Option(help="Context parallel size.")] = None,
+    ep: Annotated[Optional[int], typer.Option(help="Expert parallel size.")] = None,
+    etp: Annotated[Optional[int], typer.Option(help="Expert tensor parallel size.")] = None,
+    pp: Annotated[Optional[int], typer.Option(help="Pipeline parallel size (the plan is the busiest stage's).")] = None,
+    recompute: Annotated[Optional[str], typer.Option(help="none, selective or full.")] = None,
+    offload: Annotated[Optional[bool], typer.Option("--offload/--no-offload", help="Offload saved activations to host memory.")] = None,
+    optimizer_offload: Annotated[Optional[bool], typer.Option("--optimizer-offload/--no-optimizer-offload", help="Optimizer state in host memory.")] = None,
+    moe_chunks: Annotated[Optional[int], typer.Option(help="MoE layers in this many chunks.")] = None,
+    gpu: Annotated[str, typer.Option(help="B200 (180 GB), H200 (141 GB) or H100 (80 GB).")] = "B200",
+    gpu_mem: Annotated[Optional[float], typer.Option(help="GPU memory in GB (overrides --gpu).")] = None,
+    gpus: Annotated[Optional[int], typer.Option(help="GPUs in the run (default: tp x cp x pp x global batch / micro batch, one micro-batch per rank).")] = None,
+    gpus_per_node: Annotated[int, typer.Option(help="GPUs per node, for host memory per node.")] = 8,
+    moe_imbalance: Annotated[float, typer.Option(help="Busiest expert-parallel rank's tokens over the mean (4 on real genome data).")] = 4.0,
+    headroom: Annotated[float, typer.Option(help="Fraction of GPU memory kept free (CUDA context, NCCL, fragmentation).")] = 0.05,
+    device: Annotated[str, typer.Option(help="gpu, or cpu for the torch path (offload moves nothing there).")] = "gpu",
+    sweep: Annotated[bool, typer.Option("--sweep", help="The table over sequence lengths 32k to 1M.")] = False,
+    published: Annotated[bool, typer.Option("--published", help="The published run's figures next to the plan's.")] = False,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config field: section.field=value.")] = None,
+) -> None:
+    """Size the hardware before a run: memory per GPU (parameters, gradients, optimizer state,
+    activations per layer type, what recompute and offload save) and host memory per node, from
+    the same config the trainer reads. Flags a plan that does not fit the GPU and names the
+    cheapest change that fits."""
+    from genome_lm.config import load_config
+
+    from genome_lm.plan.hardware import gpu_memory
+    from genome_lm.plan.memory_model import Hardware, estimate
+    from genome_lm.plan.report import print_plan, published_table, sweep_table
+
+    if device not in ("gpu", "cpu"):
+        raise GenomeLMError(f"--device {device}: expected gpu or cpu")
+    if recompute not in (None, "none", "selective", "full"):
+        raise GenomeLMError(f"--recompute {recompute}: expected none, selective or full")
+    if moe_imbalance < 1:
+        raise GenomeLMError(f"--moe-imbalance {moe_imbalance}: the busiest rank has at least the mean (>= 1)")
+    if not 0 <= headroom < 1:
+        raise GenomeLMError(f"--headroom {headroom}: expected a fraction in [0, 1)")
+    name, mem_bytes = gpu_memory(gpu, gpu_mem)
+    hw = Hardware(gpu_name=name, gpu_bytes=mem_bytes, gpus=gpus, gpus_per_node=gpus_per_node, device=device,
+                  moe_imbalance=moe_imbalance, headroom=headroom)
+    if published:
+        console.print(published_table(hw))
+        console.print("Differences over 20% are explained in docs/plan.md.")
+        return
+    if config is None:
+        raise GenomeLMError("--config is required (a shipped config name or a YAML path)")
+    fields = {"data.seq_len": size(seq_len, "--seq-len"), "parallel.tp": tp, "parallel.cp": cp, "parallel.ep": ep,
+              "parallel.etp": etp, "parallel.pp": pp, "memory.recompute": recompute, "memory.offload_activations": offload,
+              "memory.optimizer_offload": optimizer_offload, "memory.moe_chunks": moe_chunks}
+    options = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items() if v is not None]
+    run = load_config(config, [*(set_ or []), *options])  # validated like the trainer's config
+    if sweep:
+        console.print(sweep_table(run, hw))
+        return
+    print_plan(estimate(run, hw), hw, console)

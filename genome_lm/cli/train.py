@@ -1,0 +1,92 @@
+"""Training commands: ``finetune`` and ``export``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from .base import app, console, quiet_megatron
+
+
+@app.command()
+def finetune(
+    config: Annotated[str, typer.Option(help="A config name from configs/ (demo-cpu, glm-5.3-flash-512k-64xb200, ...) or a YAML path.")] = "demo-cpu",
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a field: --set train.steps=20 (repeatable).")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue from the run folder's latest checkpoint.")] = False,
+    resume_from: Annotated[Optional[str], typer.Option(help="Continue from this checkpoint (a folder, or its name such as step-000020) instead of the latest.")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Start a new run in a folder that already holds one, deleting its checkpoints (without it, that is refused).")] = False,
+    tracking_uri: Annotated[Optional[str], typer.Option(help="MLflow server (http://host:5000); default: a SQLite store in the run folder (also used when the server cannot be reached).")] = None,
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+    ray_address: Annotated[Optional[str], typer.Option(help="Train on a Ray cluster ('auto', host:port, or 'local' to start one here).")] = None,
+    workers: Annotated[int, typer.Option(help="With --ray-address: ranks to start (one GPU each, or CPU workers without GPUs).", min=1)] = 1,
+    cpus_per_worker: Annotated[int, typer.Option(help="With --ray-address: CPUs reserved per rank.", min=1)] = 1,
+) -> None:
+    """Fine-tune the model on a prepared dataset (megatron-core; tracked in MLflow).
+
+    One process trains on this machine. For a node of GPUs start it with torchrun
+    (`torchrun --nproc-per-node 8 -m genome_lm finetune --config ...`): every rank runs this
+    command and the sizes in `parallel:` split the model. On a Ray cluster use --ray-address and
+    --workers: one actor per GPU in a placement group, rank 0 reports. Checkpoints go to train.out_dir every
+    train.save_every steps, at the end and on SIGTERM/Ctrl-C; --resume continues from the last."""
+    from genome_lm.config import load_config
+
+    cfg = load_config(config, set_ or [])
+    with quiet_megatron():
+        if ray_address is not None:
+            from genome_lm.train.launch import train_on_ray
+
+            result = train_on_ray(cfg, address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
+                                  resume=resume, tracking_uri=tracking_uri, progress=not quiet,
+                                  resume_from=resume_from, overwrite=overwrite)
+        else:
+            from genome_lm.train.trainer import train
+
+            result = train(cfg, resume=resume, progress=not quiet, tracking_uri=tracking_uri,
+                           resume_from=resume_from, overwrite=overwrite)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 reports
+        print_training(result)
+
+
+def print_training(result) -> None:
+    """The run's summary: where it resumed from, first and last loss, speed, the checkpoint, MLflow."""
+    steps = result.all_steps
+    if result.resumed_from is not None:
+        console.print(f"resumed from step {result.resumed_from.name.split('-')[-1].lstrip('0') or '0'} "
+                      f"({result.resumed_from})", highlight=False)
+    if not steps:
+        console.print("no steps run")
+        return
+    if not result.history:
+        console.print(f"the run was already complete at step {result.steps_done}")
+    first, last = steps[0], steps[-1]
+    table = Table(title=f"fine-tuning in {result.out_dir}", title_justify="left")
+    for column in ("steps", "first loss (step)", "last loss (step)", "change", "tokens/s", "peak host MiB"):
+        table.add_column(column, justify="right")
+    change = (last.lm_loss - first.lm_loss) / first.lm_loss * 100
+    table.add_row(f"{result.steps_done}", f"{first.lm_loss:.4f} ({first.step})", f"{last.lm_loss:.4f} ({last.step})",
+                  f"{change:+.1f}%", f"{last.tokens_per_s:,.0f}", f"{last.peak_host_mib:,.0f}")
+    console.print(table)
+    if result.stopped_by:
+        console.print(f"stopped by {result.stopped_by}; continue with --resume", highlight=False)
+    console.print(f"checkpoint: {result.checkpoint}", highlight=False)
+    if result.tracking:
+        console.print(f"MLflow: {result.tracking}", highlight=False)
+
+
+@app.command()
+def export(
+    run: Annotated[Path, typer.Option(help="A training run folder (train.out_dir).")],
+    out: Annotated[Path, typer.Option(help="Folder for the Hugging Face glm5_next safetensors.")],
+    checkpoint: Annotated[Optional[str], typer.Option(help="Checkpoint folder name (default: the latest).")] = None,
+    like: Annotated[Optional[Path], typer.Option(help="A Hugging Face checkpoint whose config.json and tensor dtypes to copy.")] = None,
+) -> None:
+    """Write a training checkpoint as Hugging Face glm5_next safetensors (sharded, with an index)."""
+    from genome_lm.train.export import export_run
+
+    with quiet_megatron():
+        path = export_run(run, out, checkpoint=checkpoint, like=like)
+    console.print(f"wrote {path}", highlight=False)

@@ -1,0 +1,76 @@
+"""The backend profile: one place decides the GPU and CPU paths, and the code follows it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from genome_lm.engine.backend import BackendProfile, current, profile
+
+
+def test_cpu_profile():
+    cpu = profile(gpu=False)
+    assert (cpu.device, cpu.process_groups, cpu.transformer_impl, cpu.moe_dispatcher, cpu.optimizer,
+            cpu.kernel_backend) == ("cpu", "gloo", "local", "allgather", "cpu-adamw", "torch")
+    assert cpu.cpu_initialization and not cpu.batch_p2p and not cpu.pinned_host_memory
+    assert not cpu.distributed_optimizer
+
+
+@pytest.mark.parametrize("te", [True, False])
+def test_gpu_profile_as_values(te):
+    """The GPU path's choices, read without a GPU."""
+    gpu = profile(gpu=True, transformer_engine=te)
+    assert (gpu.device, gpu.process_groups, gpu.moe_dispatcher, gpu.optimizer, gpu.kernel_backend) == (
+        "cuda", "nccl", "alltoall", "megatron-distributed", "triton")
+    assert gpu.transformer_impl == ("transformer_engine" if te else "local")
+    assert gpu.batch_p2p and gpu.pinned_host_memory and gpu.distributed_optimizer and not gpu.cpu_initialization
+    assert gpu.resolve_impl("auto") == gpu.transformer_impl and gpu.resolve_impl("local") == "local"
+    assert "nccl" in gpu.describe() and gpu.as_params()["backend.profile"] == "gpu"
+
+
+def test_profiles_differ_in_every_choice_but_the_name():
+    cpu, gpu = profile(gpu=False), profile(gpu=True, transformer_engine=True)
+    same = [f.name for f in dataclasses.fields(BackendProfile) if getattr(cpu, f.name) == getattr(gpu, f.name)]
+    assert same == []
+
+
+def test_this_machine_runs_the_profile_of_its_device():
+    assert current() == profile(gpu=torch.cuda.is_available())
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_megatron_config_follows_the_profile(monkeypatch, gpu):
+    """megatron-core's config takes the dispatcher, initialisation and p2p mode from the profile."""
+    from genome_lm.engine import backend
+    from genome_lm.engine.parallel import ParallelSizes
+    from genome_lm.model import get_preset
+    from genome_lm.model.common import BuildOptions, megatron_config
+
+    chosen = profile(gpu=gpu, transformer_engine=False)
+    monkeypatch.setattr(backend, "current", lambda: chosen)
+    tf = megatron_config(get_preset("tiny"), ParallelSizes(), BuildOptions())
+    assert tf.moe_token_dispatcher_type == chosen.moe_dispatcher
+    assert tf.use_cpu_initialization == chosen.cpu_initialization
+    assert tf.batch_p2p_comm == chosen.batch_p2p
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_optimizer_follows_the_profile(monkeypatch, gpu):
+    """CPUAdamW on the CPU profile; megatron-core's optimizer factory on the GPU one (called, not run)."""
+    import megatron.core.optimizer as mcore_optimizer
+
+    from genome_lm.config import load_config
+    from genome_lm.train.optim import CPUAdamW, make_optimizer
+
+    made = []
+    monkeypatch.setattr(CPUAdamW, "__init__", lambda self, *a: made.append("cpu-adamw"))
+    monkeypatch.setattr(mcore_optimizer, "get_megatron_optimizer",
+                        lambda *a, **k: made.append("megatron-distributed") or type("O", (), {"param_groups": []})())
+
+    class DDP:
+        module = type("M", (), {"options": type("O", (), {"dtype": torch.float32})()})()
+
+    make_optimizer(load_config("demo-cpu", []), DDP(), None, profile(gpu=gpu, transformer_engine=False))
+    assert made == [profile(gpu=gpu, transformer_engine=False).optimizer]
