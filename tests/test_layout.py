@@ -6,9 +6,10 @@ only runs on a GPU or in one command still counts. The layers, lowest first:
     errors, units, progress, config, tracking   plain helpers
     data, engine                                datasets; process groups and the CPU/GPU backend
     model                                       the model on megatron-core
-    checkpoint                                  training checkpoints and what a path names
+    checkpoint                                  checkpoints (training, Hugging Face) and what a path names
     train                                       the trainer, its optimizer and launcher
-    eval, plan                                  evaluation; the hardware planner
+    eval, plan, compare                         evaluation; the hardware planner; parity and speed
+                                                against transformers
     preflight, demo                             end-to-end checks and the demo pipeline
     cli, __main__                               the commands
 """
@@ -31,7 +32,7 @@ LAYERS = [
     {"model"},
     {"checkpoint"},
     {"train"},
-    {"eval", "plan"},
+    {"eval", "plan", "compare"},
     {"preflight", "demo"},
     {"cli", "__main__"},
 ]

@@ -5,9 +5,9 @@ configuration names with its weights.
                   meta.json, written atomically (``save_checkpoint``, ``verify``, ``load_checkpoint``)
     paths.py      run folder / checkpoint folder / Hugging Face folder (``resolve``), the run
                   folder's checkpoints, and where a resumed run starts
+    huggingface.py  the Hugging Face glm5_next format: parameter <-> tensor names, load and export
+                  under any parallel layout (the collectives are ``genome_lm.engine.layout``'s)
     models.py     the model a RunConfig builds, with weights (``build``) and its token map
-
-The Hugging Face glm5_next format (names, shards, config.json) is ``genome_lm.model.hf_checkpoint``.
 """
 
 from .models import build, token_map  # noqa: F401

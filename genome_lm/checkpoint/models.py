@@ -34,7 +34,7 @@ def build(cfg: RunConfig, pg: ProcessGroupCollection, sizes: ParallelSizes) -> G
     parallel layout must match this run's. The random generators are left as a random
     initialisation would leave them: the new run's seeding is its own."""
     from genome_lm.model import get_preset
-    from genome_lm.model.hf_checkpoint import HFCheckpoint, load_hf_checkpoint
+    from genome_lm.checkpoint.huggingface import HFCheckpoint, load_hf_checkpoint
     from genome_lm.model.model import build_model
 
     from .training import load_weights

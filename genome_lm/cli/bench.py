@@ -27,7 +27,7 @@ def bench_kernels(
              "tensor-core instructions and compile time. Exits 1 if a kernel would not launch or spills.")] = None,
 ) -> None:
     """KDA chunked vs its token-by-token reference (and transformers' torch fallback); DSA sparse vs dense masked attention: time and peak memory on this machine, with the ratio to the baseline."""
-    from genome_lm.model.bench import kernel_bench
+    from genome_lm.compare.bench import kernel_bench
 
     if op not in ("kda", "dsa", "all"):
         raise typer.BadParameter("choose kda, dsa or all", param_hint="--op")
@@ -85,7 +85,7 @@ def bench_model(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write every row, all fields, to this file.")] = None,
 ) -> None:
     """Forward+backward of the whole model (batch 1, random DNA, next-token loss): seconds, tokens/s and peak memory per length, and the speed-up over transformers' glm5_next on the same weights."""
-    from genome_lm.model.bench import bench, default_threads, growth
+    from genome_lm.compare.bench import bench, default_threads, growth
     from genome_lm.model.presets import PRESETS
 
     if preset not in PRESETS:

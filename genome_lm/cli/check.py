@@ -32,7 +32,7 @@ def parity(
     are reported apart, since the two models may break the tie differently. Works for any glm5_next text config that
     genome-lm supports (NoPE MLA without attention bias, the tail pool always selected; any
     router grouping); other configs are refused with the field named."""
-    from genome_lm.model.parity import run_parity
+    from genome_lm.compare.parity import run_parity
 
     lengths_ = sizes(lengths, "--lengths")
     if not hf.is_dir():

@@ -8,7 +8,7 @@ export whole tensors under any tensor, expert and pipeline parallel layout.
 - pipeline parallel: each stage holds its layers; ``to_rank0`` brings every stage's tensors to
   global rank 0, one at a time.
 
-Model-format code (``model.hf_checkpoint``) names the tensors; this module only moves them.
+Model-format code (``checkpoint.huggingface``) names the tensors; this module only moves them.
 """
 
 from __future__ import annotations

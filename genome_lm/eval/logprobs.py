@@ -65,7 +65,7 @@ def _tokens(length: int, seed: int, dataset: Path | None, token_map) -> torch.Te
 
 
 def _transformers_logprobs(hf_dir: Path, ids: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
-    from genome_lm.model.parity import _import_transformers_model
+    from genome_lm.compare.parity import _import_transformers_model
 
     model = _import_transformers_model().from_pretrained(hf_dir, dtype=dtype).eval().to(ids.device)
     with torch.no_grad():
@@ -93,7 +93,7 @@ def _path_available(path: str, hf_dir: Path | None) -> str:
     if path == "transformers":
         if importlib.util.find_spec("transformers") is None:
             return "transformers is not installed"
-        from genome_lm.model.parity import _import_transformers_model
+        from genome_lm.compare.parity import _import_transformers_model
 
         try:  # hides flash-linear-attention from transformers on a CPU machine before importing it
             _import_transformers_model()

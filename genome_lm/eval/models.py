@@ -82,7 +82,7 @@ def load_model(spec: str | Path, pg: ProcessGroupCollection, *, init_of: LoadedM
                 "preset": cfg.model.preset, "checkpoint": cfg.model.checkpoint}
         return LoadedModel(model.eval(), info, token_map(cfg, model), run_dir, state.get("run_id"), cfg)
     path = found.path  # a Hugging Face folder
-    from genome_lm.model.hf_checkpoint import HFCheckpoint, load_hf_checkpoint
+    from genome_lm.checkpoint.huggingface import HFCheckpoint, load_hf_checkpoint
     from genome_lm.model.model import build_model
 
     ckpt = HFCheckpoint(path)

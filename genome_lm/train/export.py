@@ -21,7 +21,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | None =
     from genome_lm.config import RunConfig
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
     from genome_lm.model.config import ModelConfig
-    from genome_lm.model.hf_checkpoint import export_hf_checkpoint
+    from genome_lm.checkpoint.huggingface import export_hf_checkpoint
     from genome_lm.model.model import build_model
 
     folder = resolve(run_dir, step=checkpoint, what="checkpoint to export").checkpoint

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from genome_lm.cli import app
-from genome_lm.model.bench import add_speedup, growth
+from genome_lm.compare.bench import add_speedup, growth
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,7 @@ def test_speedup_and_growth_from_rows():
 
 
 def test_transformers_timeout_is_reported_and_longer_lengths_skipped(monkeypatch):
-    from genome_lm.model import bench as bench_mod
+    from genome_lm.compare import bench as bench_mod
 
     calls = []
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from genome_lm.engine.parallel import ParallelSizes, parallel_context
-from genome_lm.model.hf_checkpoint import CheckpointError, HFCheckpoint, export_hf_checkpoint, load_hf_checkpoint
+from genome_lm.checkpoint.huggingface import CheckpointError, HFCheckpoint, export_hf_checkpoint, load_hf_checkpoint
 from genome_lm.model.model import build_model
 
 from .hf_oracle import make_checkpoint
@@ -119,7 +119,7 @@ import json, os, sys
 os.environ["TORCHDYNAMO_DISABLE"] = "1"
 import torch
 from genome_lm.engine.parallel import ParallelSizes, parallel_context
-from genome_lm.model.hf_checkpoint import HFCheckpoint, load_hf_checkpoint
+from genome_lm.checkpoint.huggingface import HFCheckpoint, load_hf_checkpoint
 from genome_lm.model.model import build_model
 
 def status(field):

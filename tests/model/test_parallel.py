@@ -11,7 +11,7 @@ import torch
 
 from genome_lm.engine.context_parallel import heads_per_rank, zigzag_merge, zigzag_split
 from genome_lm.engine.parallel import free_port
-from genome_lm.model.hf_checkpoint import HFCheckpoint
+from genome_lm.checkpoint.huggingface import HFCheckpoint
 
 from .hf_oracle import make_checkpoint
 

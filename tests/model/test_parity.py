@@ -74,7 +74,7 @@ def test_parity_fails_when_the_loader_is_wrong(tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt", seed=2)
     script = textwrap.dedent(f"""
         import sys
-        from genome_lm.model import hf_checkpoint
+        from genome_lm.checkpoint import huggingface as hf_checkpoint
         original = hf_checkpoint._full_from_hf
         def swapped(name, tensors):
             if name.endswith("conv_weight"):
@@ -132,7 +132,7 @@ def test_boundary_ties_on_crafted_scores():
     """Unit check of the tie count: two queries' pool keys arranged so one ties at the boundary."""
     import torch
 
-    from genome_lm.model.parity import boundary_ties
+    from genome_lm.compare.parity import boundary_ties
 
     kpool, topk = 1, 2  # one token per pool, keep 2 (head dim 4)
     k = torch.tensor([[[1.0, 0, 0, 0], [0, 1.0, 0, 0], [0, 1.0, 0, 0], [0, 0, 0, 1.0]]])  # pools 1 and 2 equal

@@ -10,7 +10,7 @@ def tiny_checkpoint(out, cfg=None):
     initialisation under a split model draws other weights, so both runs start from this."""
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
     from genome_lm.model import get_preset
-    from genome_lm.model.hf_checkpoint import export_hf_checkpoint
+    from genome_lm.checkpoint.huggingface import export_hf_checkpoint
     from genome_lm.model.model import build_model
 
     with parallel_context() as pg:

@@ -235,7 +235,7 @@ def test_export_writes_the_trained_weights_as_hugging_face(small_dataset, tmp_pa
     from safetensors.torch import load_file
 
     from genome_lm.model import get_preset
-    from genome_lm.model.hf_checkpoint import HFCheckpoint, hf_keys
+    from genome_lm.checkpoint.huggingface import HFCheckpoint, hf_keys
     from genome_lm.train.export import export_run
 
     result = train(_config(small_dataset, tmp_path / "run", steps=2), progress=False)

@@ -111,8 +111,8 @@ def run_parity(hf_dir: str | Path, lengths: list[int], *, tol: float = 1e-4, see
                kernel_backend: str = "auto", progress=None) -> list[ParityRow]:
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
 
-    from .hf_checkpoint import HFCheckpoint, load_hf_checkpoint
-    from .model import build_model
+    from genome_lm.checkpoint.huggingface import HFCheckpoint, load_hf_checkpoint
+    from genome_lm.model.model import build_model
 
     hf_dir = Path(hf_dir)
     cfg = HFCheckpoint(hf_dir).config()

@@ -35,7 +35,7 @@ from genome_lm.errors import GenomeLMError
 
 from genome_lm.engine.layout import ep_gather, expert_offset, to_rank0, tp_gather, tp_slice
 
-from .config import ModelConfig
+from genome_lm.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from genome_lm.model.model import GLM5Model

@@ -1,7 +1,7 @@
 """``genome-lm bench model``: forward+backward time and peak memory of the whole model on this
 machine, optionally against transformers' glm5_next with the same weights in the same run.
 
-Every measurement runs in a fresh worker subprocess (``python -m genome_lm.model.bench ROLE
+Every measurement runs in a fresh worker subprocess (``python -m genome_lm.compare.bench ROLE
 JSON``), so peak memory is that process's own high-water mark (Linux VmHWM, reset after the
 model and the token ids exist) and one run cannot leave memory or thread pools behind for the
 next. transformers runs with flash-linear-attention hidden (``sys.modules["fla"] = None``):
@@ -155,7 +155,7 @@ def kernel_bench(op: str, lengths: tuple[int, ...], backward: bool = True) -> di
 # --------------------------------------------------------------------------------- subprocesses
 def _run_worker(role: str, cfg: dict, timeout_s: float) -> dict:
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "genome_lm.model.bench", role, json.dumps(cfg)]
+    cmd = [sys.executable, "-m", "genome_lm.compare.bench", role, json.dumps(cfg)]
     base = dict(impl=role, preset=cfg["preset"], T=cfg.get("T"), B=cfg["B"], threads=cfg["threads"],
                 seconds=None, peak_mib=None)
     try:
@@ -221,9 +221,9 @@ def _build_genome_lm(cfg: dict, pg: ProcessGroupCollection):
 
     from genome_lm.engine.parallel import ParallelSizes
 
-    from .hf_checkpoint import load_hf_checkpoint
-    from .model import build_model
-    from .presets import get_preset
+    from genome_lm.checkpoint.huggingface import load_hf_checkpoint
+    from genome_lm.model.model import build_model
+    from genome_lm.model.presets import get_preset
 
     torch.manual_seed(cfg["seed"])
     model = build_model(get_preset(cfg["preset"]), pg, ParallelSizes(), kernel_backend=cfg["kernel_backend"])
@@ -235,7 +235,7 @@ def _build_genome_lm(cfg: dict, pg: ProcessGroupCollection):
 def _export(cfg: dict) -> None:
     from genome_lm.engine.parallel import parallel_context
 
-    from .hf_checkpoint import export_hf_checkpoint
+    from genome_lm.checkpoint.huggingface import export_hf_checkpoint
 
     with parallel_context() as pg:
         export_hf_checkpoint(_build_genome_lm(cfg, pg), cfg["checkpoint"])
