@@ -255,7 +255,7 @@ def _stage_tensors(model: GLM5Model, prefix: str):
         experts = ep_gather(full, ep_group)
         local_count = model.cfg.n_routed_experts // len(experts)
         for ep_rank, tensor in enumerate(experts):
-            keys = hf_keys(name, model.cfg, prefix, ep_rank * local_count if ep_group is not None else 0)
+            keys = hf_keys(name, model.cfg, prefix, ep_rank * local_count)
             yield from zip(keys, _full_to_hf(name, tensor))
 
 

@@ -79,13 +79,6 @@ def sizes(text: str, option: str | None = None) -> list[int]:
         raise typer.BadParameter(str(exc), param_hint=option) from None
 
 
-def quiet_megatron():
-    """megatron-core's import-time warnings and log lines, silenced (see genome_lm.engine)."""
-    from genome_lm.engine import quiet_megatron_import
-
-    return quiet_megatron_import()
-
-
 def cell(value) -> str:
     if value is None:
         return ""

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from genome_lm.errors import GenomeLMError
 
-from .base import app, console, print_rows, quiet_megatron, sizes
+from .base import app, console, print_rows, sizes
 
 
 @app.command()
@@ -33,6 +33,7 @@ def parity(
     genome-lm supports (NoPE MLA without attention bias, the tail pool always selected; any
     router grouping); other configs are refused with the field named."""
     from genome_lm.compare.parity import run_parity
+    from genome_lm.engine import quiet_megatron_import
 
     lengths_ = sizes(lengths, "--lengths")
     if not hf.is_dir():
@@ -47,7 +48,7 @@ def parity(
                 if row.first_tie is not None else "")
         console.print(f"T={row.length:,}: max |d logit| {row.max_abs_logit:.3g}{ties}", highlight=False)
 
-    with quiet_megatron():
+    with quiet_megatron_import():
         rows = run_parity(hf, lengths_, tol=tol, seed=seed, kernel_backend=backend, progress=show)
     for row in rows:
         after = "" if row.max_abs_logit_after_ties is None else f"{row.max_abs_logit_after_ties:.3g}"

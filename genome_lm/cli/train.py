@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from .base import app, console, quiet_megatron
+from .base import app, console
 
 
 @app.command()
@@ -33,9 +33,10 @@ def finetune(
     --workers: one actor per GPU in a placement group, rank 0 reports. Checkpoints go to train.out_dir every
     train.save_every steps, at the end and on SIGTERM/Ctrl-C; --resume continues from the last."""
     from genome_lm.config import load_config
+    from genome_lm.engine import quiet_megatron_import
 
     cfg = load_config(config, set_ or [])
-    with quiet_megatron():
+    with quiet_megatron_import():
         if ray_address is not None:
             from genome_lm.train.launch import train_on_ray
 
@@ -85,8 +86,9 @@ def export(
     like: Annotated[Optional[Path], typer.Option(help="A Hugging Face checkpoint whose config.json and tensor dtypes to copy.")] = None,
 ) -> None:
     """Write a training checkpoint as Hugging Face glm5_next safetensors (sharded, with an index)."""
+    from genome_lm.engine import quiet_megatron_import
     from genome_lm.train.export import export_run
 
-    with quiet_megatron():
+    with quiet_megatron_import():
         path = export_run(run, out, checkpoint=checkpoint, like=like)
     console.print(f"wrote {path}", highlight=False)

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from genome_lm.checkpoint import (build, check_run_folder, existing_checkpoints, load_checkpoint, resume_point,
                                   save_checkpoint, token_map)
+from genome_lm.engine.backend import on_gpu
 from genome_lm.errors import GenomeLMError
 
 if TYPE_CHECKING:
@@ -452,15 +453,11 @@ def _cp_part(batch, cp: int, rank: int):
 
 
 def _device() -> torch.device:
-    from genome_lm.engine.backend import current
-
-    return torch.device("cuda", torch.cuda.current_device()) if current().gpu else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
 
 
 def _peak_device_mib() -> float:
-    from genome_lm.engine.backend import current
-
-    return torch.cuda.max_memory_allocated() / 2**20 if current().gpu else 0.0
+    return torch.cuda.max_memory_allocated() / 2**20 if on_gpu() else 0.0
 
 
 def _log_curve(tracker, result: TrainResult, out: Path, rank: int) -> None:
