@@ -244,15 +244,14 @@ class Trainer:
         from .optim import allreduce_sequence_parallel_grads, learning_rate
 
         cfg, pg, t0 = self.cfg, self.pg, time.perf_counter()
-        seq_len = seq_len_at(cfg, step)
-        self.loader.set_seq_len(seq_len)
+        self.loader.set_seq_len(seq_len_at(cfg, step))
         lr = learning_rate(step, cfg.train)
         self.optimizer.set_lr(lr)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        micro = self._micro_batches()
+        micro, positions = self._micro_batches()
         weight = global_sum(sum(b.loss_weight.sum() for b in micro), pg.dp_cp)
-        lm_sum, idx_sum = self._forward_backward(micro, step, weight, seq_len)
+        lm_sum, idx_sum = self._forward_backward(micro, step, weight, positions)
         release_host_cache()
         moe_load = _moe_load(self.model, pg.tp_dp_cp, pg.pp)  # read before finalize_model_grads resets the counts
         allreduce_sequence_parallel_grads(self.model)
@@ -269,27 +268,30 @@ class Trainer:
         return StepMetrics(step + 1, total, lm, idx, lr, norm, tokens_all, time.perf_counter() - t0, not stepped,
                            _peak_host_mib(), _peak_device_mib(), moe_load, moe_aux)
 
-    def _micro_batches(self) -> list:
-        """The step's micro-batches: every context-parallel rank of a data-parallel rank reads
-        the same batches and keeps its zigzag part; bases become the checkpoint's tokens."""
+    def _micro_batches(self) -> tuple[list, int]:
+        """The step's micro-batches and their whole length (positions before context-parallel
+        padding): every context-parallel rank of a data-parallel rank reads the same batches
+        and keeps its zigzag part; bases become the checkpoint's tokens."""
         cp, cp_rank = self.pg.cp.size(), self.pg.cp.rank()
-        micro = [_cp_part(self.loader.next_batch(), cp, cp_rank) for _ in range(self.n_micro)]
+        whole = [self.loader.next_batch() for _ in range(self.n_micro)]
+        micro = [_cp_part(batch, cp, cp_rank) for batch in whole]
         if self.to_model is not None:  # bases -> the checkpoint's single-letter tokens
             for batch in micro:
                 batch.tokens = self.to_model[batch.tokens]
                 batch.labels = self.to_model[batch.labels.clamp_min(0)]
-        return micro
+        return micro, whole[0].tokens.shape[1]
 
-    def _forward_backward(self, micro: list, step: int, weight, seq_len: int):
+    def _forward_backward(self, micro: list, step: int, weight, positions: int):
         """Forward and backward of every micro-batch (the 1F1B schedule under pipeline parallel);
-        returns this rank's sums of the weighted LM loss and of the indexer loss."""
+        returns this rank's sums of the weighted LM loss and of the indexer loss. ``positions``:
+        the batches' length before context-parallel padding, which the indexer loss stops at."""
         from .loss import global_sum
         from .memory import offload_saved_tensors
 
         cfg, pg, model = self.cfg, self.pg, self.model
         mode = "dense" if step < cfg.train.indexer_dense_steps else cfg.train.indexer_loss
         # indexer_tokens: the model already divides each CP rank's indexer loss by cp
-        loss_args = dict(indexer_tokens=seq_len if pg.cp.size() > 1 else None,
+        loss_args = dict(indexer_tokens=positions if pg.cp.size() > 1 else None,
                          indexer_coeff=cfg.train.indexer_loss_coeff / (self.dp_size * len(micro)))
         offload = partial(offload_saved_tensors, cfg.memory.offload_activations, cfg.memory.offload_pinned)
         if pg.pp.size() > 1:
