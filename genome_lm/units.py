@@ -29,6 +29,15 @@ def parse_sizes(text: str) -> list[int]:
     return [parse_size(x) for x in text.split(",") if x.strip()]
 
 
+def parse_size_range(text: str) -> tuple[int, int]:
+    """``"256-16k"`` -> ``(256, 16384)``; a single size is a range of one."""
+    low, sep, high = text.partition("-")
+    lo, hi = parse_size(low), parse_size(high) if sep else parse_size(low)
+    if lo > hi:
+        raise ValueError(f"{text!r}: the low end of a range must not exceed the high end")
+    return lo, hi
+
+
 def split_names(text: str) -> tuple[str, ...]:
     """``"chr1, chr2,"`` -> ``("chr1", "chr2")``."""
     return tuple(name.strip() for name in text.split(",") if name.strip())

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from genome_lm.data.windows import MAX_N_FRACTION
-from genome_lm.units import split_names
+from genome_lm.units import parse_size_range, split_names
 
 from .base import app, console, size
 
@@ -85,9 +85,37 @@ def demo_genome(
     ),
     seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same genome.")] = 0,
     scale: Annotated[float, typer.Option(help="Length multiplier (1.0: chr1 4 Mbp, chr2 3 Mbp, chr22 2 Mbp).")] = 1.0,
+    copies_per_mbp: Annotated[
+        Optional[float], typer.Option(help="Planted copies per Mbp (default 50).")
+    ] = None,
+    copy_length: Annotated[
+        Optional[str], typer.Option(help="Copy lengths in bases, log-uniform in LOW-HIGH (default 300-3000).")
+    ] = None,
+    copy_distance: Annotated[
+        Optional[str],
+        typer.Option(help="Distance from a source to its copy, log-uniform in LOW-HIGH (default 1000-500000). "
+                     "A long-context recipe keeps it inside its training crop, e.g. 256-16k."),
+    ] = None,
+    inversions: Annotated[
+        Optional[float], typer.Option(help="Fraction of copies that are reverse complements (default 0.5).")
+    ] = None,
 ) -> None:
     """Write the built-in synthetic demo genome (chr1, chr2, chr22) with planted long-range copies."""
-    from genome_lm.data.demo_genome import planted_json_path, write_demo_genome
+    from dataclasses import replace
 
-    path = write_demo_genome(out, seed=seed, scale=scale)
+    from genome_lm.data.demo_genome import CopyPlan, planted_json_path, write_demo_genome
+
+    plan, changes = CopyPlan(), {}
+    if copies_per_mbp is not None:
+        changes["per_mbp"] = copies_per_mbp
+    if inversions is not None:
+        changes["inversions"] = inversions
+    for name, text, option in (("length_bp", copy_length, "--copy-length"),
+                               ("distance_bp", copy_distance, "--copy-distance")):
+        if text is not None:
+            try:
+                changes[name] = parse_size_range(text)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint=option) from None
+    path = write_demo_genome(out, seed=seed, scale=scale, copies=replace(plan, **changes))
     console.print(f"wrote {path} and {planted_json_path(path)}")

@@ -36,7 +36,8 @@ is written after step 5):
 4. N gaps: 2-5 internal gaps per chromosome, each 1-50 kbp (log-uniform, at most 2% of
    the chromosome, at least one base apart), plus a leading N run of 10% of chr22 (hg38's
    chr22 starts with ~10 Mbp of N).
-5. Planted copies, the long-range signal: 50 events per Mbp (at least 3 per chromosome;
+5. Planted copies, the long-range signal (``CopyPlan``'s defaults; other plans change the
+   count, lengths, distances and inversion share): 50 events per Mbp (at least 3 per chromosome;
    200/150/100 at scale 1). Each copies a source segment of 300-3000 bp (log-uniform,
    at most the distance) to a later destination, ``distance = dst_start - src_start``
    log-uniform from 1 kbp to min(500 kbp, half the chromosome after its leading N). Half
@@ -68,11 +69,6 @@ from genome_lm.errors import GenomeLMError
 CHROM_LENGTHS = {"chr1": 4_000_000, "chr2": 3_000_000, "chr22": 2_000_000}
 LEADING_N_FRACTION = {"chr22": 0.10}
 SCHEMA = "genome-lm.demo-planted/1"
-DESCRIPTION = (
-    "Forward duplications and inversions (reverse complement) of 300-3000 bp segments, "
-    "distance dst_start - src_start log-uniform 1 kbp to 500 kbp, 0-1% substitutions; "
-    "sources, destinations and N gaps do not overlap. Coordinates are 0-based, half-open."
-)
 MIN_CHROM_BP = 10_000
 ISOCHORE_BP, ISOCHORE_GC = (100_000, 300_000), (0.35, 0.55)
 CPG_LOSS = 0.8
@@ -80,6 +76,44 @@ STR_FRACTION, STR_UNIT_BP, STR_BP, STR_DIVERGENCE = 0.03, (1, 6), (20, 200), 0.0
 GAP_COUNT, GAP_BP, GAP_MAX_FRACTION = (2, 5), (1_000, 50_000), 0.02
 EVENTS_PER_MBP, MIN_EVENTS = 50, 3
 COPY_BP, DISTANCE_BP, MAX_COPY_DIVERGENCE = (300, 3_000), (1_000, 500_000), 0.01
+
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """How the planted copies (step 5) are drawn. The defaults are the demo genome's; a
+    long-context recipe asks for more copies at distances inside its training crop.
+
+    ``per_mbp`` events per Mbp (at least ``MIN_EVENTS`` per chromosome); copy lengths
+    log-uniform in ``length_bp`` (at most the distance); distances log-uniform in
+    ``distance_bp`` (the upper end capped at half the chromosome after its leading N);
+    ``inversions``: the fraction that are reverse complements."""
+
+    per_mbp: float = EVENTS_PER_MBP
+    length_bp: tuple[int, int] = COPY_BP
+    distance_bp: tuple[int, int] = DISTANCE_BP
+    inversions: float = 0.5
+
+    def __post_init__(self) -> None:
+        (lo, hi), (dlo, dhi) = self.length_bp, self.distance_bp
+        if not (math.isfinite(self.per_mbp) and self.per_mbp >= 0):
+            raise GenomeLMError(f"demo genome: copies per Mbp must be >= 0, got {self.per_mbp}")
+        if not 1 <= lo <= hi:
+            raise GenomeLMError(f"demo genome: copy lengths must be 1 <= low <= high, got {lo}-{hi}")
+        if not 1 <= dlo <= dhi:
+            raise GenomeLMError(f"demo genome: copy distances must be 1 <= low <= high, got {dlo}-{dhi}")
+        if not 0 <= self.inversions <= 1:
+            raise GenomeLMError(f"demo genome: the inversion fraction must be in [0, 1], got {self.inversions}")
+
+    def describe(self) -> str:
+        """One sentence for the sidecar's ``description``."""
+        kinds = ("Forward duplications and inversions (reverse complement)" if 0 < self.inversions < 1 else
+                 "Inversions (reverse complement)" if self.inversions == 1 else "Forward duplications")
+        return (f"{kinds} of {self.length_bp[0]}-{self.length_bp[1]} bp segments, {self.per_mbp:g} per Mbp, "
+                f"distance dst_start - src_start log-uniform {self.distance_bp[0]:,} to {self.distance_bp[1]:,} bp, "
+                f"0-1% substitutions; sources, destinations and N gaps do not overlap. "
+                f"Coordinates are 0-based, half-open.")
+
 
 N_CODE = 4  # base codes: A=0 C=1 G=2 T=3, so the complement of x is 3 - x
 _LETTERS = np.frombuffer(b"ACGTNacgtn", dtype=np.uint8)  # index: code + 5 * soft-masked
@@ -256,12 +290,13 @@ def _plan_gaps(rng: np.random.Generator, chrom: str, occupied: np.ndarray) -> li
     return sorted(gaps)
 
 
-def n_events(length: int) -> int:
+def n_events(length: int, per_mbp: float = EVENTS_PER_MBP) -> int:
     """How many planted copies a chromosome of ``length`` bp is given."""
-    return max(MIN_EVENTS, round(EVENTS_PER_MBP * length / 1e6))
+    return max(MIN_EVENTS, round(per_mbp * length / 1e6))
 
 
-def plan_copies(rng: np.random.Generator, chrom: str, occupied: np.ndarray, count: int) -> list[PlantedCopy]:
+def plan_copies(rng: np.random.Generator, chrom: str, occupied: np.ndarray, count: int,
+                plan: CopyPlan = CopyPlan()) -> list[PlantedCopy]:
     """Choose up to ``count`` non-overlapping copy events on a chromosome.
 
     ``occupied``: (chromosome length,) bool, True where nothing may be planted (N gaps); the
@@ -270,21 +305,21 @@ def plan_copies(rng: np.random.Generator, chrom: str, occupied: np.ndarray, coun
     """
     n = len(occupied)
     lo = int(np.argmin(occupied)) if occupied[0] else 0  # first base after a leading N run
-    max_distance = min(DISTANCE_BP[1], (n - lo) // 2)
-    if max_distance <= DISTANCE_BP[0]:
+    max_distance = min(plan.distance_bp[1], (n - lo) // 2)
+    if max_distance < plan.distance_bp[0]:
         return []
     planned = []
     for _attempt in range(50 * count):
         if len(planned) == count:
             break
-        distance = _loguniform(rng, DISTANCE_BP[0], max_distance)
-        length = min(_loguniform(rng, *COPY_BP), distance)  # source ends before the copy
+        distance = _loguniform(rng, plan.distance_bp[0], max_distance)
+        length = min(_loguniform(rng, *plan.length_bp), distance)  # source ends before the copy
         src = int(rng.integers(lo, n - distance - length + 1))
         dst = src + distance
         if occupied[src : src + length].any() or occupied[dst : dst + length].any():
             continue
         occupied[src : src + length] = occupied[dst : dst + length] = True
-        kind = "inversion" if rng.random() < 0.5 else "duplication"
+        kind = "inversion" if rng.random() < plan.inversions else "duplication"
         rate = MAX_COPY_DIVERGENCE * rng.random()
         planned.append(PlantedCopy(chrom, kind, src, src + length, dst, dst + length, distance, rate))
     return sorted(planned, key=lambda c: c.src_start)
@@ -304,7 +339,7 @@ def _plant(rng: np.random.Generator, codes: np.ndarray, mask: np.ndarray, copy: 
 
 
 def _chromosome(
-    rng: np.random.Generator, chrom: str, n: int, consensus: list[np.ndarray]
+    rng: np.random.Generator, chrom: str, n: int, consensus: list[np.ndarray], plan: CopyPlan
 ) -> tuple[bytes, list[PlantedCopy]]:
     """One chromosome of ``n`` bp: its ASCII sequence and its planted copies."""
     codes = _background(rng, n)
@@ -315,7 +350,7 @@ def _chromosome(
     for start, end in _plan_gaps(rng, chrom, occupied):
         codes[start:end], mask[start:end] = N_CODE, False
     # Last step, on the final sequence: nothing may overwrite a source or destination.
-    planted = [_plant(rng, codes, mask, c) for c in plan_copies(rng, chrom, occupied, n_events(n))]
+    planted = [_plant(rng, codes, mask, c) for c in plan_copies(rng, chrom, occupied, n_events(n, plan.per_mbp), plan)]
     return _LETTERS[codes + 5 * mask].tobytes(), planted
 
 
@@ -330,8 +365,9 @@ def chrom_lengths(scale: float = 1.0) -> dict[str, int]:
     return lengths
 
 
-def generate_demo_genome(seed: int = 0, scale: float = 1.0) -> DemoGenome:
-    """The demo genome for ``seed`` (>= 0) with chromosome lengths multiplied by ``scale``."""
+def generate_demo_genome(seed: int = 0, scale: float = 1.0, copies: CopyPlan = CopyPlan()) -> DemoGenome:
+    """The demo genome for ``seed`` (>= 0) with chromosome lengths multiplied by ``scale`` and
+    its planted copies drawn by ``copies``."""
     if seed < 0:
         raise GenomeLMError(f"demo genome: seed must be >= 0, got {seed}")
     lengths = chrom_lengths(scale)
@@ -340,7 +376,7 @@ def generate_demo_genome(seed: int = 0, scale: float = 1.0) -> DemoGenome:
     consensus = [_random_bases(family_rng, fam.gc, fam.length) for fam in FAMILIES]
     records, planted = {}, []
     for index, (chrom, n) in enumerate(lengths.items(), start=1):
-        records[chrom], events = _chromosome(np.random.default_rng([seed, index]), chrom, n, consensus)
+        records[chrom], events = _chromosome(np.random.default_rng([seed, index]), chrom, n, consensus, copies)
         planted.extend(events)
     return DemoGenome(records=records, planted=planted, seed=seed, scale=scale)
 
@@ -374,17 +410,18 @@ def _fasta(records: dict[str, bytes], width: int = 60) -> bytes:
     return b"".join(parts)
 
 
-def write_demo_genome(path: Path, seed: int = 0, scale: float = 1.0) -> Path:
+def write_demo_genome(path: Path, seed: int = 0, scale: float = 1.0, copies: CopyPlan = CopyPlan()) -> Path:
     """Write the demo genome as FASTA at ``path`` and its planted copies next to it."""
     path = Path(path)
-    genome = generate_demo_genome(seed, scale)
+    genome = generate_demo_genome(seed, scale, copies)
     sidecar = {
         "schema": SCHEMA,
         "seed": seed,
         "scale": scale,
         "records": {name: len(seq) for name, seq in genome.records.items()},
         "planted": [copy.to_json() for copy in genome.planted],
-        "description": DESCRIPTION,
+        "copies": asdict(copies),
+        "description": copies.describe(),
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

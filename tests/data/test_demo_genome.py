@@ -200,3 +200,61 @@ def test_a_failed_write_leaves_the_previous_file_and_no_temp_files(tmp_path, mon
 def test_bad_scale_is_a_user_error(scale):
     with pytest.raises(GenomeLMError, match="scale"):
         generate_demo_genome(seed=0, scale=scale)
+
+
+def test_the_default_copy_plan_keeps_the_genome_of_before_copy_plans_existed():
+    # sha256 of the records of generate_demo_genome(seed=4, scale=0.05) computed with the code of
+    # 65518d0, before CopyPlan: the default demo genome (and every figure made on it) is unchanged
+    import hashlib
+
+    genome = generate_demo_genome(seed=4, scale=0.05)
+    digest = hashlib.sha256(b"".join(genome.records.values())).hexdigest()
+    assert digest == "aa467c4c5d1b10395ffb0b287bf52d9c7f4360c4964e003ecbbd39b16de4a574"
+    assert len(genome.planted) == 23
+
+
+def test_a_copy_plan_sets_count_lengths_distances_and_kinds(tmp_path):
+    from genome_lm.data.demo_genome import CopyPlan
+
+    plan = CopyPlan(per_mbp=400, length_bp=(100, 1000), distance_bp=(256, 16384), inversions=0.0)
+    path = write_demo_genome(tmp_path / "dense.fa", seed=2, scale=0.05, copies=plan)
+    genome = generate_demo_genome(seed=2, scale=0.05, copies=plan)
+    fasta = pyfaidx.Fasta(str(path), as_raw=True, sequence_always_upper=False)
+    for name, seq in genome.records.items():
+        copies = [c for c in genome.planted if c.chrom == name]
+        assert len(copies) == n_events(len(seq), 400) > n_events(len(seq))
+        for c in copies:
+            assert c.kind == "duplication" and 256 <= c.distance <= 16384
+            assert 100 <= c.src_end - c.src_start <= min(1000, c.distance)
+            src, dst = fasta[name][c.src_start:c.src_end], fasta[name][c.dst_start:c.dst_end]
+            assert _mismatches(src.encode(), dst.encode()) <= 0.01 * len(src)
+    sidecar = json.loads(planted_json_path(path).read_text())
+    assert sidecar["copies"] == {"per_mbp": 400, "length_bp": [100, 1000], "distance_bp": [256, 16384],
+                                 "inversions": 0.0}
+    assert "Forward duplications of 100-1000 bp" in sidecar["description"] and "inversion" not in sidecar["description"]
+    inverted = generate_demo_genome(seed=2, scale=0.05, copies=CopyPlan(inversions=1.0))
+    assert {c.kind for c in inverted.planted} == {"inversion"}
+
+
+@pytest.mark.parametrize("changes, match", [({"per_mbp": -1}, "per Mbp"), ({"length_bp": (10, 5)}, "lengths"),
+                                            ({"distance_bp": (0, 5)}, "distances"), ({"inversions": 1.5}, "inversion")])
+def test_a_bad_copy_plan_is_a_user_error(changes, match):
+    from genome_lm.data.demo_genome import CopyPlan
+
+    with pytest.raises(GenomeLMError, match=match):
+        CopyPlan(**changes)
+
+
+def test_demo_genome_command_takes_a_copy_plan(tmp_path):
+    from typer.testing import CliRunner
+
+    from genome_lm.cli import app
+
+    out = tmp_path / "g.fa"
+    result = CliRunner().invoke(app, ["demo-genome", "--out", str(out), "--scale", "0.05", "--copies-per-mbp", "300",
+                                      "--copy-distance", "256-4k", "--copy-length", "100-500", "--inversions", "0.25"])
+    assert result.exit_code == 0, result.output
+    sidecar = json.loads(planted_json_path(out).read_text())
+    assert sidecar["copies"] == {"per_mbp": 300, "length_bp": [100, 500], "distance_bp": [256, 4096], "inversions": 0.25}
+    bad = CliRunner().invoke(app, ["demo-genome", "--out", str(out), "--copy-distance", "4k-1k"])
+    assert bad.exit_code != 0 and "--copy-distance" in bad.output
