@@ -99,6 +99,12 @@ def demo_genome(
     inversions: Annotated[
         Optional[float], typer.Option(help="Fraction of copies that are reverse complements (default 0.5).")
     ] = None,
+    drill: Annotated[
+        Optional[str],
+        typer.Option(help="Add a record 'drill' of this many bases (e.g. 4M): random sequence where most bases repeat "
+                     "something up to --copy-distance's high end before them, the dense copy signal a small model "
+                     "needs to start using long context. Train on it with --train-chroms chr1,chr2,drill."),
+    ] = None,
 ) -> None:
     """Write the built-in synthetic demo genome (chr1, chr2, chr22) with planted long-range copies."""
     from dataclasses import replace
@@ -117,5 +123,6 @@ def demo_genome(
                 changes[name] = parse_size_range(text)
             except ValueError as exc:
                 raise typer.BadParameter(str(exc), param_hint=option) from None
-    path = write_demo_genome(out, seed=seed, scale=scale, copies=replace(plan, **changes))
+    path = write_demo_genome(out, seed=seed, scale=scale, copies=replace(plan, **changes),
+                             drill_bp=size(drill, "--drill") or 0)
     console.print(f"wrote {path} and {planted_json_path(path)}")

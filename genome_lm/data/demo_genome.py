@@ -354,6 +354,47 @@ def _chromosome(
     return _LETTERS[codes + 5 * mask].tobytes(), planted
 
 
+DRILL_RECORD = "drill"
+DRILL_GAP_BP, DRILL_UNIT_BP, DRILL_REPEATS, DRILL_COPY_BP = (16, 256), (16, 256), (2, 4), (32, 512)
+
+
+def copy_drill(rng: np.random.Generator, n: int, distance_bp: tuple[int, int] = (64, 16_384)) -> np.ndarray:
+    """(n,) base codes of the *copy drill*: uniform random bases where most of the sequence
+    repeats something shortly before it, the densest signal for learning to copy (a model
+    trained on genomic copies alone, a few percent of the bases, does not start to).
+
+    From the start: a random gap of 16-256 bases, then an event, again until ``n``: half the
+    events are tandem repeats (a random unit of 16-256 bases written 2-4 times in a row), half
+    are dispersed copies (32-512 bases copied from ``distance_bp`` bases back, log-uniform, at
+    most as far back as the sequence goes), each copy with 0-1% substitutions. Sizes are
+    log-uniform; about 60% of the bases are copies of bases earlier in the drill."""
+    codes = np.empty(n, dtype=np.uint8)
+    pos = 0
+    while pos < n:
+        gap = _loguniform(rng, *DRILL_GAP_BP)
+        codes[pos:pos + gap] = rng.integers(0, 4, min(gap, n - pos))
+        pos += gap
+        if pos >= n:
+            break
+        if rng.random() < 0.5 or pos <= distance_bp[0]:  # tandem repeat
+            unit = _loguniform(rng, *DRILL_UNIT_BP)
+            codes[pos:pos + unit] = rng.integers(0, 4, len(codes[pos:pos + unit]))
+            piece, pos = codes[pos:pos + unit].copy(), pos + unit
+            copies = [piece] * (int(rng.integers(DRILL_REPEATS[0], DRILL_REPEATS[1] + 1)) - 1)
+        else:  # dispersed copy
+            distance = _loguniform(rng, distance_bp[0], min(distance_bp[1], pos))
+            length = min(_loguniform(rng, *DRILL_COPY_BP), distance)
+            copies = [codes[pos - distance:pos - distance + length].copy()]
+        for piece in copies:
+            rate = MAX_COPY_DIVERGENCE * rng.random()
+            hit = rng.permutation(len(piece))[: int(rate * len(piece))]
+            piece[hit] = (piece[hit] + rng.integers(1, 4, len(hit))) % 4
+            end = min(pos + len(piece), n)
+            codes[pos:end] = piece[: end - pos]
+            pos = end
+    return codes
+
+
 def chrom_lengths(scale: float = 1.0) -> dict[str, int]:
     """Record name -> length in bp at ``scale``; raises GenomeLMError for a bad scale."""
     if not (math.isfinite(scale) and scale > 0):
@@ -365,9 +406,14 @@ def chrom_lengths(scale: float = 1.0) -> dict[str, int]:
     return lengths
 
 
-def generate_demo_genome(seed: int = 0, scale: float = 1.0, copies: CopyPlan = CopyPlan()) -> DemoGenome:
+def generate_demo_genome(seed: int = 0, scale: float = 1.0, copies: CopyPlan = CopyPlan(),
+                         drill_bp: int = 0) -> DemoGenome:
     """The demo genome for ``seed`` (>= 0) with chromosome lengths multiplied by ``scale`` and
-    its planted copies drawn by ``copies``."""
+    its planted copies drawn by ``copies``; ``drill_bp`` > 0 adds a last record ``drill`` of
+    that length (``copy_drill``, copies up to ``copies.distance_bp[1]`` back; its copies are
+    not listed among the planted ones)."""
+    if drill_bp < 0:
+        raise GenomeLMError(f"demo genome: the drill length must be >= 0, got {drill_bp}")
     if seed < 0:
         raise GenomeLMError(f"demo genome: seed must be >= 0, got {seed}")
     lengths = chrom_lengths(scale)
@@ -378,6 +424,10 @@ def generate_demo_genome(seed: int = 0, scale: float = 1.0, copies: CopyPlan = C
     for index, (chrom, n) in enumerate(lengths.items(), start=1):
         records[chrom], events = _chromosome(np.random.default_rng([seed, index]), chrom, n, consensus, copies)
         planted.extend(events)
+    if drill_bp:
+        drill = copy_drill(np.random.default_rng([seed, len(lengths) + 1]), drill_bp,
+                           (DRILL_COPY_BP[0] * 2, max(DRILL_COPY_BP[0] * 2, copies.distance_bp[1])))
+        records[DRILL_RECORD] = _LETTERS[drill].tobytes()
     return DemoGenome(records=records, planted=planted, seed=seed, scale=scale)
 
 
@@ -410,10 +460,11 @@ def _fasta(records: dict[str, bytes], width: int = 60) -> bytes:
     return b"".join(parts)
 
 
-def write_demo_genome(path: Path, seed: int = 0, scale: float = 1.0, copies: CopyPlan = CopyPlan()) -> Path:
+def write_demo_genome(path: Path, seed: int = 0, scale: float = 1.0, copies: CopyPlan = CopyPlan(),
+                      drill_bp: int = 0) -> Path:
     """Write the demo genome as FASTA at ``path`` and its planted copies next to it."""
     path = Path(path)
-    genome = generate_demo_genome(seed, scale, copies)
+    genome = generate_demo_genome(seed, scale, copies, drill_bp)
     sidecar = {
         "schema": SCHEMA,
         "seed": seed,

@@ -258,3 +258,49 @@ def test_demo_genome_command_takes_a_copy_plan(tmp_path):
     assert sidecar["copies"] == {"per_mbp": 300, "length_bp": [100, 500], "distance_bp": [256, 4096], "inversions": 0.25}
     bad = CliRunner().invoke(app, ["demo-genome", "--out", str(out), "--copy-distance", "4k-1k"])
     assert bad.exit_code != 0 and "--copy-distance" in bad.output
+
+
+def _repeated_kmers(seq: bytes, k: int, window: int) -> float:
+    """Fraction of k-mers that also start at some position at most ``window`` before them."""
+    last, hits = {}, 0
+    for i in range(len(seq) - k + 1):
+        kmer = seq[i:i + k]
+        if kmer in last and i - last[kmer] <= window:
+            hits += 1
+        last[kmer] = i
+    return hits / (len(seq) - k + 1)
+
+
+def test_the_copy_drill_mostly_repeats_what_came_shortly_before():
+    from genome_lm.data.demo_genome import copy_drill
+
+    codes = copy_drill(np.random.default_rng(7), 200_000, (64, 4096))
+    assert codes.shape == (200_000,) and codes.max() <= 3
+    again = copy_drill(np.random.default_rng(7), 200_000, (64, 4096))
+    assert np.array_equal(codes, again)
+    # a 20-mer recurs by chance in 4k random bases with probability ~4e-9: what recurs was copied
+    drill = _repeated_kmers(codes.tobytes(), 20, 4096)
+    background = _repeated_kmers(np.random.default_rng(8).integers(0, 4, 200_000).astype(np.uint8).tobytes(), 20, 4096)
+    assert drill > 0.4 and background == 0
+    assert 0.2 < np.bincount(codes, minlength=4).min() / len(codes)  # uniform bases
+
+
+def test_a_drill_record_is_added_only_when_asked_and_leaves_the_chromosomes_alone(tmp_path):
+    plain = generate_demo_genome(seed=5, scale=0.05)
+    drilled = generate_demo_genome(seed=5, scale=0.05, drill_bp=50_000)
+    assert list(drilled.records) == [*plain.records, "drill"] and "drill" not in plain.records
+    assert all(drilled.records[name] == seq for name, seq in plain.records.items())
+    assert drilled.planted == plain.planted and len(drilled.records["drill"]) == 50_000
+    assert set(drilled.records["drill"]) <= set(b"ACGT")
+
+
+def test_demo_genome_command_adds_a_drill(tmp_path):
+    from typer.testing import CliRunner
+
+    from genome_lm.cli import app
+
+    out = tmp_path / "g.fa"
+    result = CliRunner().invoke(app, ["demo-genome", "--out", str(out), "--scale", "0.05", "--drill", "64k"])
+    assert result.exit_code == 0, result.output
+    fasta = pyfaidx.Fasta(str(out), as_raw=True)
+    assert list(fasta.keys())[-1] == "drill" and len(fasta["drill"]) == 65536
