@@ -355,39 +355,39 @@ def _chromosome(
 
 
 DRILL_RECORD = "drill"
-DRILL_GAP_BP, DRILL_UNIT_BP, DRILL_REPEATS, DRILL_COPY_BP = (16, 256), (16, 256), (2, 4), (32, 512)
+DRILL_GAP_BP, DRILL_COPY_BP = (16, 256), (32, 512)
+DRILL_UNIT_BP, DRILL_ARRAY_BP, DRILL_TANDEM = (16, 128), (256, 2048), 0.3
 
 
 def copy_drill(rng: np.random.Generator, n: int, distance_bp: tuple[int, int] = (64, 16_384)) -> np.ndarray:
     """(n,) base codes of the *copy drill*: uniform random bases where most of the sequence
-    repeats something shortly before it, the densest signal for learning to copy (a model
-    trained on genomic copies alone, a few percent of the bases, does not start to).
+    repeats something before it, the dense signal a small model needs to start copying (the
+    tiny model learns to copy from the demo genome's planted copies, a few percent of its bases,
+    not at all, and from arrays of a repeated unit within a few hundred steps).
 
-    From the start: a random gap of 16-256 bases, then an event, again until ``n``: half the
-    events are tandem repeats (a random unit of 16-256 bases written 2-4 times in a row), half
-    are dispersed copies (32-512 bases copied from ``distance_bp`` bases back, log-uniform, at
-    most as far back as the sequence goes), each copy with 0-1% substitutions. Sizes are
-    log-uniform; about 60% of the bases are copies of bases earlier in the drill."""
+    From the start: a random gap of 16-256 bases, then an event, again until ``n``. An event
+    is, with probability 0.3, a tandem array (a random unit of 16-128 bases repeated over
+    256-2048 bases, like a minisatellite), else a dispersed copy (32-512 bases copied from
+    ``distance_bp`` bases back, at most as far back as the sequence goes). Sizes are
+    log-uniform; each repeat of a unit and each copy gets 0-1% substitutions. About half the
+    bases are in arrays and a quarter in dispersed copies."""
     codes = np.empty(n, dtype=np.uint8)
     pos = 0
     while pos < n:
         gap = _loguniform(rng, *DRILL_GAP_BP)
-        codes[pos:pos + gap] = rng.integers(0, 4, min(gap, n - pos))
+        codes[pos:pos + gap] = rng.integers(0, 4, len(codes[pos:pos + gap]))
         pos += gap
         if pos >= n:
             break
-        if rng.random() < 0.5 or pos <= distance_bp[0]:  # tandem repeat
-            unit = _loguniform(rng, *DRILL_UNIT_BP)
-            codes[pos:pos + unit] = rng.integers(0, 4, len(codes[pos:pos + unit]))
-            piece, pos = codes[pos:pos + unit].copy(), pos + unit
-            copies = [piece] * (int(rng.integers(DRILL_REPEATS[0], DRILL_REPEATS[1] + 1)) - 1)
-        else:  # dispersed copy
+        if rng.random() < DRILL_TANDEM or pos <= distance_bp[0]:
+            unit = rng.integers(0, 4, _loguniform(rng, *DRILL_UNIT_BP)).astype(np.uint8)
+            copies = [unit.copy() for _ in range(-(-_loguniform(rng, *DRILL_ARRAY_BP) // len(unit)))]
+        else:
             distance = _loguniform(rng, distance_bp[0], min(distance_bp[1], pos))
             length = min(_loguniform(rng, *DRILL_COPY_BP), distance)
             copies = [codes[pos - distance:pos - distance + length].copy()]
         for piece in copies:
-            rate = MAX_COPY_DIVERGENCE * rng.random()
-            hit = rng.permutation(len(piece))[: int(rate * len(piece))]
+            hit = rng.permutation(len(piece))[: int(MAX_COPY_DIVERGENCE * rng.random() * len(piece))]
             piece[hit] = (piece[hit] + rng.integers(1, 4, len(hit))) % 4
             end = min(pos + len(piece), n)
             codes[pos:end] = piece[: end - pos]

@@ -62,3 +62,33 @@ def test_a_source_in_the_querys_own_pool_is_always_selected(tiny_model):
     assert d.copies == L - 601 and 0 <= d.hits < d.copies
     # selected per query: 64 complete pools of 4 and the tail pool's (j % kpool) tokens
     assert d.chance == pytest.approx(np.mean((256 + j[601:] % kpool) / j[601:]), rel=1e-6)
+
+
+def test_split_selection_counts_the_visible_forward_copies_of_a_prepared_split(tmp_path, tiny_model):
+    from genome_lm.data.demo_genome import CopyPlan, generate_demo_genome, write_demo_genome
+    from genome_lm.data.loader import SplitReader
+    from genome_lm.data.prepare import PrepareRequest, prepare
+    from genome_lm.data.windows import WindowSpec
+    from genome_lm.eval.selection import describe, split_selection
+
+    plan = CopyPlan(per_mbp=3000, length_bp=(20, 100), distance_bp=(64, 400), inversions=0.3)
+    fasta = write_demo_genome(tmp_path / "g.fa", seed=1, scale=0.02, copies=plan)
+    prepare(PrepareRequest(fasta, tmp_path / "ds", ("chr1",), ("chr22",), WindowSpec(1024, 1024, "keep", 256, 0.5)),
+            workers=1, quiet=True, cache_dir=tmp_path / "cache")
+    planted = [c.to_json() for c in generate_demo_genome(seed=1, scale=0.02, copies=plan).planted]
+    reader = SplitReader(tmp_path / "ds", "eval")
+    for length, all_visible in ((256, True), (None, False)):
+        (c,) = split_selection(tiny_model, tmp_path / "ds", planted, chrom="chr22", max_windows=3, length=length)
+        # independently: bases 1.. of each chosen window inside a forward copy whose source base is in the window
+        chosen = np.linspace(0, len(reader.windows) - 1, 3).astype(int)
+        expected = 0
+        for w in chosen:
+            start = reader.windows[w].start
+            n = min(length or reader.windows[w].length, reader.windows[w].length)
+            for p in planted:
+                if p["chrom"] == "chr22" and p["kind"] == "duplication":
+                    expected += sum(1 for b in range(p["dst_start"], p["dst_end"])
+                                    if start + 1 <= b < start + n and b - p["distance"] >= start)
+        assert c.copies == expected > 0
+        assert (c.hits == c.copies) if all_visible else (0 <= c.hits <= c.copies)
+        assert describe([c])[0].startswith("DSA layer 3: its indexer selected the source of")
