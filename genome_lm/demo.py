@@ -50,3 +50,80 @@ def run_demo(out: Path, window: int, *, config: str = "demo-cpu", overrides: lis
         report = evaluate(EvalRequest(model=str(out / "run"), baseline="init", chrom="chr22",
                                       out=out / "run" / "eval-chr22", max_windows=eval_windows), progress=progress)
     return DemoResult(cfg, trained, report)
+
+
+LONG_COPIES = dict(per_mbp=1000, length_bp=(64, 1000), distance_bp=(64, 16384), inversions=0.0)
+LONG_DRILL_BP = 4 << 20
+STAGE1_DRILL_DISTANCE = (64, 256)  # stage 1's drill copies from no further back than its 256-base crops
+LONG_MAX_CONTEXTS = [256, 1024]  # the ablation's cuts: the DSA layer's own budget, and 4x it
+
+
+@dataclass
+class LongDemoResult:
+    stages: list  # [TrainResult of stage 1 (drill), of stage 2 (genome + drill)]
+    report: dict  # eval.json of stage 2's model on chr22, with the context ablation
+    selection: list  # eval.selection.SelectionCounts per DSA layer, on chr22
+
+
+def run_long_demo(out: Path, *, overrides: tuple[list[str], list[str]] = ([], []), eval_windows: int = 8,
+                  scale: float = 1.0, progress: bool = True, on_dataset: Callable | None = None,
+                  on_trained: Callable | None = None) -> LongDemoResult:
+    """The CPU long-context recipe into ``out``: the long demo genome (dense forward copies at
+    64 bases to 16 kbp and a copy drill), stage 1 on a drill alone whose dispersed copies come
+    from at most 256 bases back (config long-context-drill-cpu), stage 2 from it on genome +
+    drill (long-context-cpu), then chr22: eval with the context cut to 256 and 1,024 bases, and
+    how often the indexer selects a copy's source. ``overrides``: --set items for stage 1 and stage 2; ``scale``: the genome's (the
+    drill's length too). Re-running continues each
+    stage's run and reuses what was written."""
+    from genome_lm.config import load_config
+    from genome_lm.data.demo_genome import CopyPlan, write_demo_genome
+    from genome_lm.data.prepare import PrepareRequest, prepare
+    from genome_lm.data.windows import WindowSpec
+    from genome_lm.engine import quiet_megatron_import
+
+    fasta, drill_fasta = out / "genome.fa", out / "drill.fa"
+    if not fasta.exists():
+        write_demo_genome(fasta, scale=scale, copies=CopyPlan(**LONG_COPIES), drill_bp=round(LONG_DRILL_BP * scale))
+    if not drill_fasta.exists():  # only its drill record is used: dispersed copies inside the crop
+        write_demo_genome(drill_fasta, scale=scale, copies=CopyPlan(distance_bp=STAGE1_DRILL_DISTANCE),
+                          drill_bp=round(LONG_DRILL_BP * scale))
+    spec = WindowSpec(32768, 32768)
+    datasets = [prepare(PrepareRequest(drill_fasta, out / "drill", ("drill",), (), spec), quiet=not progress),
+                prepare(PrepareRequest(fasta, out / "dataset", ("chr1", "chr2", "drill"), ("chr22",), spec),
+                        quiet=not progress)]
+    for prepared in datasets:
+        if on_dataset:
+            on_dataset(prepared)
+    configs = [load_config("long-context-drill-cpu", [f"data.dataset={out / 'drill'}",
+                                                      f"train.out_dir={out / 'drill-run'}", *overrides[0]]),
+               load_config("long-context-cpu", [f"data.dataset={out / 'dataset'}", f"train.out_dir={out / 'run'}",
+                                                f"model.checkpoint={out / 'drill-run'}", *overrides[1]])]
+    with quiet_megatron_import():
+        from genome_lm.checkpoint import existing_checkpoints
+        from genome_lm.eval.evaluate import EvalRequest, evaluate
+        from genome_lm.train.trainer import train
+
+        stages = []
+        for cfg in configs:
+            stages.append(train(cfg, progress=progress, resume=bool(existing_checkpoints(cfg.train.out_dir))))
+            if on_trained:
+                on_trained(stages[-1])
+        report = evaluate(EvalRequest(model=str(out / "run"), chrom="chr22", out=out / "run" / "eval-chr22",
+                                      max_windows=eval_windows, max_contexts=LONG_MAX_CONTEXTS), progress=progress)
+        selection = _chr22_selection(out, configs[1].data.seq_len)
+    return LongDemoResult(stages, report, selection)
+
+
+def _chr22_selection(out: Path, length: int) -> list:
+    """How often stage 2's indexer selects the source of a copied base, on two chr22 windows cut
+    to ``length`` (the training length)."""
+    from genome_lm.data.demo_genome import planted_json_path
+    from genome_lm.engine.parallel import parallel_context
+    from genome_lm.eval.models import load_model
+    from genome_lm.eval.planted import load_planted
+    from genome_lm.eval.selection import split_selection
+
+    with parallel_context() as pg:
+        loaded = load_model(out / "run", pg)
+        return split_selection(loaded.model.eval(), out / "dataset", load_planted(planted_json_path(out / "genome.fa")),
+                               chrom="chr22", max_windows=2, length=length, token_map=loaded.token_map)

@@ -15,12 +15,18 @@ from .train import print_training
 
 @app.command()
 def demo(
-    out: Annotated[Path, typer.Option(help="Folder for the demo's genome and dataset.")] = Path("data/demo"),
+    out: Annotated[Optional[Path], typer.Option(help="Folder for the demo's genome and dataset (default data/demo, "
+                                                     "with --long data/long).")] = None,
     window: Annotated[str, typer.Option(help="Window length for the demo dataset.")] = "32k",
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
     config: Annotated[str, typer.Option(help="Training config (name in configs/ or a path).")] = "demo-cpu",
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a training field (repeatable).")] = None,
     eval_windows: Annotated[int, typer.Option(help="Evaluation windows of chr22 to score (each model), evenly spaced.")] = 8,
+    long: Annotated[bool, typer.Option("--long", help="Run the long-context recipe instead (about 30 minutes on 2 "
+                                                      "cores): stage 1 learns to copy on a copy drill, stage 2 trains "
+                                                      "on a demo genome with dense planted copies; eval cuts the "
+                                                      "context to 256 and 1,024 bases to show what the rest adds. "
+                                                      "--set applies to stage 2.")] = False,
 ) -> None:
     """Run the study end to end on the built-in demo genome, on this CPU.
 
@@ -28,6 +34,10 @@ def demo(
     from genome_lm.demo import run_demo
     from genome_lm.eval.planted import demo_note
 
+    if long:
+        _long_demo(out or Path("data/long"), quiet, set_ or [], eval_windows)
+        return
+    out = out or Path("data/demo")
     result = run_demo(out, size(window, "--window"), config=config, overrides=set_, eval_windows=eval_windows,
                       progress=not quiet, on_dataset=lambda p: print_dataset_summary(p.manifest, reused=p.reused),
                       on_trained=print_training)
@@ -36,3 +46,18 @@ def demo(
     console.print(f"(the model: checkpoint {report['models']['model']['path']})", highlight=False)
     if report.get("planted"):
         console.print(demo_note(report["planted"], result.config), highlight=False)
+
+
+def _long_demo(out: Path, quiet: bool, overrides: list[str], eval_windows: int) -> None:
+    from genome_lm.demo import run_long_demo
+    from genome_lm.eval.planted import demo_note
+    from genome_lm.eval.selection import describe
+
+    result = run_long_demo(out, overrides=([], overrides), eval_windows=eval_windows, progress=not quiet,
+                           on_dataset=lambda p: print_dataset_summary(p.manifest, reused=p.reused),
+                           on_trained=print_training)
+    print_report(result.report, console)
+    if result.report.get("planted"):
+        console.print(demo_note(result.report["planted"]), highlight=False)
+    for line in describe(result.selection):
+        console.print(line, highlight=False)
