@@ -201,7 +201,7 @@ def demo_note(section: dict, cfg: RunConfig | None=None, name: str = "model") ->
                        f"({numbers}): its interval includes zero.")
     return ("Not shown by this demo: " + finding + " Planted copies lie 1-500 kbp after their source, mostly beyond "
             "a training crop, so training rarely shows a copy with its source in view, and a ~0.3M-parameter model "
-            "spends its first steps on base composition. What it would take (untested estimate): training crops as "
-            "long as the copy distances (a seq_len warm-up towards the window length), thousands of steps rather "
-            "than tens, and a curriculum that starts with short-range copies (the recall probe's copy task at "
-            "64 bp-1 kbp) before the genome: hours of CPU or a GPU, beyond the demo's few minutes.")
+            "spends its first steps on base composition. What it takes: a curriculum that starts with short-range "
+            "copies (a copy drill of repeated units and copies inside the crop), then a genome whose planted copies "
+            "lie inside the training crop, with a seq_len warm-up and hundreds of steps rather than tens; "
+            "`genome-lm demo --long` runs that recipe (about 20 minutes on 2 cores).")

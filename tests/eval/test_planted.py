@@ -100,14 +100,15 @@ def _cfg(steps, seq_len):
     return RunConfig(data=DataConfig(seq_len=seq_len), train=TrainConfig(steps=steps))
 
 
-WHAT_IT_WOULD_TAKE = ("What it would take", "thousands of steps", "seq_len warm-up", "curriculum", "short-range copies")
+WHAT_IT_WOULD_TAKE = ("What it takes", "hundreds of steps", "seq_len warm-up", "curriculum", "short-range copies",
+                      "genome-lm demo --long")
 
 
 def test_demo_note_when_the_interval_excludes_zero_above():
     note = demo_note(_section({"nats": 0.1234, "ci": [0.0456, 0.2011], "excludes_zero": True}), _cfg(40, 4096))
     assert note.startswith("long context helps on the demo genome")
     assert "0.1234 nats/base less" in note and "95% CI 0.0456 to 0.2011" in note
-    assert "Not shown" not in note and "What it would take" not in note
+    assert "Not shown" not in note and "What it takes" not in note
 
 
 @pytest.mark.parametrize("ci", [[-0.0312, 0.0587], [0.0, 0.05], [-0.02, 0.0]])
@@ -122,7 +123,7 @@ def test_demo_note_when_the_interval_includes_zero(ci):
     # without the run's config: no invented step count or crop length
     plain = demo_note(_section({"nats": 0.0138, "ci": ci, "excludes_zero": False}))
     assert "trained a few steps from random weights" in plain and "-base crops" not in plain
-    assert "What it would take" in plain
+    assert "What it takes" in plain
     other = demo_note(_section({"nats": 0.0138, "ci": ci, "excludes_zero": False}), _cfg(1500, 65536))
     assert "trained 1500 steps on 65,536-base crops" in other
 
