@@ -47,9 +47,20 @@ def run_demo(out: Path, window: int, *, config: str = "demo-cpu", overrides: lis
         trained = train(cfg, progress=progress, resume=bool(existing_checkpoints(out / "run")))
         if on_trained:
             on_trained(trained)
+        _stop_if_stopped(trained)
         report = evaluate(EvalRequest(model=str(out / "run"), baseline="init", chrom="chr22",
                                       out=out / "run" / "eval-chr22", max_windows=eval_windows), progress=progress)
     return DemoResult(cfg, trained, report)
+
+
+def _stop_if_stopped(trained) -> None:
+    """A training stage that stopped early (a signal, non-finite losses) ends the demo: the
+    next stage must not start from, or evaluate, an unfinished model."""
+    if trained.stopped_by:
+        from genome_lm.errors import GenomeLMError
+
+        raise GenomeLMError(f"training in {trained.out_dir} stopped by {trained.stopped_by} at step "
+                            f"{trained.steps_done}; run the same command again to continue it")
 
 
 LONG_COPIES = dict(per_mbp=1000, length_bp=(64, 1000), distance_bp=(64, 16384), inversions=0.0)
@@ -108,6 +119,7 @@ def run_long_demo(out: Path, *, overrides: tuple[list[str], list[str]] = ([], []
             stages.append(train(cfg, progress=progress, resume=bool(existing_checkpoints(cfg.train.out_dir))))
             if on_trained:
                 on_trained(stages[-1])
+            _stop_if_stopped(stages[-1])
         report = evaluate(EvalRequest(model=str(out / "run"), chrom="chr22", out=out / "run" / "eval-chr22",
                                       max_windows=eval_windows, max_contexts=LONG_MAX_CONTEXTS), progress=progress)
         selection = _chr22_selection(out, configs[1].data.seq_len)

@@ -7,9 +7,8 @@ import json
 
 import pytest
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_the_long_recipe_runs_both_stages_and_reports_ablation_and_selection(tmp_path):
     from genome_lm.demo import LONG_MAX_CONTEXTS, run_long_demo
 
@@ -29,3 +28,21 @@ def test_the_long_recipe_runs_both_stages_and_reports_ablation_and_selection(tmp
     assert [cut["max_context"] for cut in report["ablation"]["cuts"]] == LONG_MAX_CONTEXTS
     (layer,) = result.selection
     assert layer.layer == 3 and 0 <= layer.hits <= layer.copies
+
+
+@pytest.mark.parametrize("reason", ["SIGTERM", "non-finite loss"])
+def test_a_stage_stopped_early_ends_the_demo_before_the_next_stage(tmp_path, monkeypatch, reason):
+    from genome_lm.demo import run_long_demo
+    from genome_lm.errors import GenomeLMError
+    from genome_lm.train import trainer
+
+    started = []
+
+    def stopped_train(cfg, **kwargs):
+        started.append(cfg.train.out_dir)
+        return trainer.TrainResult(out_dir=cfg.train.out_dir, steps_done=7, stopped_by=reason)
+
+    monkeypatch.setattr(trainer, "train", stopped_train)
+    with pytest.raises(GenomeLMError, match=f"stopped by {reason} at step 7; run the same command again"):
+        run_long_demo(tmp_path / "long", scale=0.05, progress=False)
+    assert started == [str(tmp_path / "long" / "drill-run")]  # stage 2 never started
