@@ -53,7 +53,7 @@ class DataConfig(Section):
 
 
 class ModelSection(Section):
-    preset: str = Field("tiny", description="glm-5.3-flash, glm-5.3-flash-4layer or tiny.")
+    preset: str = Field("tiny", description="glm-5.3-flash, glm-5.3-flash-4layer, tiny or tiny-long (tiny initialised for the long-context recipe).")
     checkpoint: str | None = Field(
         None, description="Weights to start from: a Hugging Face glm5_next folder, a genome-lm training checkpoint "
                           "folder (with meta.json; the same model preset and parallel layout, or export it first) or "

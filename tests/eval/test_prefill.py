@@ -26,7 +26,7 @@ def pg():
 
 
 def _model(pg, seed=0, **changes):
-    # initializer_range 0.02 (the full model's): at the tiny preset's 0.125 one of tiny-T700's
+    # initializer_range 0.02 (the full model's): at the tiny-long preset's 0.125 one of tiny-T700's
     # 1,400 queries has its 8th and 9th pool scores 1.4e-7 apart (pools of identical bases), and
     # the chunked and the full forward, which sum in different orders, keep different pools there
     torch.manual_seed(seed)
