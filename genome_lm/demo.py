@@ -83,9 +83,9 @@ def run_long_demo(out: Path, *, overrides: tuple[list[str], list[str]] = ([], []
     64 bases to 16 kbp and a copy drill), stage 1 on a drill alone whose dispersed copies come
     from at most 256 bases back (config long-context-drill-cpu), stage 2 from it on genome +
     drill (long-context-cpu), then chr22: eval with the context cut to 256 and 1,024 bases, and
-    how often the indexer selects a copy's source. ``overrides``: --set items for stage 1 and stage 2; ``scale``: the genome's (the
-    drill's length too). Re-running continues each
-    stage's run and reuses what was written."""
+    how often the indexer selects a copy's source. ``overrides``: --set items for stage 1 and
+    stage 2; ``scale``: the genome's (the drill's length too). Re-running continues each stage's
+    run and reuses what was written."""
     from genome_lm.config import load_config
     from genome_lm.data.demo_genome import CopyPlan, write_demo_genome
     from genome_lm.data.prepare import PrepareRequest, prepare
