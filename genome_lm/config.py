@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from genome_lm.errors import GenomeLMError
 
@@ -58,6 +58,8 @@ class ModelSection(Section):
         None, description="Weights to start from: a Hugging Face glm5_next folder, a genome-lm training checkpoint "
                           "folder (with meta.json; the same model preset and parallel layout, or export it first) or "
                           "a training run folder (its checkpoints/latest); weights only, the run starts at step 0. "
+                          "builtin:<name> = weights shipped with genome-lm (builtin:tiny-long, the CPU long-context "
+                          "recipe's model; checked against their recorded SHA-256 and replaced by their folder). "
                           "None = random initialisation.")
     dtype: Literal["fp32", "bf16"] = "fp32"
     kernel_backend: Literal["auto", "torch", "triton", "triton-fp32", "fla", "reference"] = Field(
@@ -66,6 +68,16 @@ class ModelSection(Section):
                             "fla = fla-core's chunk_kda for KDA (GPU, the gpu extra); reference = token loops.")
     transformer_impl: Literal["auto", "local", "transformer_engine"] = Field(
         "auto", description="megatron-core spec provider; auto = Transformer Engine when installed and on GPU.")
+
+    @field_validator("checkpoint")
+    @classmethod
+    def _shipped(cls, value: str | None) -> str | None:
+        from genome_lm.weights import resolve
+
+        try:
+            return resolve(value)
+        except GenomeLMError as exc:
+            raise ValueError(str(exc)) from None
 
 
 class ParallelConfig(Section):
@@ -228,6 +240,7 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[st
         cfg = RunConfig.model_validate(_lists_to_tuples(tree))
     except ValidationError as exc:
         first = exc.errors()[0]
+        first["msg"] = first["msg"].removeprefix("Value error, ")  # a validator's own sentence
         where = ".".join(str(p) for p in first["loc"])
         if not where:  # a rule across sections: its message names the fields
             raise GenomeLMError(f"{source}: {first['msg']}") from None

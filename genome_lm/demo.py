@@ -1,8 +1,10 @@
 """The study end to end on the built-in demo genome, on this CPU (``genome-lm demo``).
 
-demo genome -> prepare (chr1, chr2 train; chr22 eval) -> fine-tune the tiny model -> evaluate the
-tuned against the starting model on the same chr22 windows. Re-running continues the demo's own
-run (a finished one runs no step) and reuses the scored windows.
+demo genome -> prepare (chr1, chr2 train; chr22 eval) -> fine-tune the tiny model (by default the
+shipped long-context model, ``builtin:tiny-long``; config ``demo-finetune-cpu``) -> evaluate the
+tuned against the starting model on the same chr22 windows, and against itself with its context
+cut to 256 bases. Re-running continues the demo's own run (a finished one runs no step) and reuses
+the scored windows. ``run_long_demo`` is the recipe that built the shipped model.
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ class DemoResult:
     report: dict  # eval.json's content
 
 
-def run_demo(out: Path, window: int, *, config: str = "demo-cpu", overrides: list[str] | None = None,
+DEMO_CONFIG = "demo-finetune-cpu"
+DEMO_MAX_CONTEXTS = [256]  # the DSA layer's own budget (index_topk): what the context beyond it adds
+
+
+def run_demo(out: Path, window: int, *, config: str = DEMO_CONFIG, overrides: list[str] | None = None,
              eval_windows: int = 8, progress: bool = True, on_dataset: Callable | None = None,
              on_trained: Callable | None = None) -> DemoResult:
     """Run every stage into ``out``; ``on_dataset(prepare result)`` and ``on_trained(TrainResult)``
@@ -49,7 +55,8 @@ def run_demo(out: Path, window: int, *, config: str = "demo-cpu", overrides: lis
             on_trained(trained)
         _stop_if_stopped(trained)
         report = evaluate(EvalRequest(model=str(out / "run"), baseline="init", chrom="chr22",
-                                      out=out / "run" / "eval-chr22", max_windows=eval_windows), progress=progress)
+                                      out=out / "run" / "eval-chr22", max_windows=eval_windows,
+                                      max_contexts=DEMO_MAX_CONTEXTS), progress=progress)
     return DemoResult(cfg, trained, report)
 
 

@@ -1,9 +1,13 @@
 """The command line: every command explains itself, sizes parse, the demo runs every stage."""
 
+import json
+from pathlib import Path
+
 import pytest
 import typer
 from typer.testing import CliRunner
 
+from genome_lm import weights
 from genome_lm.cli import app
 from genome_lm.units import parse_size
 
@@ -58,6 +62,10 @@ def test_demo_runs_every_stage(tmp_path):
     text = " ".join(result.output.split())
     assert "for guessing A, C, G, T uniformly" in text and "Markov chain fitted on the training split" in text
     assert "--baseline (the run's starting weights)" in text
+    # ... and against itself with its context cut; it starts from the shipped long-context model
+    assert "model vs the same model with its context cut to 256 bases: loss" in text
+    meta = json.loads((tmp_path / "demo" / "run" / "checkpoints" / "step-000002" / "meta.json").read_text())
+    assert Path(meta["config"]["model"]["checkpoint"]) == weights.ROOT / "tiny-long"
     again = runner.invoke(app, ["demo", "--out", str(tmp_path / "demo"), *FAST_DEMO])
     assert again.exit_code == 0, again.output  # a demo again continues its finished run, never overwrites it
     assert "already up to date" in again.output and "the run was already complete at step 2" in again.output

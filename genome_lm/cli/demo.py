@@ -7,6 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from genome_lm.demo import DEMO_CONFIG
+
 from .base import app, console, size
 from .data import print_dataset_summary
 from .eval import print_report
@@ -19,10 +21,11 @@ def demo(
                                                      "with --long data/long).")] = None,
     window: Annotated[str, typer.Option(help="Window length for the demo dataset.")] = "32k",
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
-    config: Annotated[str, typer.Option(help="Training config (name in configs/ or a path).")] = "demo-cpu",
+    config: Annotated[str, typer.Option(help="Training config (name in configs/ or a path); demo-cpu trains from "
+                                             "random weights instead of the shipped long-context model.")] = DEMO_CONFIG,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a training field (repeatable).")] = None,
     eval_windows: Annotated[int, typer.Option(help="Evaluation windows of chr22 to score (each model), evenly spaced.")] = 8,
-    long: Annotated[bool, typer.Option("--long", help="Run the long-context recipe instead (about 30 minutes on 2 "
+    long: Annotated[bool, typer.Option("--long", help="Run the long-context recipe instead (about 35 minutes on 2 "
                                                       "cores): stage 1 learns to copy on a copy drill, stage 2 trains "
                                                       "on a demo genome with dense planted copies; eval cuts the "
                                                       "context to 256 and 1,024 bases to show what the rest adds. "
@@ -30,7 +33,7 @@ def demo(
 ) -> None:
     """Run the study end to end on the built-in demo genome, on this CPU.
 
-    demo genome -> prepare (chr1, chr2 train; chr22 eval) -> fine-tune the tiny model (config demo-cpu, tracked in MLflow) -> `genome-lm eval` of the tuned against the starting model on the same chr22 windows: loss by preceding-context length with 95% intervals, and the loss on planted later copies whose first copy lies inside the window against those whose first copy lies outside it. The report goes to <out>/run/eval-chr22 and to MLflow."""
+    demo genome -> prepare (chr1, chr2 train; chr22 eval) -> fine-tune the tiny model (config demo-finetune-cpu: from the shipped model that the long-context recipe, --long, trained to copy from earlier in the sequence; tracked in MLflow) -> `genome-lm eval` of the tuned against the starting model on the same chr22 windows: loss by preceding-context length with 95% intervals, the same model with its context cut to 256 bases (what the rest of the window adds), and the loss on planted later copies whose first copy lies inside the window against those whose first copy lies outside it. The report goes to <out>/run/eval-chr22 and to MLflow."""
     from genome_lm.demo import run_demo
     from genome_lm.eval.planted import demo_note
 

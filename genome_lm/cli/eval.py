@@ -70,10 +70,12 @@ def print_report(report: dict, out: Console | None = None) -> None:
     if report.get("ablation"):
         _print_ablation(report, out)
     if report.get("planted"):
-        from genome_lm.eval.planted import verdict
+        from genome_lm.eval.planted import by_distance_line, verdict
 
         for name in report["planted"]["models"]:
             out.print(verdict(report["planted"], name), highlight=False)
+            if (line := by_distance_line(report["planted"], name)) is not None:
+                out.print(line, highlight=False, markup=False)  # its [intervals] are not markup
     files = report.get("files") or {}
     if files:
         out.print("wrote " + ", ".join(files.values()), highlight=False)
@@ -83,7 +85,7 @@ def print_report(report: dict, out: Console | None = None) -> None:
 
 
 def _print_ablation(report: dict, out: Console) -> None:
-    from genome_lm.eval.ablation import fmt_delta_ci, verdict
+    from genome_lm.eval.ablation import fmt_delta_ci, most_hurt
 
     cuts = report["ablation"]["cuts"]
     table = Table(title="context ablation: loss(context cut to N) - loss(whole window), nats/base [95% CI over "
@@ -96,13 +98,13 @@ def _print_ablation(report: dict, out: Console) -> None:
             table.add_row(f"{b['from']:,}-{b['to'] - 1:,}", *(fmt_delta_ci(c["buckets"][i]) for c in cuts))
     table.add_row("all", *(fmt_delta_ci(c["all"]) for c in cuts), style="bold")
     out.print(table)
-    for line in verdict(report["ablation"]):
+    for line in most_hurt(report["ablation"]):
         out.print(line, highlight=False)
 
 
 @app.command("eval")
 def eval_command(
-    model: Annotated[str, typer.Option(help="The model: a training run folder (its latest checkpoint), a checkpoint folder, or a Hugging Face glm5_next folder.")],
+    model: Annotated[str, typer.Option(help="The model: a training run folder (its latest checkpoint), a checkpoint folder, a Hugging Face glm5_next folder, or builtin:tiny-long (the shipped long-context model).")],
     chrom: Annotated[Optional[str], typer.Option(help="Chromosome to evaluate (chr22, 22 and NC_000022.11 all match); default: every window of the split.")] = None,
     baseline: Annotated[Optional[str], typer.Option(help="A second model scored on the same tokens (same kinds as --model, or 'init': the run's starting weights); the report gives the relative change per bucket.")] = None,
     dataset: Annotated[Optional[Path], typer.Option(help="A prepared dataset folder; default: the run's data.dataset.")] = None,
@@ -200,7 +202,7 @@ def check_logprobs_command(
 
 @app.command("recall")
 def recall_command(
-    model: Annotated[str, typer.Option(help="A training run, checkpoint or Hugging Face folder, or preset:tiny.")],
+    model: Annotated[str, typer.Option(help="A training run, checkpoint or Hugging Face folder, preset:tiny, or builtin:tiny-long (the shipped long-context model).")],
     dataset: Annotated[Optional[Path], typer.Option(help="Draw segments and background from this dataset's evaluation split (N-free stretches); default: the run's data.dataset, else random DNA.")] = None,
     distances: Annotated[Optional[str], typer.Option(help="Comma-separated distances d (k=1024), instead of the default sweep.")] = None,
     max_distance: Annotated[Optional[str], typer.Option(help="End the sweep 64, 256, 1k, ... (x4) at this distance instead of at the model's window. Default: the largest d whose probe (64 lead + 2 x segment + d bases) fits the window: the run's longest data.seq_len (with its warm-up), else the --dataset's window length, else 4k when neither is known. Long distances are slow on a CPU (every trial scores two sequences as long as the probe, with the full model); lower this or use --distances for a quick look.")] = None,

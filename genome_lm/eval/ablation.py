@@ -60,20 +60,17 @@ def fmt_delta_ci(stat: dict) -> str:
     return f"{fmt_delta(stat['delta'])} [{fmt_delta(lo)}, {fmt_delta(hi)}]"
 
 
-def verdict(ablation: dict) -> list[str]:
-    """One line per cut: the overall difference and the bucket where cutting hurts most."""
+def most_hurt(ablation: dict) -> list[str]:
+    """One line per cut: the context bucket beyond N where cutting the context costs most (the
+    overall figure is in the report's headline)."""
     lines = []
     for cut in ablation["cuts"]:
         N = cut["max_context"]
         hurt = [b for b in cut["buckets"] if b["tokens"] and b["delta"] is not None and b["from"] >= N]
-        line = f"context cut to {N:,}: loss {fmt_delta_ci(cut['all'])} nats/base against the whole window"
         if hurt:
             top = max(hurt, key=lambda b: b["delta"])
-            line += f"; most at {top['from']:,}-{top['to'] - 1:,} ({fmt_delta_ci(top)})"
-        above = cut["all"]["ci"][0]
-        line += (" - the model uses context beyond it" if above is not None and above > 0
-                 else " - no use of context beyond it shown")
-        lines.append(line)
+            lines.append(f"context cut to {N:,} costs most at {top['from']:,}-{top['to'] - 1:,} bases of context: "
+                         f"{fmt_delta_ci(top)} nats/base")
     return lines
 
 

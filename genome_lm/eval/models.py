@@ -6,7 +6,8 @@
 - ``init`` (only as the baseline of a run or checkpoint): that run's starting weights, rebuilt
   from its config and seed as the trainer built them (the pretrained ``model.checkpoint`` when
   it had one, else the seeded random initialisation);
-- ``preset:NAME``: a model preset with fresh weights seeded by ``seed`` (checks and tests).
+- ``preset:NAME``: a model preset with fresh weights seeded by ``seed`` (checks and tests);
+- ``builtin:NAME``: weights shipped with genome-lm (``genome_lm.weights``), a Hugging Face folder.
 
 Checkpoints are verified (sizes and checksums) before their weights are read.
 """
@@ -67,7 +68,9 @@ def load_model(spec: str | Path, pg: ProcessGroupCollection, *, init_of: LoadedM
         info = {"kind": "init", "path": init_of.info["path"], "step": 0, "preset": cfg.model.preset,
                 "checkpoint": cfg.model.checkpoint}
         return LoadedModel(model.eval(), info, token_map(cfg, model), init_of.run_dir, init_of.run_id, cfg)
-    found = resolve(spec, what="model")
+    from genome_lm import weights
+
+    found = resolve(weights.resolve(str(spec)), what="model")  # builtin:NAME -> the shipped folder
     if found.checkpoint is not None:
         folder, run_dir = found.checkpoint, found.run_dir
         meta = verify(folder)

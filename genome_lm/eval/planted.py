@@ -13,7 +13,7 @@ Both groups are bases of planted copies with the same composition; only whether 
 is visible differs. A model that uses long context has lower loss in context: the *copy
 advantage* is loss(out of context) - loss(in context) in nats, with a 95% bootstrap interval
 over copies (each group's copies resampled with replacement, seeded). Losses are also binned by
-the distance from source base to copy base.
+the distance from source base to copy base, with the copy advantage and its interval per bin.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from genome_lm.config import RunConfig
 
 LEVEL = 0.95
+MIN_COPIES_FOR_CI = 3  # per group and distance bin: resampling one or two copies gives no interval worth the name
 
 
 def load_planted(path: Path) -> list[dict]:
@@ -114,11 +115,18 @@ def analyse(scores: dict[str, TokenScores], windows, planted: list[dict], *, res
         background = s.nll[~on_copy]
         by_distance = []
         for a, b in zip(edges[:-1], edges[1:]):
-            row = {"from": a, "to": b}
+            row, drawn = {"from": a, "to": b}, {}
             for group, sel in (("in_context", in_context), ("out_of_context", on_copy & ~in_context)):
                 pick = sel & (distance >= a) & (distance < b)
                 row[f"{group}_tokens"] = int(pick.sum())
-                row[f"{group}_nats"] = float(s.nll[pick].mean()) if pick.any() else None
+                row[f"{group}_nats"], drawn[group], row[f"{group}_copies"] = _group_mean(s.nll[pick], copy[pick],
+                                                                                        rng, resamples)
+            row["advantage"], row["advantage_ci"] = None, [None, None]
+            if row["in_context_nats"] is not None and row["out_of_context_nats"] is not None:
+                row["advantage"] = row["out_of_context_nats"] - row["in_context_nats"]
+                if min(row["in_context_copies"], row["out_of_context_copies"]) >= MIN_COPIES_FOR_CI:
+                    ci = np.percentile(drawn["out_of_context"] - drawn["in_context"], [lo_q, hi_q])
+                    row["advantage_ci"] = [float(ci[0]), float(ci[1])]
             if row["in_context_tokens"] or row["out_of_context_tokens"]:
                 by_distance.append(row)
         out["models"][name] = {**groups, "background_nats": float(background.mean()) if background.size else None,
@@ -140,6 +148,27 @@ def verdict(section: dict, name: str = "model") -> str:
     if lo > 0:
         return text + ": the model uses the first copy when it lies in the window"
     return text + ": the interval does not exclude zero, no measurable use of the first copy"
+
+
+def by_distance_line(section: dict, name: str = "model") -> str | None:
+    """The copy advantage per distance bin with its interval, in one line (None: no bin has
+    copies both in and out of context)."""
+    entry = section["models"].get(name) or {}
+    rows = [r for r in entry.get("by_distance", []) if r.get("advantage") is not None]
+    if not rows:
+        return None
+
+    def size(x: int) -> str:
+        return f"{x >> 10}k" if x >= 1024 and x % 1024 == 0 else str(x)
+
+    def interval(r: dict) -> str:
+        lo, hi = r["advantage_ci"]
+        if lo is None:
+            return f"[no interval: {r['in_context_copies']} copies in, {r['out_of_context_copies']} out]"
+        return f"[{lo:+.3f}, {hi:+.3f}]"
+
+    parts = [f"{size(r['from'])}-{size(r['to'])} {r['advantage']:+.3f} {interval(r)}" for r in rows]
+    return f"copy advantage by distance from the first copy ({name}), nats/base [95% CI]: " + ", ".join(parts)
 
 
 def distance_figure(section: dict, ax=None):
@@ -183,10 +212,11 @@ def demo_note(section: dict, cfg: RunConfig | None=None, name: str = "model") ->
         return (f"long context helps on the demo genome: later copies whose first copy lies in the window cost "
                 f"{adv['nats']:.4f} nats/base less than those whose first copy lies outside it "
                 f"(95% CI {adv['ci'][0]:.4f} to {adv['ci'][1]:.4f}).")
-    steps = cfg.train.steps if cfg is not None else None
-    crop = cfg.data.seq_len if cfg is not None else None
-    trained = f"{steps} steps on {crop:,}-base crops" if cfg is not None else "a few steps"
-    model = f"the tuned tiny model (trained {trained} from random weights)"
+    if cfg is None:
+        model = "the tuned tiny model"
+    else:
+        start = f"from {cfg.model.checkpoint}" if cfg.model.checkpoint else "from random weights"
+        model = f"the tuned tiny model (trained {cfg.train.steps} steps on {cfg.data.seq_len:,}-base crops {start})"
     if adv is None:
         finding = (f"{model} could not be compared: too few scored bases of planted copies in and out of context "
                    f"({section['tokens_in_context']:,} in, {section['tokens_out_of_context']:,} out).")
@@ -204,4 +234,4 @@ def demo_note(section: dict, cfg: RunConfig | None=None, name: str = "model") ->
             "spends its first steps on base composition. What it takes: a curriculum that starts with short-range "
             "copies (a copy drill of repeated units and copies inside the crop), then a genome whose planted copies "
             "lie inside the training crop, with a seq_len warm-up and hundreds of steps rather than tens; "
-            "`genome-lm demo --long` runs that recipe (about 20 minutes on 2 cores).")
+            "`genome-lm demo --long` runs that recipe (about 35 minutes on 2 cores).")

@@ -110,7 +110,24 @@ def headline(report: dict) -> list[str]:
         change, (lo, hi) = comparison["all"]["change"] * 100, comparison["all"]["ci"]
         lines.append(f"model vs --baseline ({what}): loss {'fell' if change < 0 else 'rose'} {abs(change):.2f}% "
                      f"(95% CI {lo * 100:+.2f}% to {hi * 100:+.2f}%)")
+    for cut in (report.get("ablation") or {}).get("cuts", []):
+        lines.append(_ablation_line(cut))
     return lines
+
+
+def _ablation_line(cut: dict) -> str:
+    """The model against itself with its context cut to N (``--max-context``): the baseline that
+    asks whether the context beyond N bases is used at all."""
+    cut_nats, delta, (lo, hi) = cut["all"]["nats"], cut["all"]["delta"], cut["all"]["ci"]  # delta: cut - whole
+    what = f"model vs the same model with its context cut to {cut['max_context']:,} bases"
+    if cut_nats is None or delta is None or lo is None:
+        return f"{what}: not measured (no scored base)"
+    change = -delta / cut_nats * 100
+    words = "lower" if delta > 0 else "higher"
+    uses = ("the context beyond it is used" if lo > 0 else
+            "no use of the context beyond it shown" if hi >= 0 else "the context beyond it hurts")
+    return (f"{what}: loss {abs(change):.2f}% {words} with the whole window ({-delta:+.4f} nats/base, "
+            f"95% CI {-hi:+.4f} to {-lo:+.4f}): {uses}")
 
 
 # ----------------------------------------------------------------------------- files

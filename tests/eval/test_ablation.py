@@ -74,3 +74,27 @@ def test_small_differences_keep_their_digits():
     assert fmt_delta(3.6e-5) == "+3.60e-05" and fmt_delta(-0.0123) == "-0.0123" and fmt_delta(0.0) == "+0.0000"
 
 
+
+
+def test_the_headline_compares_the_model_with_itself_cut():
+    """The report's headline sets the whole window against the cut (the baseline that needs no
+    second model), with the interval's sign deciding the words."""
+    from genome_lm.eval.report import headline
+
+    rng = np.random.default_rng(4)
+    n, windows = 4000, 8
+    context = np.tile(np.arange(1, n // windows + 1), windows)
+    window = np.repeat(np.arange(windows), n // windows)
+    whole = TokenScores(rng.gamma(2.0, 0.6, n), context, window, rng.random(n) < 0.3)
+    worse = TokenScores(whole.nll + np.where(context >= 256, 0.05, 0.0), context, window, whole.softmasked)
+    same = TokenScores(whole.nll + rng.normal(0, 0.01, n), context, window, whole.softmasked)
+    ablation = summarize(whole, {256: worse, 64: same}, [0, 256, 512], resamples=300, seed=0)
+    stat = {"tokens": n, "nats": float(whole.nll.mean()), "nats_ci": [0, 0], "bits": 1.0, "bits_ci": [0, 0]}
+    report = {"results": {"model": {"all": stat}}, "models": {"model": {}}, "ablation": ablation}
+    cut64, cut256 = headline(report)
+    assert cut256.startswith("model vs the same model with its context cut to 256 bases: loss ")
+    assert "lower with the whole window" in cut256 and cut256.endswith("the context beyond it is used")
+    delta = float(worse.nll.mean() - whole.nll.mean())
+    assert f"({-delta:+.4f} nats/base" in cut256
+    assert f"{delta / worse.nll.mean() * 100:.2f}% lower" in cut256
+    assert cut64.endswith("no use of the context beyond it shown")

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from genome_lm.data.manifest import Window
-from genome_lm.eval.planted import analyse, copy_positions, demo_note, verdict
+from genome_lm.config import DataConfig, ModelSection, RunConfig, TrainConfig
+from genome_lm.eval.planted import analyse, by_distance_line, copy_positions, demo_note, verdict
 from genome_lm.eval.score import TokenScores
 
 
@@ -81,9 +82,49 @@ def test_copy_advantage_and_its_interval():
     assert "does not exclude zero" in verdict(section, "baseline")
     rows = section["models"]["model"]["by_distance"]
     assert sum(r["in_context_tokens"] for r in rows) == 20 * 300
+    assert all(r["advantage"] is None for r in rows)  # in context at 2 kbp, out at 60-100 kbp: no bin has both
+    assert by_distance_line(section, "model") is None
     again = analyse({"model": TokenScores(used, s.context, s.window, s.softmasked)}, windows, planted,
                     resamples=300, seed=0)
     assert again["models"]["model"]["advantage"] == adv  # seeded
+
+
+@pytest.mark.parametrize("gain", [0.3, 0.0])
+def test_copy_advantage_per_distance_bin(gain):
+    """Copies at the same distances (1.5-3.5 kbp) with the source inside or just before the window:
+    each distance bin's advantage is its two groups' difference, with an interval that holds it."""
+    rng = np.random.default_rng(1)
+    windows, planted = [], []
+    for w in range(30):
+        start = 100_000 + w * 50_000
+        windows.append(_window("chr22", start, 20_000))
+        for dst, d in ((start + 200, 1500 + 60 * w), (start + 10_000, 1500 + 60 * w)):  # source before / inside
+            planted.append(_copy("duplication", dst - d, dst, 300))
+    s = _scores(windows)
+    copy_ids, distance, in_context = copy_positions(s, windows, planted)
+    assert in_context.sum() == (copy_ids >= 0).sum() // 2
+    per_copy = rng.normal(0, 0.05, len(planted))
+    nll = 1.2 + rng.normal(0, 0.2, s.nll.size) + np.where(copy_ids >= 0, per_copy[copy_ids], 0) - gain * in_context
+    section = analyse({"model": TokenScores(nll, s.context, s.window, s.softmasked)}, windows, planted,
+                      resamples=300, seed=0)
+    rows = [r for r in section["models"]["model"]["by_distance"] if r["advantage"] is not None]
+    assert [(r["from"], r["to"]) for r in rows] == [(1024, 2048), (2048, 4096)]
+    for r in rows:
+        pick = (distance >= r["from"]) & (distance < r["to"]) & (copy_ids >= 0)
+        want = nll[pick & ~in_context].mean() - nll[pick & in_context].mean()
+        assert r["advantage"] == pytest.approx(want)
+        assert r["advantage_ci"][0] < gain < r["advantage_ci"][1]
+    line = by_distance_line(section, "model")
+    assert line.startswith("copy advantage by distance from the first copy (model), nats/base [95% CI]: 1k-2k ")
+    assert f"2k-4k {rows[1]['advantage']:+.3f} [{rows[1]['advantage_ci'][0]:+.3f}, " in line
+    # two copies in a bin: its difference, but no interval
+    few = analyse({"model": TokenScores(nll, s.context, s.window, s.softmasked)}, windows, planted[:2],
+                  resamples=300, seed=0)
+    (row,) = few["models"]["model"]["by_distance"]
+    assert row["advantage"] is not None and row["advantage_ci"] == [None, None]
+    assert row["in_context_copies"] == row["out_of_context_copies"] == 1
+    assert "1k-2k" in by_distance_line(few) and "[no interval: 1 copies in, 1 out]" in by_distance_line(few)
+    assert by_distance_line(_section(None)) is None
 
 
 def _section(advantage, tokens_in=6000, tokens_out=5000):
@@ -95,8 +136,6 @@ def _section(advantage, tokens_in=6000, tokens_out=5000):
 
 
 def _cfg(steps, seq_len):
-    from genome_lm.config import DataConfig, RunConfig, TrainConfig
-
     return RunConfig(data=DataConfig(seq_len=seq_len), train=TrainConfig(steps=steps))
 
 
@@ -122,10 +161,13 @@ def test_demo_note_when_the_interval_includes_zero(ci):
     assert "long context helps" not in note
     # without the run's config: no invented step count or crop length
     plain = demo_note(_section({"nats": 0.0138, "ci": ci, "excludes_zero": False}))
-    assert "trained a few steps from random weights" in plain and "-base crops" not in plain
+    assert "-base crops" not in plain and "random weights" not in plain
     assert "What it takes" in plain
     other = demo_note(_section({"nats": 0.0138, "ci": ci, "excludes_zero": False}), _cfg(1500, 65536))
     assert "trained 1500 steps on 65,536-base crops" in other
+    started = _cfg(40, 4096).model_copy(update={"model": ModelSection(checkpoint="runs/base")})
+    assert "trained 40 steps on 4,096-base crops from runs/base" in demo_note(
+        _section({"nats": 0.0138, "ci": ci, "excludes_zero": False}), started)
 
 
 def test_demo_note_when_the_advantage_is_negative():
