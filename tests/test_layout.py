@@ -3,8 +3,8 @@
 Read from the source (every ``import``, including those inside functions), so an import that
 only runs on a GPU or in one command still counts. The layers, lowest first:
 
-    errors, units, progress, config, tracking,  plain helpers; the weights shipped with the package
-    weights
+    errors, units, progress, digest, config,    plain helpers; the weights shipped with the package
+    tracking, weights
     data, engine                                datasets; process groups and the CPU/GPU backend
     model                                       the model on megatron-core
     checkpoint                                  checkpoints (training, Hugging Face) and what a path names
@@ -28,7 +28,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
-    {"genome_lm", "errors", "units", "progress", "config", "tracking", "weights"},
+    {"genome_lm", "errors", "units", "progress", "digest", "config", "tracking", "weights"},
     {"data", "engine"},
     {"model"},
     {"checkpoint"},

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import base64
-import hashlib
 import json
 import os
 import random
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from genome_lm.digest import sha256_file
 from genome_lm.engine.backend import on_gpu
 from genome_lm.errors import GenomeLMError
 
@@ -49,14 +49,6 @@ def _rank_world() -> tuple[int, int]:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def rng_state() -> dict:
@@ -104,7 +96,7 @@ def save_checkpoint(out: str | Path, step: int, model: GLM5Model, optimizer, sta
     (partial / f"state-r{rank:05d}.json").write_text(json.dumps({**state, "rng": rng_state()}))
     _barrier()
     if rank == 0:
-        files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(partial.iterdir())}
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(partial.iterdir())}
         (partial / "meta.json").write_text(json.dumps({"step": step, "world_size": world, "files": files,
                                                        **(meta or {})}, indent=1))
         if final.exists():
@@ -139,7 +131,7 @@ def verify(folder: Path) -> dict:
             raise CheckpointCorrupt(f"{path}: missing")
         if path.stat().st_size != info["bytes"]:
             raise CheckpointCorrupt(f"{path}: {path.stat().st_size} bytes, expected {info['bytes']} (truncated?)")
-        if _sha256(path) != info["sha256"]:
+        if sha256_file(path) != info["sha256"]:
             raise CheckpointCorrupt(f"{path}: checksum mismatch (file altered or corrupt)")
     return meta
 

@@ -25,6 +25,7 @@ from typing import Iterator
 
 import pysam
 
+from genome_lm.digest import sha256_file  # noqa: F401 - the manifest's FASTA identity, imported from here
 from genome_lm.errors import GenomeLMError
 
 CHUNK = 16 << 20
@@ -56,14 +57,6 @@ def _raw_chunks(path: Path, on_bytes=None) -> Iterator[bytes]:
             if on_bytes:
                 on_bytes(len(chunk))
             yield chunk
-
-
-def sha256_file(path: Path) -> str:
-    """The file's SHA-256. hashlib releases the GIL, so this can run in a thread beside other work."""
-    hasher = hashlib.sha256()
-    for chunk in _raw_chunks(path):
-        hasher.update(chunk)
-    return hasher.hexdigest()
 
 
 def _decompressed(path: Path, compression: str, on_bytes=None) -> Iterator[bytes]:

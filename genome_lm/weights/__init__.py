@@ -15,9 +15,9 @@ tests/checkpoint/test_shipped_weights.py prints the new sums when they differ).
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
+from genome_lm.digest import sha256_file
 from genome_lm.errors import GenomeLMError
 
 PREFIX = "builtin:"
@@ -32,14 +32,6 @@ SHIPPED: dict[str, dict[str, str]] = {
 }
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def folder(name: str) -> Path:
     """The verified folder of the shipped weights ``name``: every recorded file present with its
     recorded SHA-256. Raises GenomeLMError naming the file otherwise."""
@@ -51,7 +43,7 @@ def folder(name: str) -> Path:
         path = root / file
         if not path.is_file():
             raise GenomeLMError(f"{path}: missing from the shipped weights {PREFIX}{name} (reinstall genome-lm)")
-        if sha256(path) != expected:
+        if sha256_file(path) != expected:
             raise GenomeLMError(f"{path}: SHA-256 differs from the one recorded for {PREFIX}{name} "
                                 "(a damaged or replaced file; reinstall genome-lm)")
     return root

@@ -13,6 +13,7 @@ import pytest
 
 from genome_lm import weights
 from genome_lm.config import load_config
+from genome_lm.digest import sha256_file
 from genome_lm.errors import GenomeLMError
 
 
@@ -20,7 +21,7 @@ from genome_lm.errors import GenomeLMError
 def test_shipped_files_match_their_recorded_sha256(name):
     folder = weights.ROOT / name
     recorded = weights.SHIPPED[name]
-    actual = {file: weights.sha256(folder / file) for file in recorded if (folder / file).is_file()}
+    actual = {file: sha256_file(folder / file) for file in recorded if (folder / file).is_file()}
     assert actual == recorded, f"update genome_lm/weights SHIPPED[{name!r}] to {actual} if the change is intended"
     on_disk = {p.name for p in folder.iterdir() if p.is_file()}
     assert on_disk == set(recorded) | {"RECIPE.md"}, "every shipped file is recorded (RECIPE.md is the readme)"
