@@ -4,7 +4,8 @@ so that a report never compares a model only with itself or with random weights:
 - ``uniform``: every base 1/4: ln 4 = 1.3863 nats (2 bits) per base.
 - ``markov``: an order-k Markov chain over A, C, G, T with add-one smoothing, fitted on the
   dataset's training split; k (0 to ``MAX_ORDER``) is the order with the lowest loss on held-out
-  windows of the training split (its last tenth), then the chain is refitted on all of it. A base
+  windows of the training split (a tenth of them, evenly spread over it, so that every record of
+  the split has its say), then the chain is refitted on all of it. A base
   is predicted from the up to k bases before it in its window that contain no N (fewer at a
   window's start or after an N: the lower order's counts), so every scored base has a score.
 
@@ -116,7 +117,11 @@ def fit_markov(dataset, split: str = "train", *, max_order: int = MAX_ORDER,
         order = np.unique(np.linspace(0, lengths.size - 1, take).round().astype(int))
     chosen = [int(i) for i in order]
     n_held = max(1, int(round(len(chosen) * HELD_OUT))) if len(chosen) > 1 else 0
-    fit_part, held_part = chosen[: len(chosen) - n_held], chosen[len(chosen) - n_held:]
+    # evenly spread, not the split's end: a split of chr1, chr2 and a copy drill would otherwise
+    # choose the order on the drill alone (random bases: order 0)
+    at = set(np.linspace(0, len(chosen) - 1, n_held + 2)[1:-1].round().astype(int).tolist()) if n_held else set()
+    fit_part = [w for i, w in enumerate(chosen) if i not in at]
+    held_part = [w for i, w in enumerate(chosen) if i in at]
     held = [reader.tokens(i)[:8_000_000] for i in held_part]
     if not fit_part:  # one window: hold out its last tenth
         tokens = reader.tokens(chosen[0])

@@ -83,6 +83,30 @@ def test_the_order_is_chosen_on_held_out_training_windows(tmp_path):
     assert model.train_bases >= 240_000
 
 
+def test_held_out_windows_are_spread_over_the_split(tmp_path):
+    """The long recipe's split is chr1, chr2 and a copy drill of random bases, in that order: the
+    order is chosen on windows from all of it, not on the drill at its end (which picks order 0)."""
+    from genome_lm.data.prepare import PrepareRequest, prepare
+    from genome_lm.data.windows import WindowSpec
+    from tests.conftest import write_fasta
+
+    rng = np.random.default_rng(6)
+    table = rng.dirichlet(np.full(4, 0.3), size=16)
+    seq = list(rng.integers(0, 4, 2))
+    for _ in range(200_000):
+        seq.append(int(rng.choice(4, p=table[seq[-2] * 4 + seq[-1]])))
+    text = "".join("ACGT"[b] for b in seq).encode()
+    drill = "".join("ACGT"[b] for b in rng.integers(0, 4, 40_000)).encode()
+    fasta = write_fasta(tmp_path / "g.fa", {"chr1": text[:180_000], "drill": drill, "chr22": text[180_000:]})
+    prepare(PrepareRequest(fasta, tmp_path / "ds", ("chr1", "drill"), ("chr22",),
+                           WindowSpec(16_384, 16_384, "keep", 100, 1.0)), workers=1, quiet=True, cache_dir=tmp_path / "c")
+    model = fit_markov(tmp_path / "ds", "train")
+    # held out on the chain's windows: their order-0 loss is the chain's composition, well under the
+    # drill's ln 4 = 1.386; an order >= 2 wins (above 2 when it tells the drill's k-mers apart)
+    assert model.held_out_nats[0] < 1.2 and model.order >= 2, model.held_out_nats
+    assert model.held_out_nats[2] < model.held_out_nats[1] < model.held_out_nats[0]
+
+
 def test_baselines_in_every_output(evaluated, demo_run):
     out, report, output = evaluated
     uniform, markov = report["results"]["uniform"], report["results"]["markov"]
