@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from genome_lm.config import RunConfig
+if TYPE_CHECKING:  # the CLI imports this module for DEMO_CONFIG: keep pydantic out of its start-up
+    from genome_lm.config import RunConfig
 
 
 @dataclass

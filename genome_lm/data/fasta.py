@@ -8,7 +8,7 @@ run's work folder (one streaming pass, constant memory) and indexed there.
 htslib is lenient where a training set must not be: it silently drops a duplicated record name
 or a record with no sequence. So before indexing, :func:`open_fasta` makes one streaming pass
 over the (decompressed) bytes that checks the header structure and detects truncated gzip
-streams. :func:`sha256_file` gives the file's identity for the manifest. Sequence letters are checked later, window by window, by the tokenizer.
+streams. ``genome_lm.digest.sha256_file`` gives the file's identity for the manifest. Sequence letters are checked later, window by window, by the tokenizer.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from typing import Iterator
 
 import pysam
 
-from genome_lm.digest import sha256_file  # noqa: F401 - the manifest's FASTA identity, imported from here
 from genome_lm.errors import GenomeLMError
 
 CHUNK = 16 << 20

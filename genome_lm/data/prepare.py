@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 
-from genome_lm.data.fasta import FastaSource, open_fasta, quick_identity, sha256_file
+from genome_lm.data.fasta import FastaSource, open_fasta, quick_identity
+from genome_lm.digest import sha256_file
 from genome_lm.data.indexed import write_index
 from genome_lm.data.manifest import MANIFEST, SCHEMA, Manifest, write_manifest
 from genome_lm.data.names import resolve
