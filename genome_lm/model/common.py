@@ -178,7 +178,9 @@ class _Sinkhorn(torch.autograd.Function):
     def forward(ctx, z, iters: int, eps: float):
         ctx.save_for_backward(z)
         ctx.iters, ctx.eps = iters, eps
-        return _sinkhorn_steps(_tokens_last(z), iters, eps).permute(2, 0, 1).reshape(z.shape)
+        # contiguous, tokens first again: a batched matmul on a tokens-last view (merge's comb^T @
+        # streams) falls back to one small product per token on CPU, 15x slower
+        return _sinkhorn_steps(_tokens_last(z), iters, eps).permute(2, 0, 1).reshape(z.shape).contiguous()
 
     @staticmethod
     def backward(ctx, grad):

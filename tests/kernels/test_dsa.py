@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from genome_lm_kernels import dsa
-from genome_lm_kernels.dsa import reference
+from genome_lm_kernels.dsa import loss as loss_module, reference
 from genome_lm_kernels.dsa.bench import PeakRSS
 
 from .conftest import LENGTHS, REL_TOL, assert_rel_close
@@ -251,14 +251,44 @@ def test_indexer_loss_torch(T, kpool, topk, sparse, dtype, generator, nan_poison
     _check_loss("torch", T, kpool, topk, sparse, dtype, generator)
 
 
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("T", [65, 200])
+def test_indexer_loss_recomputed_target(T, sparse, generator, nan_poison, monkeypatch):
+    """Backward takes forward's targets when they fit KEEP_TARGET_BYTES and recomputes them
+    otherwise (counted: one target per query block, or two); both match the float64 reference."""
+    blocks = -(-T // 16)
+    calls = []
+    target = loss_module._target
+    monkeypatch.setattr(loss_module, "_target", lambda *a, **k: calls.append(1) or target(*a, **k))
+    _check_loss("torch", T, 4, 24, sparse, torch.float32, generator, chunk=16)
+    assert len(calls) == blocks, "the targets fit the bound: backward should have kept forward's"
+    calls.clear()
+    monkeypatch.setattr(loss_module, "KEEP_TARGET_BYTES", 0)
+    _check_loss("torch", T, 4, 24, sparse, torch.float32, generator, chunk=16)
+    assert len(calls) == 2 * blocks
+
+
+def test_indexer_loss_target_bytes():
+    """The bound is checked against the exact size of the kept blocks (dense: each block's
+    visible pools; sparse: the selected ones)."""
+    B, T, N, kpool, chunk = 2, 200, 50, 4, 64
+    dense = sum((min(t0 + chunk, T) - t0) * min(N, min(t0 + chunk, T) // kpool) for t0 in range(0, T, chunk))
+    assert loss_module._target_bytes(B, T, N, None, kpool, chunk, 4) == B * 4 * dense == 2 * 4 * (64 * 16 + 64 * 32
+                                                                                               + 64 * 48 + 8 * 50)
+    assert loss_module._target_bytes(B, T, N, 27, kpool, chunk, 4) == B * 4 * T * 6  # (27 - 3) // 4 pools
+
+
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
 @pytest.mark.parametrize("T", [65, 257])
-def test_indexer_loss_with_heads_split_over_ranks(T, sparse, generator, nan_poison):
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "recomputed"])
+def test_indexer_loss_with_heads_split_over_ranks(T, sparse, keep, generator, nan_poison, monkeypatch):
     """Heads split over two ranks (tensor / context parallel): each rank's loss, its per-head
     target summed with the other rank's by ``reduce_target``, equals the loss over all heads,
     gradients included. The other rank is played by a first pass that records its target
     blocks (forward, then backward's recompute) for the second to add."""
     kpool, topk, chunk = 4, 24, 16
+    if not keep:
+        monkeypatch.setattr(loss_module, "KEEP_TARGET_BYTES", 0)
     inp = indexer_inputs(generator, 2, T, 3, 8, kpool, torch.float64)
     q, k = (torch.randn(2, T, 5, 16, generator=generator, dtype=torch.float64) for _ in range(2))
     idx = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend="torch")[0] if sparse else None
