@@ -81,6 +81,10 @@ def bench_model(
         help="Also time transformers' glm5_next with the same weights (slow: only at these lengths).")] = False,
     repeats: Annotated[int, typer.Option(help="Timed steps after the warm-up (fewer once 30 s of steps have run); the median is shown.", min=1)] = 3,
     threads: Annotated[Optional[int], typer.Option(help="torch threads in every run; default: the cores this process may use.", min=1)] = None,
+    batch: Annotated[int, typer.Option(help="Sequences per step (the long recipe's first stage: --batch 8 --seq-lens 256).", min=1)] = 1,
+    indexer_loss: Annotated[str, typer.Option(
+        help="Also compute genome-lm's DSA indexer loss in each step, as training with train.indexer_loss does: "
+             "off, dense (the long recipe) or sparse. Not with --compare-transformers (glm5_next has none).")] = "off",
     timeout: Annotated[float, typer.Option(help="Seconds allowed per run (model build + warm-up + timed steps); transformers reports 'timeout' past it.")] = 1200.0,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write every row, all fields, to this file.")] = None,
 ) -> None:
@@ -91,6 +95,11 @@ def bench_model(
     if preset not in PRESETS:
         raise typer.BadParameter(f"choose from {', '.join(PRESETS)}", param_hint="--preset")
     lengths = tuple(sizes(seq_lens, "--seq-lens"))
+    if indexer_loss not in ("off", "dense", "sparse"):
+        raise typer.BadParameter("choose off, dense or sparse", param_hint="--indexer-loss")
+    if compare_transformers and indexer_loss != "off":
+        raise typer.BadParameter("transformers' glm5_next has no indexer loss: compare with it only with "
+                                 "--indexer-loss off", param_hint="--indexer-loss")
     threads = threads or default_threads()
     console.print(f"torch threads: {threads}", highlight=False)
 
@@ -100,12 +109,12 @@ def bench_model(
 
     try:
         rows = bench(preset, lengths, compare_transformers=compare_transformers, repeats=repeats, threads=threads,
-                     timeout_s=timeout, progress=show)
+                     timeout_s=timeout, batch=batch, indexer_loss=indexer_loss, progress=show)
     except RuntimeError as exc:
         raise GenomeLMError(str(exc)) from None
     shown = [dict(r, note=None if r.get("note") == "measured" else r.get("note"), loss=None, backend=None,
                   warmup_s=None, repeats=None) for r in rows]
-    print_rows(f"{preset}: forward+backward, batch 1, median of up to {repeats} steps", shown,
+    print_rows(f"{preset}: forward+backward, batch {batch}, median of up to {repeats} steps", shown,
                {"T": "T", "impl": "path", "seconds": "seconds", "tokens_per_s": "tokens/s", "peak_mib": "peak MiB",
                 "speedup": "speed-up", "note": "note"})
     console.print("speed-up = transformers seconds / genome-lm seconds; "

@@ -55,19 +55,30 @@ def default_threads() -> int:
 
 def bench(preset: str = "tiny", lengths: tuple[int, ...] = (2048, 8192), *, compare_transformers: bool = False,
           repeats: int = 3, threads: int | None = None, timeout_s: float = 1200.0, step_budget_s: float = 30.0,
-          seed: int = 0, kernel_backend: str = "auto", progress=None) -> list[dict]:
+          seed: int = 0, kernel_backend: str = "auto", batch: int = 1, indexer_loss: str = "off",
+          progress=None) -> list[dict]:
     """One row per (implementation, length), lengths in increasing order.
+
+    ``batch`` sequences of each length per step; ``indexer_loss`` ("off", "dense", "sparse"):
+    genome-lm's step also computes its DSA indexer loss and adds it to the loss it differentiates,
+    as training with ``train.indexer_loss`` does (transformers has no such loss, so the two are
+    then not the same work and cannot be compared).
 
     Row keys: impl, preset, T, B, threads, seconds (median fwd+bwd), repeats (timed steps),
     warmup_s, tokens_per_s, peak_mib (process high-water mark above the built model), loss,
+    indexer_loss (genome-lm: the sum of the DSA layers' indexer losses, None when off),
     note ("measured", "timeout after N s", "skipped: ...", "failed: ..."); genome-lm's rows also
     ``speedup`` = transformers' seconds / genome-lm's seconds at that length (None when
     transformers did not finish or was not asked for). transformers runs only at the lengths
     given, each with ``timeout_s``; after a timeout the longer lengths are skipped."""
+    if indexer_loss not in ("off", "dense", "sparse"):
+        raise ValueError(f"indexer_loss must be off, dense or sparse; got {indexer_loss!r}")
+    if compare_transformers and indexer_loss != "off":
+        raise ValueError("transformers' glm5_next has no indexer loss: compare with it only with the indexer loss off")
     threads = threads or default_threads()
     lengths = tuple(sorted(set(lengths)))
-    common = dict(preset=preset, B=1, threads=threads, repeats=repeats, step_budget_s=step_budget_s, seed=seed,
-                  kernel_backend=kernel_backend)
+    common = dict(preset=preset, B=batch, threads=threads, repeats=repeats, step_budget_s=step_budget_s, seed=seed,
+                  kernel_backend=kernel_backend, indexer_loss=indexer_loss)
     rows: list[dict] = []
 
     def record(row: dict) -> None:
@@ -86,7 +97,7 @@ def bench(preset: str = "tiny", lengths: tuple[int, ...] = (2048, 8192), *, comp
             gave_up = None  # why a shorter length did not finish
             for T in lengths:
                 if gave_up is not None:
-                    record(dict(impl="transformers", preset=preset, T=T, B=1, threads=threads, seconds=None,
+                    record(dict(impl="transformers", preset=preset, T=T, B=batch, threads=threads, seconds=None,
                                 peak_mib=None, note=f"skipped: {gave_up}"))
                     continue
                 row = _run_worker("transformers", dict(common, T=T, checkpoint=checkpoint), timeout_s)
@@ -255,13 +266,20 @@ def _measure_genome_lm(cfg: dict) -> dict:
         model = _build_genome_lm(cfg, pg).train()
         ids = _token_ids(cfg)
 
+        mode = cfg.get("indexer_loss", "off")
+        indexer = []
+
         def step() -> float:
-            loss = _next_token_loss(model(ids).logits, ids)
-            loss.backward()
+            out = model(ids, indexer_loss=mode)
+            loss = _next_token_loss(out.logits, ids)
+            (loss + sum(out.indexer_losses)).backward()  # the indexer losses: none when off
+            indexer[:] = [x.item() for x in out.indexer_losses]
             return loss.item()
 
         result = _time_steps(model, step, cfg)
-        result["backend"] = f"{model.options.kernel_backend} kernels"
+        result["backend"] = f"{model.options.kernel_backend} kernels" + (
+            f", {mode} indexer loss" if mode != "off" else "")
+        result["indexer_loss"] = sum(indexer) if mode != "off" else None
     return result
 
 

@@ -92,11 +92,11 @@ def saved_kda(cfg: ModelConfig, s: Shard) -> float:
     l2norm = 2 * h * F32
     if s.gpu_kernels:  # the Triton function saves its inputs: l2-normalised q, k and g (v, beta shared)
         kernel = 3 * W * F32
-    else:  # chunked.py: checkpointed chunk inputs (q, k, v, G in fp64, beta), W and e^{G_last-G} k
-        # (read by the state loop), deltas and their stack, entering states and their stack,
-        # e^G q, M (stored with A)
+    else:  # chunked.py: checkpointed chunk inputs (q, k, v, G in fp64, beta), W and e^{G_last-G} k,
+        # U and the deltas, entering states and their stack, each chunk's state transition
+        # A [K, K], e^G q, M (stored with the UT transform)
         per_head = ((2 * K + V) * F32 + K * I64 + F32 + 2 * K * F32 + 2 * V * F32 + 2 * K * V * F32 / KDA_CHUNK
-                    + K * F32 + 2 * KDA_CHUNK * F32)
+                    + K * K * F32 / KDA_CHUNK + K * F32 + 2 * KDA_CHUNK * F32)
         kernel = h * per_head
     output = W * F32 + h * F32 + 3 * W * F32 + K * s.a + W * s.a  # o fp32, 1/rms, normed, gated, sigmoid, g_a, o_proj in
     return projections + conv + l2norm + kernel + output

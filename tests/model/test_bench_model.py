@@ -29,6 +29,7 @@ def test_bench_model_cli_against_transformers(tmp_path):
     assert set(rows) == {(impl, T) for impl in ("genome-lm", "transformers") for T in (128, 256)}
     for row in rows.values():
         assert row["note"] == "measured", row
+        assert row.get("indexer_loss") is None  # off by default: the same work on both sides
         assert row["threads"] == 1 and row["B"] == 1
         for key in ("seconds", "tokens_per_s", "peak_mib", "loss"):
             assert _positive(row[key]), (key, row)
@@ -51,6 +52,30 @@ def test_bench_model_cli_against_transformers(tmp_path):
     assert "genome-lm 128 -> 256: x2.0 tokens" in result.output
     table_line = next(line for line in result.output.splitlines() if "│ 256" in line and "genome-lm" in line)
     assert f"{ours['speedup']:.3g}" in table_line
+
+
+def test_bench_model_with_the_recipe_indexer_loss_and_a_batch(tmp_path):
+    """The long recipe's step: a batch of sequences and the dense indexer loss in the backward."""
+    out = tmp_path / "rows.json"
+    result = CliRunner().invoke(app, ["bench", "model", "--seq-lens", "128", "--batch", "2", "--indexer-loss", "dense",
+                                      "--repeats", "1", "--threads", "1", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["B"] == 2 and row["note"] == "measured"
+    assert row["tokens_per_s"] == pytest.approx(2 * 128 / row["seconds"])
+    assert _positive(row["indexer_loss"]) and "dense indexer loss" in row["backend"]
+    assert "batch 2" in result.output
+
+
+def test_bench_model_refuses_the_indexer_loss_against_transformers():
+    def words(result) -> str:  # the error box wraps lines
+        return " ".join(result.output.replace("│", " ").split())
+
+    result = CliRunner().invoke(app, ["bench", "model", "--seq-lens", "128", "--indexer-loss", "dense",
+                                      "--compare-transformers"])
+    assert result.exit_code == 2 and "glm5_next has no indexer loss" in words(result)
+    result = CliRunner().invoke(app, ["bench", "model", "--seq-lens", "128", "--indexer-loss", "sometimes"])
+    assert result.exit_code == 2 and "choose off, dense or sparse" in words(result)
 
 
 def test_speedup_and_growth_from_rows():
