@@ -54,7 +54,7 @@ def build(cfg: RunConfig, pg: ProcessGroupCollection, sizes: ParallelSizes) -> G
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     model = build_model(model_cfg, pg, sizes, transformer_impl=impl, kernel_backend=cfg.model.kernel_backend,
                         dtype=dtype, moe_aux_loss_coeff=cfg.train.moe_aux_loss_coeff,
-                        moe_aux_loss=cfg.train.moe_aux_loss)
+                        moe_aux_loss=cfg.train.moe_aux_loss, compiled=cfg.model.compile)
     if ckpt is not None:
         load_hf_checkpoint(model, ckpt.path)
     if run_ckpt is not None:

@@ -38,6 +38,9 @@ class BuildOptions:
     absorbed_mla: the DSA layers attend over the shared MLA latent with absorbed queries
         (``genome_lm_kernels.dsa.sparse_mla``, tensor cores on a GPU) instead of per-head keys
         and values (``sparse_attention``); the same function, another order of products.
+    compiled: the mHC Sinkhorn normalisation (forward and its backward's recomputation) runs
+        through ``torch.compile`` (``compiled_sinkhorn``): the same arithmetic in a few fused
+        kernels instead of about 270 small ops per hyper-connection and step (``model.compile``).
     """
 
     transformer_impl: TransformerImpl = "local"
@@ -46,6 +49,7 @@ class BuildOptions:
     moe_aux_loss_coeff: float = 0.0
     moe_aux_loss: Literal["seq_aux_loss", "aux_loss"] = "seq_aux_loss"
     absorbed_mla: bool = False
+    compiled: bool = False
 
     def spec_provider(self):
         if self.transformer_impl == "transformer_engine":
@@ -175,12 +179,13 @@ class _Sinkhorn(torch.autograd.Function):
     BLOCK = 1 << 16  # tokens per recomputation block
 
     @staticmethod
-    def forward(ctx, z, iters: int, eps: float):
+    def forward(ctx, z, iters: int, eps: float, compiled: bool = False):
         ctx.save_for_backward(z)
         ctx.iters, ctx.eps = iters, eps
+        steps_fn, ctx.grad_fn = compiled_sinkhorn() if compiled else (_sinkhorn_steps, _sinkhorn_grad)
         # contiguous, tokens first again: a batched matmul on a tokens-last view (merge's comb^T @
         # streams) falls back to one small product per token on CPU, 15x slower
-        return _sinkhorn_steps(_tokens_last(z), iters, eps).permute(2, 0, 1).reshape(z.shape).contiguous()
+        return steps_fn(_tokens_last(z), iters, eps).permute(2, 0, 1).reshape(z.shape).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
@@ -188,19 +193,41 @@ class _Sinkhorn(torch.autograd.Function):
         zt, gt = _tokens_last(z), _tokens_last(grad)
         dz = torch.empty_like(zt)
         for a in range(0, zt.shape[-1], _Sinkhorn.BLOCK):
-            zb, g = zt[..., a:a + _Sinkhorn.BLOCK], gt[..., a:a + _Sinkhorn.BLOCK]
-            steps: list = []
-            _sinkhorn_steps(zb, ctx.iters, ctx.eps, steps)
-            for y, denom, dim in reversed(steps):  # y = x / denom, denom = sum(x) + eps
-                g = (g - (g * y).sum(dim, keepdim=True)) / denom
-            p = torch.softmax(zb, dim=1)
-            dz[..., a:a + _Sinkhorn.BLOCK] = p * (g - (g * p).sum(1, keepdim=True))
-        return dz.permute(2, 0, 1).reshape(z.shape), None, None
+            dz[..., a:a + _Sinkhorn.BLOCK] = ctx.grad_fn(zt[..., a:a + _Sinkhorn.BLOCK],
+                                                         gt[..., a:a + _Sinkhorn.BLOCK], ctx.iters, ctx.eps)
+        return dz.permute(2, 0, 1).reshape(z.shape), None, None, None
 
 
-def sinkhorn(z: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """[.., N, N] logits -> approximately doubly stochastic [.., N, N] (see ``HyperConnection``)."""
-    return _Sinkhorn.apply(z, iters, eps)
+def _sinkhorn_grad(z: torch.Tensor, g: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """The gradient of ``_sinkhorn_steps`` at token-last ``z`` for the output gradient ``g``:
+    the iterations recomputed, then walked back."""
+    steps: list = []
+    _sinkhorn_steps(z, iters, eps, steps)
+    for y, denom, dim in reversed(steps):  # y = x / denom, denom = sum(x) + eps
+        g = (g - (g * y).sum(dim, keepdim=True)) / denom
+    p = torch.softmax(z, dim=1)
+    return p * (g - (g * p).sum(1, keepdim=True))
+
+
+_COMPILED: tuple | None = None
+
+
+def compiled_sinkhorn() -> tuple:
+    """(``_sinkhorn_steps``, ``_sinkhorn_grad``) through ``torch.compile`` (dynamic shapes: one
+    compilation serves every number of tokens), made once per process. On 2 CPU cores at 2,048
+    tokens the forward took 0.17 ms instead of 0.46 and the gradient 0.39 ms instead of 4.2, with
+    bit-identical results; compiling takes about 30 s the first time (inductor writes C++ and
+    caches it on disk), a few seconds after."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = (torch.compile(_sinkhorn_steps, dynamic=True), torch.compile(_sinkhorn_grad, dynamic=True))
+    return _COMPILED
+
+
+def sinkhorn(z: torch.Tensor, iters: int, eps: float, compiled: bool = False) -> torch.Tensor:
+    """[.., N, N] logits -> approximately doubly stochastic [.., N, N] (see ``HyperConnection``);
+    ``compiled``: through ``compiled_sinkhorn``."""
+    return _Sinkhorn.apply(z, iters, eps, compiled)
 
 
 class HyperConnection(nn.Module):
@@ -214,8 +241,9 @@ class HyperConnection(nn.Module):
     and scale are kept in fp32.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, compiled: bool = False):
         super().__init__()
+        self.compiled = compiled  # the Sinkhorn steps through torch.compile (BuildOptions.compiled)
         n = cfg.hc_mult
         self.n, self.iters, self.eps, self.norm_eps = n, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
         self.fn = nn.Parameter(torch.empty((2 + n) * n, n * cfg.hidden_size, dtype=torch.float32))
@@ -234,7 +262,8 @@ class HyperConnection(nn.Module):
         pre_s, post_s, comb_s = self.scale.unbind(0)
         pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps
         post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = sinkhorn(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), self.iters, self.eps)
+        comb = sinkhorn(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), self.iters, self.eps,
+                        self.compiled)
         block_in = (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
         return post, comb, block_in
 

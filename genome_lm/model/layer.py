@@ -26,8 +26,8 @@ class DecoderLayer(nn.Module):
         from megatron.core.transformer.spec_utils import build_module
 
         self.is_kda = cfg.layer_types[layer_idx] == LINEAR
-        self.attn_hc = HyperConnection(cfg)
-        self.ffn_hc = HyperConnection(cfg)
+        self.attn_hc = HyperConnection(cfg, options.compiled)
+        self.ffn_hc = HyperConnection(cfg, options.compiled)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.dtype)
         self.self_attention = build_module(submodules.attention, cfg, layer_idx, tf_config, options, pg.tp, pg.cp)

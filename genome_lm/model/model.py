@@ -201,10 +201,11 @@ def build_model(cfg: ModelConfig, pg: ProcessGroupCollection, sizes: ParallelSiz
                 transformer_impl: str = "local", kernel_backend: str = "auto",
                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                 moe_aux_loss_coeff: float = 0.0, moe_aux_loss: str = "seq_aux_loss",
-                absorbed_mla: bool | None = None) -> GLM5Model:
+                absorbed_mla: bool | None = None, compiled: bool = False) -> GLM5Model:
     """Build the model for the process groups ``pg`` (from ``engine.parallel.parallel_context``);
-    the MoE auxiliary loss options are ``BuildOptions``'. ``absorbed_mla`` None: absorbed with
-    the GPU kernel backends (where it runs on tensor cores), per-head on the CPU paths."""
+    the MoE auxiliary loss options and ``compiled`` are ``BuildOptions``'. ``absorbed_mla`` None:
+    absorbed with the GPU kernel backends (where it runs on tensor cores), per-head on the CPU
+    paths."""
     from genome_lm_kernels import GPU_BACKENDS, resolve_backend
 
     from genome_lm.engine.backend import current
@@ -212,9 +213,17 @@ def build_model(cfg: ModelConfig, pg: ProcessGroupCollection, sizes: ParallelSiz
     profile = current()
     device = torch.device(device or profile.device)
     backend = resolve_backend(kernel_backend, device)
+    if compiled and device.type == "cpu":
+        import os
+        import shutil
+
+        if not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")):
+            raise GenomeLMError("model.compile needs a C++ compiler for torch.compile on a CPU (g++ or clang++, or "
+                                "CXX naming one); install one or set model.compile: false")
     options = BuildOptions(transformer_impl=transformer_impl, dtype=dtype, kernel_backend=backend,
                            moe_aux_loss_coeff=moe_aux_loss_coeff, moe_aux_loss=moe_aux_loss,
-                           absorbed_mla=backend in GPU_BACKENDS if absorbed_mla is None else absorbed_mla)
+                           absorbed_mla=backend in GPU_BACKENDS if absorbed_mla is None else absorbed_mla,
+                           compiled=compiled)
     if not profile.cpu_initialization:
         # megatron-core initialises its parallel layers on the GPU from the CUDA RNG tracker's
         # states (data-, tensor- and expert-parallel), which must be seeded first; the callers'

@@ -36,3 +36,69 @@ def test_matches_autograd_through_the_loop(monkeypatch, dtype, tol, iters, n):
 def test_gradcheck():
     z = torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: sinkhorn(x, 4, 1e-6), (z,))
+
+
+@pytest.mark.slow  # compiles (about 30 s the first time on 2 cores; inductor caches it on disk)
+def test_compiled_matches_the_loop_across_lengths(monkeypatch):
+    """``compiled=True`` (torch.compile with dynamic shapes, ``model.compile``): the same values
+    and gradients as the plain loop, at several token counts from one compilation, the last
+    split into uneven backward blocks; the token counts do not force new compilations."""
+    import torch._dynamo
+
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")  # tests/conftest.py turns dynamo off; read by torch.compile
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    monkeypatch.setattr(common, "_COMPILED", None)
+    g = torch.Generator().manual_seed(0)
+    for tokens in (64, 200, 333):
+        if tokens == 333:
+            monkeypatch.setattr(common._Sinkhorn, "BLOCK", 100)
+        z = (3 * torch.randn(tokens, 4, 4, generator=g)).requires_grad_()
+        upstream = torch.randn(tokens, 4, 4, generator=g)
+        got = sinkhorn(z, 20, 1e-6, compiled=True)
+        (dz_got,) = torch.autograd.grad(got, z, upstream)
+        want = _loop(z, 20, 1e-6)
+        (dz_want,) = torch.autograd.grad(want, z, upstream)
+        assert (got - want).abs().max() <= 1e-5
+        assert (dz_got - dz_want).abs().max() <= 1e-5 * dz_want.abs().max()
+    assert common._COMPILED is not None
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    # the steps and the gradient, once more for the gradient on strided backward blocks; not
+    # one per token count (64, 200, then blocks of 100 and 33)
+    assert 2 <= graphs <= 3, f"{graphs} graphs compiled: token counts forced recompiles"
+
+
+@pytest.fixture
+def pg():
+    from genome_lm.engine.parallel import parallel_context
+
+    with parallel_context() as groups:
+        yield groups
+
+
+def test_model_compile_reaches_every_hyper_connection(pg):
+    """``model.compile: true`` in a run config builds every mHC with the compiled Sinkhorn (and
+    only then: the default stays eager)."""
+    from genome_lm.checkpoint.models import build
+    from genome_lm.config import RunConfig
+    from genome_lm.engine.parallel import ParallelSizes
+
+    for flag in (False, True):
+        run = RunConfig.model_validate({"model": {"preset": "tiny", "compile": flag}})
+        model = build(run, pg, ParallelSizes())
+        hcs = [m for m in model.modules() if isinstance(m, common.HyperConnection)]
+        assert len(hcs) == 2 * len(model.layers) and all(h.compiled is flag for h in hcs)
+
+
+def test_model_compile_without_a_cpp_compiler_is_a_clear_error(pg, monkeypatch):
+    import shutil
+
+    from genome_lm.engine.parallel import ParallelSizes
+    from genome_lm.errors import GenomeLMError
+    from genome_lm.model import get_preset
+    from genome_lm.model.model import build_model
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(GenomeLMError, match="model.compile needs a C\\+\\+ compiler"):
+        build_model(get_preset("tiny"), pg, ParallelSizes(), compiled=True)
+    build_model(get_preset("tiny"), pg, ParallelSizes())  # eager needs none
