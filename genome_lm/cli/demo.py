@@ -25,7 +25,7 @@ def demo(
                                              "random weights instead of the shipped long-context model.")] = DEMO_CONFIG,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a training field (repeatable).")] = None,
     eval_windows: Annotated[int, typer.Option(help="Evaluation windows of chr22 to score (each model), evenly spaced.")] = 8,
-    long: Annotated[bool, typer.Option("--long", help="Run the long-context recipe instead (about 40 minutes on 2 "
+    long: Annotated[bool, typer.Option("--long", help="Run the long-context recipe instead (about 25 minutes on 2 "
                                                       "cores): stage 1 learns to copy on a copy drill, stage 2 trains "
                                                       "on a demo genome with dense planted copies; eval cuts the "
                                                       "context to 256 and 1,024 bases to show what the rest adds. "

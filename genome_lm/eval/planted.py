@@ -234,4 +234,4 @@ def demo_note(section: dict, cfg: RunConfig | None=None, name: str = "model") ->
             "spends its first steps on base composition. What it takes: a curriculum that starts with short-range "
             "copies (a copy drill of repeated units and copies inside the crop), then a genome whose planted copies "
             "lie inside the training crop, with a seq_len warm-up and hundreds of steps rather than tens; "
-            "`genome-lm demo --long` runs that recipe (about 40 minutes on 2 cores).")
+            "`genome-lm demo --long` runs that recipe (about 25 minutes on 2 cores).")

@@ -3,7 +3,7 @@
 ``tiny-long``: the tiny architecture (same layers as GLM-5.3-Flash, about 0.3M parameters) after
 the CPU long-context recipe, ``genome-lm demo --long``: it has learned to copy a sequence from its
 earlier occurrence, up to a few thousand bases back. The default demo fine-tunes from it, so
-that a demo of minutes can show a model that uses long context (the recipe takes about 40
+that a demo of minutes can show a model that uses long context (the recipe takes about 25
 minutes). Each folder is a Hugging Face glm5_next checkpoint, as ``genome-lm export`` writes it,
 plus ``RECIPE.md``: the commands that rebuild it and the figures it was shipped with.
 
