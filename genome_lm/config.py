@@ -73,7 +73,8 @@ class ModelSection(Section):
                            "on 2 CPU cores a tiny-model step of 8 x 256 tokens took 0.22 s instead of 0.26 (no gain "
                            "measured at 8k tokens, where attention dominates), after about 30 s of compiling the "
                            "first time (cached on disk). Worth it for many short steps (the long-context recipe's "
-                           "first stage); needs a C++ compiler on a CPU.")
+                           "first stage). On a CPU it needs a C++ compiler; without one the run goes on uncompiled, "
+                           "with a warning.")
 
     @field_validator("checkpoint")
     @classmethod

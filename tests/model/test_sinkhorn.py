@@ -90,15 +90,17 @@ def test_model_compile_reaches_every_hyper_connection(pg):
         assert len(hcs) == 2 * len(model.layers) and all(h.compiled is flag for h in hcs)
 
 
-def test_model_compile_without_a_cpp_compiler_is_a_clear_error(pg, monkeypatch):
+def test_model_compile_without_a_cpp_compiler_warns_and_runs_eager(pg, monkeypatch, caplog):
+    """A speed option must not stop a run: without a C++ compiler the model is built uncompiled
+    and the log says why."""
     import shutil
 
     from genome_lm.engine.parallel import ParallelSizes
-    from genome_lm.errors import GenomeLMError
     from genome_lm.model import get_preset
     from genome_lm.model.model import build_model
 
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    with pytest.raises(GenomeLMError, match="model.compile needs a C\\+\\+ compiler"):
-        build_model(get_preset("tiny"), pg, ParallelSizes(), compiled=True)
-    build_model(get_preset("tiny"), pg, ParallelSizes())  # eager needs none
+    with caplog.at_level("WARNING"):
+        model = build_model(get_preset("tiny"), pg, ParallelSizes(), compiled=True)
+    assert "no C++ compiler found" in caplog.text
+    assert not any(m.compiled for m in model.modules() if isinstance(m, common.HyperConnection))
