@@ -89,17 +89,16 @@ def bench_model(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write every row, all fields, to this file.")] = None,
 ) -> None:
     """Forward+backward of the whole model (batch 1, random DNA, next-token loss): seconds, tokens/s and peak memory per length, and the speed-up over transformers' glm5_next on the same weights."""
-    from genome_lm.compare.bench import bench, default_threads, growth
+    from genome_lm.compare.bench import bench, check_indexer_loss, default_threads, growth
     from genome_lm.model.presets import PRESETS
 
     if preset not in PRESETS:
         raise typer.BadParameter(f"choose from {', '.join(PRESETS)}", param_hint="--preset")
     lengths = tuple(sizes(seq_lens, "--seq-lens"))
-    if indexer_loss not in ("off", "dense", "sparse"):
-        raise typer.BadParameter("choose off, dense or sparse", param_hint="--indexer-loss")
-    if compare_transformers and indexer_loss != "off":
-        raise typer.BadParameter("transformers' glm5_next has no indexer loss: compare with it only with "
-                                 "--indexer-loss off", param_hint="--indexer-loss")
+    try:
+        check_indexer_loss(indexer_loss, compare_transformers)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--indexer-loss") from None
     threads = threads or default_threads()
     console.print(f"torch threads: {threads}", highlight=False)
 

@@ -71,10 +71,7 @@ def bench(preset: str = "tiny", lengths: tuple[int, ...] = (2048, 8192), *, comp
     ``speedup`` = transformers' seconds / genome-lm's seconds at that length (None when
     transformers did not finish or was not asked for). transformers runs only at the lengths
     given, each with ``timeout_s``; after a timeout the longer lengths are skipped."""
-    if indexer_loss not in ("off", "dense", "sparse"):
-        raise ValueError(f"indexer_loss must be off, dense or sparse; got {indexer_loss!r}")
-    if compare_transformers and indexer_loss != "off":
-        raise ValueError("transformers' glm5_next has no indexer loss: compare with it only with the indexer loss off")
+    check_indexer_loss(indexer_loss, compare_transformers)
     threads = threads or default_threads()
     lengths = tuple(sorted(set(lengths)))
     common = dict(preset=preset, B=batch, threads=threads, repeats=repeats, step_budget_s=step_budget_s, seed=seed,
@@ -106,6 +103,15 @@ def bench(preset: str = "tiny", lengths: tuple[int, ...] = (2048, 8192), *, comp
                     gave_up = f"{row['note'].split(':')[0]} at T={T:,}"
     add_speedup(rows)
     return rows
+
+
+def check_indexer_loss(indexer_loss: str, compare_transformers: bool) -> None:
+    """ValueError unless ``indexer_loss`` is a mode of the model's indexer loss, and off when
+    compared with transformers (which has none)."""
+    if indexer_loss not in ("off", "dense", "sparse"):
+        raise ValueError(f"choose off, dense or sparse; got {indexer_loss!r}")
+    if compare_transformers and indexer_loss != "off":
+        raise ValueError("transformers' glm5_next has no indexer loss: compare with it only with the indexer loss off")
 
 
 def add_speedup(rows: list[dict]) -> list[dict]:

@@ -215,13 +215,16 @@ def build_model(cfg: ModelConfig, pg: ProcessGroupCollection, sizes: ParallelSiz
     backend = resolve_backend(kernel_backend, device)
     if compiled and device.type == "cpu":
         import logging
-        import os
-        import shutil
 
-        if not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")):
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        from torch._inductor.exc import InvalidCxxCompiler
+
+        try:
+            get_cpp_compiler()  # inductor's own search (CXX, else g++): the compiler compiling will use
+        except InvalidCxxCompiler:
             # a speed option only: the run goes on, eager, rather than failing at its first step
             logging.getLogger(__name__).warning(
-                "model.compile: no C++ compiler found for torch.compile on a CPU (g++, c++, clang++ or CXX); "
+                "model.compile: no C++ compiler found for torch.compile on a CPU (CXX, else g++); "
                 "running without it (the same results, slower)")
             compiled = False
     options = BuildOptions(transformer_impl=transformer_impl, dtype=dtype, kernel_backend=backend,

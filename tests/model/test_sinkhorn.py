@@ -93,13 +93,17 @@ def test_model_compile_reaches_every_hyper_connection(pg):
 def test_model_compile_without_a_cpp_compiler_warns_and_runs_eager(pg, monkeypatch, caplog):
     """A speed option must not stop a run: without a C++ compiler the model is built uncompiled
     and the log says why."""
-    import shutil
+    from torch._inductor import cpp_builder
+    from torch._inductor.exc import InvalidCxxCompiler
 
     from genome_lm.engine.parallel import ParallelSizes
     from genome_lm.model import get_preset
     from genome_lm.model.model import build_model
 
-    monkeypatch.setattr(shutil, "which", lambda name: None)
+    def no_compiler():
+        raise InvalidCxxCompiler
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
     with caplog.at_level("WARNING"):
         model = build_model(get_preset("tiny"), pg, ParallelSizes(), compiled=True)
     assert "no C++ compiler found" in caplog.text

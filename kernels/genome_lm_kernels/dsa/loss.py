@@ -43,14 +43,20 @@ from .sparse_attention import gather_rows, gathered_probs, own_keys, queries_per
 KEEP_TARGET_BYTES = 64 << 20
 
 
+def _n_candidates(t1, kpool, N, S):
+    """M, the candidate pools of a query block ending before t1: the complete pools (dense mode,
+    S None) or the selected ones (S = topk + kpool - 1 slots)."""
+    return min(N, t1 // kpool) if S is None else min((S - kpool + 1) // kpool, N)
+
+
 def _candidates(idx_BTS, t0, t1, kpool, N, B, device):
     """Candidate pool ids [B, C, M] of queries t0..t1-1 (-1 = none): the complete pools each sees
     (dense mode, ``idx_BTS`` None) or its selected pools (the first M * kpool slots)."""
     if idx_BTS is None:
-        M = min(N, t1 // kpool)
+        M = _n_candidates(t1, kpool, N, None)
         vis_CM = visible_pools(t0, t1 - t0, M, kpool, device)
         return torch.where(vis_CM, torch.arange(M, device=device), -1).expand(B, t1 - t0, M)
-    M = min((idx_BTS.shape[-1] - kpool + 1) // kpool, N)  # S = topk + kpool - 1
+    M = _n_candidates(t1, kpool, N, idx_BTS.shape[-1])
     first_BCM = idx_BTS[:, t0:t1, : M * kpool : kpool]
     return torch.where(first_BCM >= 0, first_BCM // kpool, -1)
 
@@ -89,9 +95,11 @@ def _target(q_BTHD, k_BTHD, idx_BTS, pools_BCM, t0, t1, kpool, scale, dt, reduce
 
 def _target_bytes(B, T, N, S, kpool, chunk, itemsize):
     """Bytes of every query block's target p [B, C, M] together (M = the block's candidates)."""
-    blocks = ((min(t0 + chunk, T) - t0, min(t0 + chunk, T) // kpool) for t0 in range(0, T, chunk))
-    cap = N if S is None else min((S - kpool + 1) // kpool, N)
-    return B * itemsize * sum(c * min(cap, m if S is None else cap) for c, m in blocks)
+    values = 0
+    for t0 in range(0, T, chunk):
+        t1 = min(t0 + chunk, T)
+        values += (t1 - t0) * _n_candidates(t1, kpool, N, S)
+    return B * itemsize * values
 
 
 def _keys_by_dim(k_BTHD, dt):

@@ -36,9 +36,9 @@ only 4 digits of G_i - G_j and the gradient of g lost them (2e-5 relative error;
 Backward is autograd through this code. The pairwise step makes 4 x T x K (16 x T x K when
 exact) temporaries, so the per-chunk part runs in groups of chunks under activation
 checkpointing: what autograd keeps is W, U, M, e^G q, e^{G_last - G} k, the deltas and one entering
-state and one transition per chunk, O(T (K + V + 64) + T/64 K (K + V)), and the temporaries exist for one group at a time (forward
-and recompute). A custom
-backward would save the recompute (about a third of the forward) but is far more code to trust.
+state and one transition per chunk, O(T (K + V + 64) + T/64 K (K + V)), and the temporaries exist
+for one group at a time (forward and recompute). A custom backward would save the recompute
+(about a third of the forward) but is far more code to trust.
 """
 
 from __future__ import annotations
@@ -197,16 +197,16 @@ def kda_chunked(
         else:
             parts = _chunk_prepare(*args)
         W, U, M, Qg, Kd, decay = (p.view(B, H, nc, *p.shape[1:]) for p in parts)
-        # S_end = e^{G_last} S0 + Kd^T (U - W S0) = A S0 + b, A and b made for all chunks at once:
-        # the loop is one fused product-add per chunk (its backward two products), and unbind
-        # hands each step a view whose gradient is stacked once, not scattered into zeros
+        # S_end = e^{G_last} S0 + Kd^T (U - W S0) = T_c S0 + b_c, T_c and b_c made for all chunks
+        # at once: the loop is one fused product-add per chunk (its backward two products), and
+        # unbind hands each step a view whose gradient is stacked once, not scattered into zeros
         Kd_t = Kd.transpose(-1, -2)
-        A = torch.diag_embed(decay) - Kd_t @ W  # [B, H, nc, K, K]
+        trans = torch.diag_embed(decay) - Kd_t @ W  # T_c [B, H, nc, K, K]
         b = Kd_t @ U  # [B, H, nc, K, V]
         entering = []
-        for A_c, b_c in zip(A.flatten(0, 1).unbind(1), b.flatten(0, 1).unbind(1)):
+        for T_c, b_c in zip(trans.flatten(0, 1).unbind(1), b.flatten(0, 1).unbind(1)):
             entering.append(S)
-            S = torch.baddbmm(b_c, A_c, S.flatten(0, 1)).view(B, H, K, V)
+            S = torch.baddbmm(b_c, T_c, S.flatten(0, 1)).view(B, H, K, V)
         S_in = torch.stack(entering, 2)  # [B, H, nc, K, V]: the state entering each chunk
         outputs.append(Qg @ S_in + M @ (U - W @ S_in))  # [B, H, nc, 64, V]
     o = torch.cat(outputs, 2).reshape(B, H, n * CHUNK, V)[:, :, :T].transpose(1, 2)
