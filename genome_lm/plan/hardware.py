@@ -1,11 +1,48 @@
-"""GPUs the planner knows by name, and reading ``--gpu`` / ``--gpu-mem``."""
+"""GPUs the planner knows by name, and reading ``--gpu`` / ``--gpu-mem``.
+
+Every figure is the vendor's public specification for the SXM part in its 8-GPU HGX/DGX board
+(docs/plan.md, "The time model", lists the source of each); rates are per GPU and per direction.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from genome_lm.errors import GenomeLMError
 
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    memory: float  # usable HBM, bytes (decimal GB)
+    bf16_flops: float  # dense bf16 tensor-core peak, FLOP/s (without structured sparsity)
+    hbm: float  # HBM bandwidth, bytes/s
+    nvlink: float  # NVLink bandwidth per GPU and direction, bytes/s (inside a node)
+    network: float  # inter-node bandwidth per GPU and direction (one NIC per GPU), bytes/s
+    host_link: float  # PCIe to the host per GPU and direction, bytes/s
+    host_memory: float  # host DRAM bandwidth per node (both sockets), bytes/s
+
+
+SPECS: dict[str, GPUSpec] = {
+    # DGX B200: 8 x B200, NVLink 5 (1.8 TB/s per GPU, both directions), 8 x ConnectX-7 400 Gb/s,
+    # PCIe Gen5 x16, 2 x Xeon Platinum 8570 (8 channels of DDR5-5600 each)
+    "B200": GPUSpec("B200", 180e9, 2.25e15, 8.0e12, 900e9, 50e9, 64e9, 2 * 8 * 5600e6 * 8),
+    # DGX H200: 8 x H200, NVLink 4 (900 GB/s per GPU, both directions), 8 x ConnectX-7 400 Gb/s,
+    # PCIe Gen5 x16, 2 x Xeon Platinum 8480C (8 channels of DDR5-4800 each)
+    "H200": GPUSpec("H200", 141e9, 989e12, 4.8e12, 450e9, 50e9, 64e9, 2 * 8 * 4800e6 * 8),
+    # DGX H100: as the H200 with 80 GB of HBM3 at 3.35 TB/s
+    "H100": GPUSpec("H100", 80e9, 989e12, 3.35e12, 450e9, 50e9, 64e9, 2 * 8 * 4800e6 * 8),
+}
+
 # usable HBM per GPU as the vendors state it, in bytes (decimal GB)
-GPUS: dict[str, float] = {"B200": 180e9, "H200": 141e9, "H100": 80e9}
+GPUS: dict[str, float] = {name: spec.memory for name, spec in SPECS.items()}
+
+
+def gpu_spec(name: str) -> GPUSpec:
+    try:
+        return SPECS[name.upper()]
+    except KeyError:
+        raise GenomeLMError(f"--gpu {name}: unknown GPU (known: {', '.join(SPECS)})") from None
 
 
 def gpu_memory(name: str, override_gb: float | None = None) -> tuple[str, float]:

@@ -55,3 +55,52 @@ def compare(hw: Hardware = Hardware()) -> list[tuple[Published, float]]:
         run = with_changes(load_config(fig.config), **fig.changes) if fig.changes else load_config(fig.config)
         rows.append((fig, fig.read(estimate(run, hw))))
     return rows
+
+
+# ------------------------------------------------------------------------------------ time
+# The published run's setting for its time figures: the shipped configs with the MoE chunks not
+# checkpointed one by one (the SkyRL recipe passes MoE layers in 64 chunks,
+# mlp_chunks_for_training; recomputing each chunk is genome-lm's own addition for memory).
+PUBLISHED_TIME_SETTING = {"memory": {"moe_chunk_recompute": False}}
+
+
+@dataclass(frozen=True)
+class PublishedTime:
+    figure: str
+    value: float  # tokens/s, or a fraction (the step-time cost of offload)
+    unit: str  # "tokens/s" or "%"
+    config: str
+    changes: dict
+    fitted: bool  # the one figure the time model's kernel efficiency is fitted on
+
+    def run(self):
+        changes = {k: dict(v) for k, v in PUBLISHED_TIME_SETTING.items()}
+        for section, fields in self.changes.items():
+            changes.setdefault(section, {}).update(fields)
+        return with_changes(load_config(self.config), **changes)
+
+
+TIME_FIGURES = [
+    PublishedTime("tokens/s at 1M, 64 x B200", 13700, "tokens/s", "glm-5.3-flash-1m-64xb200", {}, fitted=True),
+    PublishedTime("tokens/s at 256k, 64 x B200", 24900, "tokens/s", "glm-5.3-flash-512k-64xb200",
+                  {"data": {"seq_len": 262144}}, fitted=False),
+    PublishedTime("step-time cost of activation offload at 256k", 0.21, "%", "glm-5.3-flash-512k-64xb200",
+                  {"data": {"seq_len": 262144}}, fitted=False),
+]
+
+
+def predicted_time(fig: PublishedTime, hw: Hardware = Hardware(), constants=None) -> float:
+    """The time model's figure for ``fig``: tokens/s, or the offload's step-time cost."""
+    from .time_model import CONSTANTS, estimate_time
+
+    c = constants or CONSTANTS
+    run = fig.run()
+    if fig.unit == "%":
+        off = with_changes(run, memory={**PUBLISHED_TIME_SETTING["memory"], "offload_activations": False})
+        return estimate_time(run, hw, c=c).step_seconds / estimate_time(off, hw, c=c).step_seconds - 1
+    return estimate_time(run, hw, c=c).tokens_per_s
+
+
+def compare_time(hw: Hardware = Hardware(), constants=None) -> list[tuple[PublishedTime, float]]:
+    """(figure, predicted) for each published time figure."""
+    return [(fig, predicted_time(fig, hw, constants)) for fig in TIME_FIGURES]

@@ -1,0 +1,260 @@
+"""Time of one training step per GPU, from a ``RunConfig``: tokens/s, MFU and what bounds it.
+
+    timing = estimate_time(run, Hardware(...))
+
+A roofline sum, no overlap: genome-lm's trainer runs every part of a step one after the other
+on one CUDA stream (communication on the default stream, ``overlap_grad_reduce`` off,
+offload through ``torch.autograd.graph.save_on_cpu``, whose device-to-host copy blocks), so
+the step time is the sum of its parts on the busiest GPU:
+
+    compute        per piece of ``plan.flops`` (recompute included), this GPU's share of the
+                   FLOPs / (bf16 tensor-core peak x efficiency of its class: "gemm" for the
+                   linear layers and experts, "kernel" for the attention-like kernels: KDA,
+                   sparse attention, the DSA indexer and its loss); the busiest expert rank
+                   does ``moe_imbalance`` times the mean expert work
+    memory         elementwise work charged by bytes at HBM bandwidth: every activation byte a
+                   layer saves (``plan.activations``) is written by each forward run of it and
+                   read, with its gradient written and read, in backward; the DSA selection's
+                   scores (8 bytes per query-pool pair: written, then read by the top-k)
+    communication  tensor parallel (sequence-parallel all-gather and reduce-scatter around the
+                   attention, the dense MLP and the shared expert), context parallel (the KDA
+                   and DSA head all-to-alls, the indexer's gathered inputs), expert parallel
+                   (dispatch and combine all-to-all per MoE run, the busiest rank receiving
+                   ``moe_imbalance`` times the mean, over the network for the part of its
+                   group outside its node), data parallel (the distributed optimizer's
+                   fp32 gradient reduce-scatter and bf16 parameter all-gather), pipeline
+                   parallel (the 1F1B bubble, (pp - 1) / micro-batches of the step)
+    host           activation offload (device-to-host in forward, back in backward, and the
+                   pinned blocks allocated anew each step, since the trainer releases the
+                   host cache after each step), optimizer offload (gradients down,
+                   parameters up, Adam on the CPU at host memory bandwidth)
+
+Every rate is a figure of ``hardware.SPECS`` times one efficiency of ``CONSTANTS``; each
+constant is used once, in ``estimate_time``. One of them, ``kernel``, is fitted to the published
+run's 13,700 tokens/s at 1M (``fit_kernel_efficiency``); the others are public measurements
+(docs/plan.md, "The time model", says which). The model is checked against the published run's
+other figures (24,900 tokens/s at 256k, +21% step time for offload at 256k) in
+``tests/plan/test_time_model.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from genome_lm.config import RunConfig
+
+from . import flops
+from .hardware import GPUSpec, gpu_spec
+from .memory_model import Hardware, layer_bytes, parameter_split, shard_for, stage_plans, with_changes
+
+KERNELS = {"KDA recurrence", "DSA indexer selection", "DSA indexer loss target", "DSA indexer loss scores",
+           "DSA sparse attention", "DSA sparse attention (dense blocks)", "DSA sparse attention (gathered)"}
+SCORE_BYTES = 8  # per query-pool pair of the DSA selection: the fp32 score written, then read by the top-k
+ADAM_BYTES = 28  # per parameter of an Adam step: fp32 parameter, gradient, two moments read; parameter, moments written
+
+
+@dataclass(frozen=True)
+class Constants:
+    """Achieved fractions of the ``GPUSpec`` rates, and the host's pinning rate."""
+
+    gemm: float = 0.80  # large bf16 GEMMs: 790 of 989 TFLOP/s measured on the lent H200 (DESIGN.md 8)
+    kernel: float = 0.0465  # attention-like kernels: fitted on 13,700 tokens/s at 1M (fit_kernel_efficiency)
+    hbm: float = 0.80  # streaming kernels' share of HBM bandwidth
+    nvlink: float = 0.80  # NCCL bus bandwidth inside a node over the link rate
+    network: float = 0.80  # NCCL bus bandwidth over InfiniBand over the NIC rate
+    host_link: float = 0.80  # pinned copies over PCIe Gen5 x16 (about 51 of 64 GB/s)
+    host_memory: float = 0.50  # CPU Adam's share of the node's DRAM bandwidth
+    pin_rate: float = 5e9  # bytes/s of pinned host memory cudaHostAlloc hands out (page-locking)
+
+
+CONSTANTS = Constants()
+
+
+@dataclass
+class TimeItem:
+    name: str
+    layer: str  # "KDA", "DSA", "dense MLP", "MoE", "mHC", "head", or "" for the step's own parts
+    resource: str  # "compute", "memory", "communication", "host", "idle" (the pipeline bubble)
+    seconds: float  # per step on the busiest GPU
+
+
+@dataclass
+class Timing:
+    """One step's predicted time on the busiest GPU, split by part."""
+
+    run: RunConfig
+    gpu: GPUSpec
+    gpus: int
+    tokens_per_step: int
+    items: list[TimeItem] = field(default_factory=list)
+    model_flops_per_gpu: float = 0.0  # forward + backward of the step's work, no recompute, mean GPU
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(i.seconds for i in self.items)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_seconds
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_s / self.gpus
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.model_flops_per_gpu / self.step_seconds / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops_per_gpu / self.step_seconds / self.gpu.bf16_flops
+
+    def by(self, key: str) -> dict[str, float]:
+        """Seconds summed by ``key`` ("resource", "layer" or "name"), largest first."""
+        out: dict[str, float] = {}
+        for item in self.items:
+            name = getattr(item, key) or "other"
+            out[name] = out.get(name, 0.0) + item.seconds
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    @property
+    def bottleneck(self) -> str:
+        """The resource with the most time, and its largest part."""
+        resource = next(iter(self.by("resource")))
+        top = max((i for i in self.items if i.resource == resource), key=lambda i: i.seconds)
+        share = self.by("resource")[resource] / self.step_seconds
+        return f"{resource} ({share:.0%} of the step; largest part: {top.name}, {top.seconds / self.step_seconds:.0%})"
+
+    def as_dict(self) -> dict:
+        return {"step_seconds": self.step_seconds, "tokens_per_s": self.tokens_per_s,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "tflops_per_gpu": self.tflops_per_gpu,
+                "mfu": self.mfu, "bottleneck": self.bottleneck, "gpu": self.gpu.name, "gpus": self.gpus,
+                "by_resource": self.by("resource"), "by_layer": self.by("layer"),
+                "items": [vars(i) for i in self.items]}
+
+
+def _link(peer_stride: int, gpus_per_node: int, gpu: GPUSpec, c: Constants) -> float:
+    """Bytes/s between ranks ``peer_stride`` apart: NVLink inside a node, else the network."""
+    return gpu.nvlink * c.nvlink if peer_stride < gpus_per_node else gpu.network * c.network
+
+
+def estimate_time(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None = None,
+                  c: Constants = CONSTANTS) -> Timing:
+    """The step time of ``run`` on ``hw`` (its busiest pipeline stage, its busiest expert rank)."""
+    gpu = gpu or gpu_spec(hw.gpu_name)
+    plans = stage_plans(run, hw)
+    plan = max(plans, key=lambda pl: len(pl.layers))  # the stage with the most layers
+    cfg, p, mem, tr = plan.model, run.parallel, run.memory, run.train
+    gpus, node = plan.gpus, hw.gpus_per_node
+    dp = gpus // (p.tp * p.cp * p.pp)
+    micro = tr.global_batch_size // (tr.micro_batch_size * dp)  # micro-batches per rank per step
+    T, B = run.data.seq_len, tr.micro_batch_size
+    s = shard_for(run, hw)
+    a = s.a
+    local = T * B / p.cp  # tokens of this rank's part of a micro-batch
+    mode = tr.indexer_loss
+    last = plan.stage == plan.stages - 1 or plan.stages == 1
+    work = flops.step_work(cfg, mem, T=T, batch=B, indexer_loss_mode=mode, gpu=True, layers=plan.layers, head=last)
+    par = flops.Parallel(p.tp, p.cp, p.sequence_parallel and p.tp > 1, hw.moe_imbalance if p.ep > 1 else 1.0)
+    timing = Timing(run, gpu, gpus, tr.global_batch_size * T)
+    add = timing.items.append
+
+    # compute: each piece at its class's efficiency
+    for w in work:
+        eff = c.kernel if w.name in KERNELS else c.gemm
+        add(TimeItem(w.name, w.layer, "compute", micro * w.total / par.divisor(w.split) / (gpu.bf16_flops * eff)))
+    whole = flops.step_work(cfg, mem, T=T, batch=B, indexer_loss_mode=mode, gpu=True)
+    timing.model_flops_per_gpu = sum(w.count * (w.forward + w.backward) for w in whole) * \
+        (tr.global_batch_size // B) / gpus
+
+    # memory-bound: saved activations written per forward run, read (with their gradient) in backward
+    runs = 1 + (1 if mem.recompute == "full" else 0.5 if mem.recompute == "selective" else 0)
+    hbm = gpu.hbm * c.hbm
+    saved = sum(lay.saved for lay in layer_bytes(cfg, s, T, B)[plan.layers.start:plan.layers.stop])
+    add(TimeItem("activations (elementwise)", "", "memory", micro * saved * local * (runs + 3) / hbm))
+    pairs = sum(w.count * w.forward / (2 * cfg.index_n_heads * cfg.index_head_dim)
+                for w in work if w.name == "DSA indexer selection")
+    if pairs:
+        add(TimeItem("DSA selection scores (top-k)", "DSA", "memory", micro * pairs * SCORE_BYTES / hbm))
+
+    # communication, per micro-batch unless stated
+    layers = [i for i in plan.layers]
+    moe_layers = [i for i in layers if cfg.mlp_layer_types[i] != "dense"]
+    passes = 2 + (runs - 1)  # forward, backward, replays
+    D = cfg.hidden_size
+    if p.tp > 1:
+        message = local * D * a
+        collectives = 2 * len(layers) + 2 * len(layers)  # attention, and the dense MLP or shared expert
+        add(TimeItem("tensor parallel (all-gather, reduce-scatter)", "", "communication",
+                     micro * passes * collectives * message * (p.tp - 1) / p.tp / _link(1, node, gpu, c)))
+    if p.cp > 1:
+        frac = (p.cp - 1) / p.cp
+        kda = [i for i in layers if cfg.layer_types[i] == "linear_attention"]
+        W, H = cfg.linear_num_heads * cfg.linear_head_dim, cfg.linear_num_heads
+        per_kda = local * (3 * W * a + 4 * W + 4 * H + 4 * W) / p.tp * frac  # q, k, v; g; beta; o (fp32)
+        dsa = [i for i in layers if cfg.layer_types[i] != "linear_attention"]
+        Hq, L = cfg.num_attention_heads, cfg.kv_lora_rank
+        per_dsa = local * (Hq * cfg.qk_head_dim * a + Hq * L * a) / p.tp * frac + \
+            T * B * (L + D + cfg.q_lora_rank) * a * frac  # q and o over heads; the latent and indexer inputs gathered
+        add(TimeItem("context parallel (head all-to-all, gathers)", "", "communication",
+                     micro * passes * (len(kda) * per_kda + len(dsa) * per_dsa) / _link(p.tp, node, gpu, c)))
+    if p.ep > 1 and moe_layers:
+        moe_runs = 1 + (1 if mem.recompute == "full" else 0) + \
+            (1 if mem.recompute == "full" and getattr(mem, "recompute_nested", False) else 0) + \
+            (1 if mem.moe_chunk_recompute and mem.moe_chunks > 1 and not getattr(mem, "recompute_nested", False)
+             else 0)
+        a2a = 2 * (moe_runs + 1)  # dispatch and combine per forward run, and both again in backward
+        received = local / p.tp * cfg.num_experts_per_tok * D * a * hw.moe_imbalance
+        in_node = min(p.ep, max(1, node // p.etp))  # members of this GPU's expert group on its node
+        remote = received * (1 - in_node / p.ep)
+        seconds = max(remote / (gpu.network * c.network), (received - remote) / (gpu.nvlink * c.nvlink))
+        if p.etp > 1:  # the expert-tensor-parallel pair gathers each other's tokens, inside the node
+            seconds += received * (p.etp - 1) / p.etp / (gpu.nvlink * c.nvlink)
+        add(TimeItem("expert parallel (all-to-all)", "MoE", "communication", micro * a2a * len(moe_layers) * seconds))
+    split = parameter_split(cfg, plan.layers, plan.stage == 0, last)
+    dense = split["replicated"] + split["tensor"] / p.tp
+    experts = split["expert"] / (p.ep * p.etp)
+    dp_dense, dp_expert = gpus // (p.tp * p.pp), gpus // (p.ep * p.etp * p.pp)
+    grad_bytes = sum(n * (4 + 2) * (d - 1) / d for n, d in ((dense, dp_dense), (experts, dp_expert)) if d > 1)
+    if grad_bytes:  # once per step: fp32 gradients reduce-scattered, bf16 parameters all-gathered
+        add(TimeItem("data parallel (gradients, parameters)", "", "communication",
+                     grad_bytes / _link(p.tp * p.cp * p.pp, node, gpu, c)))
+    if p.pp > 1:  # 1F1B: every stage idles for pp - 1 micro-batch slots of forward and backward
+        busy = sum(i.seconds for i in timing.items if i.resource != "host")
+        add(TimeItem("pipeline bubble", "", "idle", (p.pp - 1) / micro * busy))
+
+    # host: activation offload, optimizer offload
+    if mem.offload_activations:
+        pinned = sum(i.bytes for i in plan.host if i.name == "offloaded activations")
+        moved = sum(i.bytes for i in max(stage_plans(with_changes(run, memory={"offload_pinned": False}), hw),
+                                         key=lambda pl: len(pl.layers)).host if i.name == "offloaded activations")
+        moved /= plan.in_flight  # one micro-batch's blocks
+        add(TimeItem("activation offload (copies)", "", "host", micro * 2 * moved / (gpu.host_link * c.host_link)))
+        if mem.offload_pinned:
+            add(TimeItem("activation offload (pinning host memory)", "", "host", pinned / c.pin_rate))
+    shard = dense / dp_dense + experts / dp_expert
+    if mem.optimizer_offload:
+        add(TimeItem("optimizer offload (gradients down, parameters up)", "", "host",
+                     shard * (4 + a) / (gpu.host_link * c.host_link)))
+        add(TimeItem("optimizer step (CPU Adam)", "", "host",
+                     shard * ADAM_BYTES * min(gpus, node) / (gpu.host_memory * c.host_memory)))
+    else:
+        add(TimeItem("optimizer step (GPU Adam)", "", "memory", shard * ADAM_BYTES / hbm))
+    return timing
+
+
+def fit_kernel_efficiency(run: RunConfig, tokens_per_s: float, hw: Hardware = Hardware(),
+                          c: Constants = CONSTANTS) -> float:
+    """The ``kernel`` efficiency at which ``run`` reaches ``tokens_per_s`` (bisection: the
+    predicted rate grows with it)."""
+    lo, hi = 1e-4, 1.0
+    for _ in range(60):
+        mid = (lo * hi) ** 0.5
+        if estimate_time(run, hw, c=replace(c, kernel=mid)).tokens_per_s < tokens_per_s:
+            lo = mid
+        else:
+            hi = mid
+    return (lo * hi) ** 0.5
+
+
+__all__ = ["CONSTANTS", "Constants", "TimeItem", "Timing", "estimate_time", "fit_kernel_efficiency"]
