@@ -1,4 +1,5 @@
-"""``genome-lm plan``: memory per GPU and host for a config, before a run (genome_lm.plan)."""
+"""``genome-lm plan``: memory per GPU and host, and the step's time, for a config, before a run
+(genome_lm.plan)."""
 
 from __future__ import annotations
 
@@ -33,17 +34,29 @@ def plan(
     device: Annotated[str, typer.Option(help="gpu, or cpu for the torch path (offload moves nothing there).")] = "gpu",
     sweep: Annotated[bool, typer.Option("--sweep", help="The table over sequence lengths 32k to 1M.")] = False,
     published: Annotated[bool, typer.Option("--published", help="The published run's figures next to the plan's.")] = False,
+    kernel_efficiency: Annotated[Optional[float], typer.Option(
+        help="Achieved fraction of the bf16 peak for the attention-like kernels (KDA, sparse attention, DSA "
+             "indexer); default: the time model's, fitted on the published 1M run. `genome-lm preflight` measures "
+             "it on a GPU.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the plan (memory and time) as JSON instead of tables.")] = False,
+    plot: Annotated[Optional[str], typer.Option(help="Write a bar chart of the step's time by part to this PNG.")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config field: section.field=value.")] = None,
 ) -> None:
     """Size the hardware before a run: memory per GPU (parameters, gradients, optimizer state,
     activations per layer type, what recompute and offload save) and host memory per node, from
     the same config the trainer reads. Flags a plan that does not fit the GPU and names the
-    cheapest change that fits."""
+    cheapest change that fits. On a GPU (--device gpu) also the step's time: step seconds,
+    tokens/s for the cluster and per GPU, MFU, the time by layer type and by compute, memory,
+    communication and host, and what bounds the step (docs/plan.md, "The time model")."""
+    from dataclasses import replace
+
     from genome_lm.config import load_config
 
-    from genome_lm.plan.hardware import gpu_memory
+    from genome_lm.plan.hardware import gpu_memory, gpu_spec
     from genome_lm.plan.memory_model import Hardware, estimate
-    from genome_lm.plan.report import print_plan, published_table, sweep_table
+    from genome_lm.plan.report import (print_plan, published_table, published_time_table, sweep_table, time_plot,
+                                       time_table)
+    from genome_lm.plan.time_model import CONSTANTS, estimate_time
 
     if device not in ("gpu", "cpu"):
         raise GenomeLMError(f"--device {device}: expected gpu or cpu")
@@ -53,12 +66,21 @@ def plan(
         raise GenomeLMError(f"--moe-imbalance {moe_imbalance}: the busiest rank has at least the mean (>= 1)")
     if not 0 <= headroom < 1:
         raise GenomeLMError(f"--headroom {headroom}: expected a fraction in [0, 1)")
+    if kernel_efficiency is not None and not 0 < kernel_efficiency <= 1:
+        raise GenomeLMError(f"--kernel-efficiency {kernel_efficiency}: expected a fraction in (0, 1]")
+    constants = CONSTANTS if kernel_efficiency is None else replace(CONSTANTS, kernel=kernel_efficiency)
     name, mem_bytes = gpu_memory(gpu, gpu_mem)
+    spec = gpu_spec(gpu) if device == "gpu" else None
+    if spec is not None and gpu_mem is not None:
+        spec = replace(spec, memory=mem_bytes)
     hw = Hardware(gpu_name=name, gpu_bytes=mem_bytes, gpus=gpus, gpus_per_node=gpus_per_node, device=device,
                   moe_imbalance=moe_imbalance, headroom=headroom)
     if published:
         console.print(published_table(hw))
         console.print("Differences over 20% are explained in docs/plan.md.")
+        console.print(published_time_table(hw, constants))
+        console.print("The time model fits one constant (the kernel efficiency) on the 1M figure; the other rows "
+                      "are predictions (docs/plan.md, \"The time model\").")
         return
     if config is None:
         raise GenomeLMError("--config is required (a shipped config name or a YAML path)")
@@ -68,6 +90,25 @@ def plan(
     options = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items() if v is not None]
     run = load_config(config, [*(set_ or []), *options])  # validated like the trainer's config
     if sweep:
-        console.print(sweep_table(run, hw))
+        console.print(sweep_table(run, hw, gpu=spec, constants=constants))
         return
-    print_plan(estimate(run, hw), hw, console)
+    memory_plan = estimate(run, hw)
+    timing = estimate_time(run, hw, spec, constants) if spec is not None else None
+    if plot is not None:
+        if timing is None:
+            raise GenomeLMError("--plot: the time model is for GPUs (--device gpu)")
+        time_plot(timing, plot)
+    if json_out:
+        import json
+
+        out = {"config": config, "gpu": name, "gpus": memory_plan.gpus, "fits": memory_plan.fits,
+               "peak_bytes": memory_plan.peak, "usable_bytes": memory_plan.usable, "peak_where": memory_plan.peak_where,
+               "device": [vars(i) for i in memory_plan.device], "host": [vars(i) for i in memory_plan.host],
+               "time": None if timing is None else {**timing.as_dict(), "constants": vars(constants)}}
+        typer.echo(json.dumps(out, indent=2))
+        return
+    print_plan(memory_plan, hw, console)
+    if timing is not None:
+        console.print(time_table(timing))
+    if plot is not None:
+        console.print(f"wrote {plot}")

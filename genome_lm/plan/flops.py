@@ -319,3 +319,12 @@ def model_flops_per_token(cfg: ModelConfig) -> float:
                 active += w.forward / 2
     active += D * cfg.vocab_size
     return 6.0 * active
+
+
+def model_flops(cfg: ModelConfig, memory, *, T: int, batch: int = 1, indexer_loss_mode: str = "off",
+                gpu: bool = False) -> float:
+    """Forward + backward FLOPs of one micro-batch, without what recompute replays (the ops' own
+    backward recomputation, such as KDA's, is part of their backward): what TFLOP/s and MFU
+    count, as Megatron-LM's ``num_floating_point_operations`` does."""
+    work = step_work(cfg, memory, T=T, batch=batch, indexer_loss_mode=indexer_loss_mode, gpu=gpu)
+    return sum(w.count * (w.forward + w.backward) for w in work)

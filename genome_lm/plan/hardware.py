@@ -55,3 +55,35 @@ def gpu_memory(name: str, override_gb: float | None = None) -> tuple[str, float]
     if key not in GPUS:
         raise GenomeLMError(f"--gpu {name}: unknown GPU (known: {', '.join(GPUS)}; or give --gpu-mem GB)")
     return key, GPUS[key]
+
+
+def measured_matmul_flops(n: int = 1024, repeats: int = 5, dtype=None) -> float:
+    """FLOP/s of an n x n x n matrix product on this machine's CPU (the best of ``repeats``, with
+    torch's threads as set): the peak a CPU step's MFU is measured against."""
+    import time
+
+    import torch
+
+    dtype = dtype or torch.float32
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up: thread pool, page faults
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def device_peak_flops(device: str = "cpu", dtype=None) -> tuple[str, float]:
+    """(label, FLOP/s) that MFU is measured against: a GPU's dense bf16 tensor-core peak (from
+    ``SPECS`` by its name; an unknown GPU gives 0, no MFU), or this CPU's measured matmul rate."""
+    if device == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name()
+        for key, spec in SPECS.items():
+            if key in name.upper():
+                return f"{key} bf16 dense peak", spec.bf16_flops
+        return f"{name} (unknown peak)", 0.0
+    return "this CPU's measured matmul rate", measured_matmul_flops(dtype=dtype)

@@ -73,11 +73,15 @@ class PublishedTime:
     changes: dict
     fitted: bool  # the one figure the time model's kernel efficiency is fitted on
 
-    def run(self):
+    def run_changes(self) -> dict:
+        """The changes from the shipped config: the published setting's and the figure's own."""
         changes = {k: dict(v) for k, v in PUBLISHED_TIME_SETTING.items()}
         for section, fields in self.changes.items():
             changes.setdefault(section, {}).update(fields)
-        return with_changes(load_config(self.config), **changes)
+        return changes
+
+    def run(self):
+        return with_changes(load_config(self.config), **self.run_changes())
 
 
 TIME_FIGURES = [

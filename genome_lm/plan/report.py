@@ -177,16 +177,26 @@ def fit_line(plan: Plan, hw: Hardware) -> str:
             f"{s.plan.gpus} GPUs, host {gib(s.plan.host_per_node)} GiB per node")
 
 
-def sweep_table(run: RunConfig, hw: Hardware, lengths=SWEEP_LENGTHS) -> Table:
+def sweep_table(run: RunConfig, hw: Hardware, lengths=SWEEP_LENGTHS, gpu=None, constants=None) -> Table:
+    """Peak memory per length; with ``gpu`` (a ``GPUSpec``) also the time model's tokens/s."""
+    from .time_model import CONSTANTS, estimate_time
+
     table = Table(title=f"{run.model.preset}, {hw.gpu_name}: per-GPU peak over sequence lengths", title_justify="left")
-    for col in ("length", "tokens/GPU", "peak GiB", "activations GiB", "where", "host/GPU GiB", "host/node GiB", "fits"):
-        table.add_column(col, justify="right" if col not in ("where",) else "left")
+    columns = ["length", "tokens/GPU", "peak GiB", "activations GiB", "where", "host/GPU GiB", "host/node GiB", "fits"]
+    if gpu is not None:
+        columns += ["step s", "tokens/s", "MFU", "bound by"]
+    for col in columns:
+        table.add_column(col, justify="right" if col not in ("where", "bound by") else "left")
     for n in lengths:
-        plan = estimate(with_changes(run, data={"seq_len": n}), hw)
+        changed = with_changes(run, data={"seq_len": n})
+        plan = estimate(changed, hw)
         acts = next(i.bytes for i in plan.device if i.name.startswith("activations"))
-        table.add_row(length_label(n), f"{plan.tokens:,}", gib(plan.peak), gib(acts), plan.peak_where,
-                      gib(plan.host_per_gpu), gib(plan.host_per_node),
-                      "[green]yes[/green]" if plan.fits else "[red]no[/red]")
+        row = [length_label(n), f"{plan.tokens:,}", gib(plan.peak), gib(acts), plan.peak_where,
+               gib(plan.host_per_gpu), gib(plan.host_per_node), "[green]yes[/green]" if plan.fits else "[red]no[/red]"]
+        if gpu is not None:
+            t = estimate_time(changed, hw, gpu, constants or CONSTANTS)
+            row += [f"{t.step_seconds:,.1f}", f"{t.tokens_per_s:,.0f}", f"{t.mfu:.1%}", t.bottleneck.split(" (")[0]]
+        table.add_row(*row)
     return table
 
 
@@ -210,3 +220,74 @@ def print_plan(plan: Plan, hw: Hardware, console: Console | None = None) -> None
     console = console or Console()
     console.print(budget_table(plan))
     console.print(fit_line(plan, hw))
+
+
+# ------------------------------------------------------------------------------------ time
+def time_table(timing) -> Table:
+    """Step time, throughput and MFU, and the step split by layer type and by resource."""
+    run, p = timing.run, timing.run.parallel
+    table = Table(title=f"Step time on {timing.gpus} x {timing.gpu.name} (predicted; plan.time_model, docs/plan.md)",
+                  title_justify="left")
+    table.add_column("per step", style="bold")
+    table.add_column("value", justify="right")
+    table.add_column("note")
+    step = timing.step_seconds
+    table.add_row("step time", f"{step:,.1f} s", f"{run.train.global_batch_size} x {length_label(run.data.seq_len)} "
+                  f"tokens, {timing.tokens_per_step:,} per step")
+    table.add_row("tokens/s", f"{timing.tokens_per_s:,.0f}", f"whole cluster; {timing.tokens_per_s_per_gpu:,.0f} per GPU")
+    table.add_row("TFLOP/s per GPU", f"{timing.tflops_per_gpu:,.1f}", "model FLOPs (forward + backward, no recompute)")
+    table.add_row("MFU", f"{timing.mfu:.1%}", f"of {timing.gpu.bf16_flops / 1e12:,.0f} TFLOP/s bf16 dense")
+    table.add_row("bottleneck", "", timing.bottleneck, style="bold yellow")
+    table.add_section()
+    for resource, seconds in timing.by("resource").items():
+        table.add_row(f"[italic]{resource}[/italic]", f"{seconds:,.1f} s", f"{seconds / step:.0%}")
+    table.add_section()
+    for layer, seconds in timing.by("layer").items():
+        table.add_row(f"[italic]{layer}[/italic]", f"{seconds:,.1f} s", f"{seconds / step:.0%}")
+    table.add_section()
+    for item in sorted(timing.items, key=lambda i: -i.seconds):
+        if item.seconds >= 0.005 * step:
+            table.add_row(item.name, f"{item.seconds:,.2f} s", f"{item.resource}, {item.seconds / step:.1%}")
+    return table
+
+
+def time_plot(timing, path) -> None:
+    """A horizontal bar chart of the step's parts, coloured by resource."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    items = sorted((i for i in timing.items if i.seconds > 0), key=lambda i: i.seconds)
+    colours = {"compute": "tab:blue", "memory": "tab:green", "communication": "tab:orange", "host": "tab:red",
+               "idle": "tab:gray"}
+    fig, ax = plt.subplots(figsize=(8, 0.3 * len(items) + 1.5))
+    ax.barh([i.name for i in items], [i.seconds for i in items], color=[colours[i.resource] for i in items])
+    for resource, colour in colours.items():
+        if any(i.resource == resource for i in items):
+            ax.barh([], [], color=colour, label=resource)
+    ax.legend(loc="lower right")
+    ax.set_xlabel("seconds per step (busiest GPU)")
+    run = timing.run
+    ax.set_title(f"{run.model.preset}, {length_label(run.data.seq_len)} on {timing.gpus} x {timing.gpu.name}: "
+                 f"{timing.step_seconds:,.0f} s, {timing.tokens_per_s:,.0f} tokens/s, MFU {timing.mfu:.1%}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def published_time_table(hw: Hardware, constants=None) -> Table:
+    from .published import compare_time
+
+    table = Table(title="GLM-5.3-Flash on 64 x B200: published throughput next to the time model", title_justify="left")
+    for col in ("figure", "config (changes)", "published", "predicted", "predicted / published", "role"):
+        table.add_column(col, justify="right" if col in ("published", "predicted", "predicted / published") else "left")
+    for fig, value in compare_time(hw, constants):
+        changes = ", ".join(f"{k}={v}" for sec in fig.run_changes().values() for k, v in sec.items())
+        if fig.unit == "%":
+            cells = (f"+{fig.value:.0%}", f"{value:+.1%}", f"{(value - fig.value) * 100:+.1f} points")
+        else:
+            cells = (f"{fig.value:,.0f} tokens/s", f"{value:,.0f} tokens/s", f"x{value / fig.value:.2f}")
+        table.add_row(fig.figure, fig.config + (f" ({changes})" if changes else ""), *cells,
+                      "fitted (kernel efficiency)" if fig.fitted else "predicted")
+    return table

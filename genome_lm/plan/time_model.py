@@ -113,7 +113,7 @@ class Timing:
         """Seconds summed by ``key`` ("resource", "layer" or "name"), largest first."""
         out: dict[str, float] = {}
         for item in self.items:
-            name = getattr(item, key) or "other"
+            name = getattr(item, key) or "step-wide (not per layer)"
             out[name] = out.get(name, 0.0) + item.seconds
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
