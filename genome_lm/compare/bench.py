@@ -8,7 +8,8 @@ next. transformers runs with flash-linear-attention hidden (``sys.modules["fla"]
 otherwise glm5_next swaps in fla's Triton kernels, which fail on a CPU (DESIGN.md section 6).
 
 The same work on both sides: batch 1, the same random DNA ids (4..8), fp32, training mode,
-loss = cross entropy of the logits against the next token, ``loss.backward()``. With
+loss = cross entropy of the logits against the next token, ``loss.backward()``; genome-lm's side
+is the trainer's own step (``train.step``) with weight 1 on every target. With
 ``compare_transformers`` genome-lm's weights are first exported with ``export_hf_checkpoint`` to
 a temporary folder; genome-lm's workers load them back with ``load_hf_checkpoint`` and
 transformers' workers with ``from_pretrained``, so both hold identical weights (the rows carry
@@ -263,24 +264,41 @@ def _export(cfg: dict) -> None:
     print(json.dumps({"checkpoint": cfg["checkpoint"]}))
 
 
+def _next_token_batch(ids_BT):
+    """The trainer's step on ``ids`` [B, T] doing transformers' work: all T positions go through
+    the model; targets the next token, weight 1 each, none for the last position. With the global
+    weight = the number of targets the step's weighted LM loss is the plain mean next-token
+    cross-entropy, ``_next_token_loss``, what transformers' rows report."""
+    import torch
+
+    from genome_lm.data.loader import IGNORE
+    from genome_lm.train.step import Tokens
+
+    labels = torch.cat([ids_BT[:, 1:], torch.full_like(ids_BT[:, :1], IGNORE)], dim=1)
+    weights = torch.ones(ids_BT.shape, dtype=torch.float32)
+    weights[:, -1] = 0.0
+    return Tokens(ids_BT, labels, weights)
+
+
 def _measure_genome_lm(cfg: dict) -> dict:
     from genome_lm.engine import quiet_megatron_import
 
     with quiet_megatron_import():
+        from genome_lm.config import MemoryConfig
         from genome_lm.engine.parallel import parallel_context
+        from genome_lm.train.step import StepSpec, forward_backward
     with parallel_context() as pg:
         model = _build_genome_lm(cfg, pg).train()
-        ids = _token_ids(cfg)
-
+        batch = _next_token_batch(_token_ids(cfg))
         mode = cfg.get("indexer_loss", "off")
+        # the indexer losses join the loss that is differentiated with coefficient 1; none when off
+        spec = StepSpec(memory=MemoryConfig(), mode=mode, global_weight=batch.loss_weight.sum(), tp_group=pg.tp)
         indexer = []
 
         def step() -> float:
-            out = model(ids, indexer_loss=mode)
-            loss = _next_token_loss(out.logits, ids)
-            (loss + sum(out.indexer_losses)).backward()  # the indexer losses: none when off
-            indexer[:] = [x.item() for x in out.indexer_losses]
-            return loss.item()
+            sums = forward_backward(model, [batch], spec)
+            indexer[:] = [float(sums.indexer)]
+            return float(sums.lm_sum / spec.global_weight)
 
         result = _time_steps(model, step, cfg)
         result["backend"] = f"{model.options.kernel_backend} kernels" + (

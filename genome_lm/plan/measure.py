@@ -4,7 +4,8 @@ each stage of a pipeline-parallel step.
 
 One forward + backward of ``RunConfig``'s model (random weights, random DNA tokens) with its
 memory switches applied, in a fresh Python process, so that nothing an earlier measurement
-allocated is counted. A shorter warm-up step runs first (its gradients dropped): the first
+allocated is counted. The step is the trainer's own (``train_step``: ``train.step``), with the
+loss, the indexer loss and the switches that act on the step as training applies them. A shorter warm-up step runs first (its gradients dropped): the first
 step pages in ~30 MiB of library code and leaves ~10 MiB of one-time library buffers, an amount
 that differs from one CPU to the next (CI measured 23 MiB more than this machine) and that is not
 the step's tensors. Peak: the process's resident-set high-water mark (``/proc`` VmHWM, reset
@@ -77,82 +78,105 @@ def _worker_env() -> dict:
             "PYTHONWARNINGS": "ignore"}
 
 
+def random_batches(run: RunConfig, n_micro: int, device: str = "cpu") -> list:
+    """``n_micro`` micro-batches of random DNA ids (4..7) of ``data.seq_len`` inputs: targets the
+    next token, weight 1 each (``train.step.Tokens``)."""
+    import torch
+
+    from genome_lm.train.step import Tokens
+
+    T, B = run.data.seq_len, run.train.micro_batch_size
+    ids_NBL = torch.randint(4, 8, (n_micro, B, T + 1), device=device)
+    return [Tokens(ids[:, :-1], ids[:, 1:], torch.ones(B, T, device=device)) for ids in ids_NBL]
+
+
+def train_step(model: GLM5Model, run: RunConfig, micro: list, *, pin_offload: bool = False):
+    """The trainer's step (``train.step.forward_backward``) of ``run`` over ``micro``, as the
+    trainer runs it when these micro-batches are a whole global batch on one data-parallel rank:
+    the loss normalised by their total weight, ``train.indexer_loss`` (the mode after the dense
+    warm-up) with ``train.indexer_loss_coeff`` shared among them, the config's memory switches.
+    ``pin_offload`` False: offloaded activations stay in pageable memory even where a GPU could
+    pin them (a CPU measurement must not start CUDA). Returns ``train.step.StepSums``."""
+    import torch
+
+    from genome_lm.train.step import StepSpec, forward_backward
+
+    weight = sum(b.loss_weight.sum() for b in micro)
+    memory = run.memory if pin_offload else run.memory.model_copy(update={"offload_pinned": False})
+    spec = StepSpec(memory=memory, mode=run.train.indexer_loss, global_weight=torch.as_tensor(weight),
+                    indexer_coeff=run.train.indexer_loss_coeff / len(micro), tp_group=model.pg.tp)
+    return forward_backward(model, micro, spec)
+
+
+def build_measured(run: RunConfig, pg, sizes, *, n_micro: int = 1, device: str = "cpu", dtype=None,
+                   transformer_impl: str = "local", kernel_backend: str = "torch") -> GLM5Model:
+    """``run``'s model (random weights, seeded with ``train.seed``) with its memory switches
+    applied and, with ``train.moe_aux_loss_coeff`` > 0, its MoE auxiliary loss as the trainer
+    builds it (scaled for ``n_micro`` micro-batches). ``dtype`` None: ``model.dtype``."""
+    import torch
+
+    from genome_lm.model.model import build_model
+    from genome_lm.model.router import set_aux_loss_grad_scale
+    from genome_lm.plan.memory_model import model_config
+    from genome_lm.train.memory import apply_memory
+
+    torch.manual_seed(run.train.seed)
+    if dtype is None:
+        dtype = torch.bfloat16 if run.model.dtype == "bf16" else torch.float32
+    model = build_model(model_config(run), pg, sizes, transformer_impl=transformer_impl,
+                        kernel_backend=kernel_backend, dtype=dtype, device=device,
+                        moe_aux_loss_coeff=run.train.moe_aux_loss_coeff, moe_aux_loss=run.train.moe_aux_loss)
+    set_aux_loss_grad_scale(model, 1.0 / n_micro)
+    apply_memory(model, run.memory)
+    return model
+
+
+def _first(micro: list, n: int) -> list:
+    """The micro-batches cut to their first ``n`` positions (the warm-up step's shorter length)."""
+    return [type(b)(b.tokens[:, :n], b.labels[:, :n], b.loss_weight[:, :n]) for b in micro]
+
+
 def _worker(spec: dict) -> dict:
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
     import torch
 
     from genome_lm.config import RunConfig
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
-    from genome_lm.model.model import build_model
-    from genome_lm.plan.memory_model import model_config
-    from genome_lm.train.loss import lm_loss
-    from genome_lm.train.memory import apply_memory, offload_saved_tensors
 
     torch.set_num_threads(spec["threads"])
     run = RunConfig.model_validate_json(spec["run"])
     T = run.data.seq_len
     with parallel_context() as pg:
-        torch.manual_seed(run.train.seed)
-        dtype = torch.bfloat16 if run.model.dtype == "bf16" else torch.float32
-        model = build_model(model_config(run), pg, ParallelSizes(), kernel_backend="torch", dtype=dtype,
-                            device="cpu")
-        apply_memory(model, run.memory)
-        ids = torch.randint(4, 8, (run.train.micro_batch_size, T + 1))
-        weights = torch.ones(run.train.micro_batch_size, T)
-        mode = run.train.indexer_loss
+        model = build_measured(run, pg, ParallelSizes())
+        micro = random_batches(run, 1)
 
         def step(n: int) -> None:
-            with offload_saved_tensors(run.memory.offload_activations, pinned=False):
-                out = model(ids[:, :n], indexer_loss=mode)
-                parts = lm_loss(out.logits, ids[:, 1:n + 1], weights[:, :n], global_weight=weights[:, :n].sum(),
-                                indexer_losses=out.indexer_losses)
-                parts.total.backward()
+            train_step(model, run, _first(micro, n))
 
         seconds, peak = _timed_peak(model, step, T)
     return {"seq_len": T, "seconds": seconds, "peak_bytes": peak}
 
 
 def _pipeline_worker(spec: dict) -> dict:
-    """One pipeline rank of ``measure_pipeline_step``: the 1F1B schedule of the trainer
-    (``train.pipeline.run_1f1b``) over ``global_batch_size / micro_batch_size`` micro-batches."""
+    """One pipeline rank of ``measure_pipeline_step``: the trainer's step (the 1F1B schedule,
+    ``train.pipeline.run_1f1b``) over ``global_batch_size / micro_batch_size`` micro-batches."""
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
     import torch
 
     from genome_lm.config import RunConfig
     from genome_lm.engine.parallel import ParallelSizes, init_distributed, parallel_context
-    from genome_lm.model.model import build_model
-    from genome_lm.plan.memory_model import model_config
-    from genome_lm.train.loss import lm_loss
-    from genome_lm.train.memory import apply_memory, offload_saved_tensors
-    from genome_lm.train.pipeline import run_1f1b
 
     torch.set_num_threads(spec["threads"])
     run = RunConfig.model_validate_json(spec["run"])
-    T, B = run.data.seq_len, run.train.micro_batch_size
-    n_micro = run.train.global_batch_size // B
+    T, n_micro = run.data.seq_len, run.train.global_batch_size // run.train.micro_batch_size
     init_distributed(spec["rank"], run.parallel.pp, init_method=spec["init_method"])
     sizes = ParallelSizes(pp=run.parallel.pp)
     with parallel_context(sizes) as pg:
-        torch.manual_seed(run.train.seed)
-        model = build_model(model_config(run), pg, sizes, kernel_backend="torch", device="cpu")
-        apply_memory(model, run.memory)
-        ids = torch.randint(4, 8, (n_micro, B, T + 1))
-        weights = torch.ones(B, T)
-        mode = run.train.indexer_loss
+        model = build_measured(run, pg, sizes, n_micro=n_micro)
+        micro = random_batches(run, n_micro)
 
         def step(n: int) -> None:
-            def forward(i, streams):
-                out, losses = model.hidden(ids[i, :, :n] if model.pre_process else None, mode, streams=streams,
-                                           positions=n)
-                if not model.post_process:
-                    return out, sum(losses) if losses else None
-                logits = model.output_layer(out)[0].transpose(0, 1)
-                parts = lm_loss(logits, ids[i, :, 1:n + 1], weights[:, :n], global_weight=weights[:, :n].sum(),
-                                indexer_losses=losses)
-                return None, parts.total
-
-            with offload_saved_tensors(run.memory.offload_activations, pinned=False):
-                run_1f1b(model, n_micro, model.stream_shape(B, n), forward)
+            train_step(model, run, _first(micro, n))
 
         seconds, peak = _timed_peak(model, step, T, barrier=torch.distributed.barrier)
     return {"seq_len": T * n_micro, "seconds": seconds, "peak_bytes": peak}
@@ -200,45 +224,30 @@ def measure_step(run: RunConfig, threads: int = 1, timeout: float = 600) -> Meas
 
 
 def measure_gpu_step(run: RunConfig, device: str = "cuda") -> int:
-    """Bytes one forward + backward of ``run``'s model (random weights, bf16, the config's kernel
-    backend and memory switches, as the trainer applies them) adds on a GPU: the allocator's
-    peak during the step (``torch.cuda.max_memory_allocated``) minus what was allocated before
-    it (the parameters). Gradients stay plain bf16 ``.grad`` tensors (see ``planned_gpu_step``)."""
+    """Bytes one training step of ``run``'s model (random weights, bf16, the config's kernel
+    backend, Transformer Engine as ``engine.backend`` resolves it, the memory switches as the
+    trainer applies them: ``train_step``, one micro-batch of ``train.micro_batch_size``) adds on a GPU: the allocator's peak
+    during the step (``torch.cuda.max_memory_allocated``) minus what was allocated before it
+    (the parameters). Gradients stay plain bf16 ``.grad`` tensors (see ``planned_gpu_step``)."""
     import torch
 
+    from genome_lm.engine.backend import current
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
-    from genome_lm.model.model import build_model
-    from genome_lm.plan.memory_model import model_config
-    from genome_lm.train.loss import lm_loss
-    from genome_lm.train.memory import apply_memory, offload_saved_tensors, release_host_cache
+    from genome_lm.train.memory import release_host_cache
 
-    impl = run.model.transformer_impl
-    if impl == "auto":
-        try:
-            import transformer_engine  # noqa: F401
-            impl = "transformer_engine"
-        except ImportError:
-            impl = "local"
-    T = run.data.seq_len
     with parallel_context() as pg:
-        torch.manual_seed(0)
-        model = build_model(model_config(run), pg, ParallelSizes(), transformer_impl=impl,
-                            kernel_backend=run.model.kernel_backend, dtype=torch.bfloat16, device=device)
-        apply_memory(model, run.memory)
-        ids = torch.randint(4, 8, (1, T + 1), device=device)
-        weights = torch.ones(1, T, device=device)
+        model = build_measured(run, pg, ParallelSizes(), device=device, dtype=torch.bfloat16,
+                               transformer_impl=current().resolve_impl(run.model.transformer_impl),
+                               kernel_backend=run.model.kernel_backend)
+        micro = random_batches(run, 1, device=device)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        with offload_saved_tensors(run.memory.offload_activations, run.memory.offload_pinned):
-            out = model(ids[:, :-1], indexer_loss=run.train.indexer_loss)
-            parts = lm_loss(out.logits, ids[:, 1:], weights, global_weight=weights.sum(),
-                            indexer_losses=out.indexer_losses)
-            parts.total.backward()
+        train_step(model, run, micro, pin_offload=True)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
         release_host_cache()
-        del model, out, parts
+        del model, micro
         torch.cuda.empty_cache()
     return peak
 

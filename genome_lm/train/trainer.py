@@ -31,7 +31,6 @@ import shutil
 import signal
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -282,34 +281,21 @@ class Trainer:
         return micro, whole[0].tokens.shape[1]
 
     def _forward_backward(self, micro: list, step: int, weight, positions: int):
-        """Forward and backward of every micro-batch (the 1F1B schedule under pipeline parallel);
-        returns this rank's sums of the weighted LM loss and of the indexer loss. ``positions``:
-        the batches' length before context-parallel padding, which the indexer loss stops at."""
+        """Forward and backward of every micro-batch (``train.step``; the 1F1B schedule under
+        pipeline parallel); returns this rank's sums of the weighted LM loss and of the indexer
+        loss, each over the pipeline's stages. ``positions``: the batches' length before
+        context-parallel padding, which the indexer loss stops at."""
         from .loss import global_sum
-        from .memory import offload_saved_tensors
+        from .step import StepSpec, forward_backward
 
-        cfg, pg, model = self.cfg, self.pg, self.model
+        cfg, pg = self.cfg, self.pg
         mode = "dense" if step < cfg.train.indexer_dense_steps else cfg.train.indexer_loss
         # indexer_tokens: the model already divides each CP rank's indexer loss by cp
-        loss_args = dict(indexer_tokens=positions if pg.cp.size() > 1 else None,
-                         indexer_coeff=cfg.train.indexer_loss_coeff / (self.dp_size * len(micro)))
-        offload = partial(offload_saved_tensors, cfg.memory.offload_activations, cfg.memory.offload_pinned)
-        if pg.pp.size() > 1:
-            from .pipeline import run_1f1b
-
-            sums = {"lm": torch.zeros(()), "indexer": torch.zeros(())}
-            with offload():
-                run_1f1b(model, len(micro), model.stream_shape(*micro[0].tokens.shape),
-                         partial(_stage_loss, model, micro, mode, cfg, weight, pg, sums, **loss_args))
-            return global_sum(sums["lm"], pg.pp), global_sum(sums["indexer"], pg.pp)
-        lm_sum, idx_sum = torch.zeros(()), torch.zeros(())
-        for batch in micro:
-            with offload():
-                parts = _forward_loss(model, batch, mode, cfg, weight, pg, **loss_args)
-                parts.total.backward()
-            lm_sum += parts.lm_sum.float().cpu()
-            idx_sum += parts.indexer.float().cpu() / len(micro)
-        return lm_sum, idx_sum
+        spec = StepSpec(memory=cfg.memory, mode=mode, global_weight=weight, tp_group=pg.tp,
+                        indexer_tokens=positions if pg.cp.size() > 1 else None,
+                        indexer_coeff=cfg.train.indexer_loss_coeff / (self.dp_size * len(micro)))
+        sums = forward_backward(self.model, micro, spec)
+        return global_sum(sums.lm_sum, pg.pp), global_sum(sums.indexer, pg.pp)
 
 
 def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True, tracking_uri: str | None = None,
@@ -394,45 +380,6 @@ def _run_steps(trainer: Trainer, result: TrainResult, tracker, bar, stop: "_Stop
         if signalled is not None:
             result.stopped_by = signalled
             return
-
-
-def _forward_loss(model: GLM5Model, batch, mode, cfg: RunConfig, weight, pg: ProcessGroupCollection, *,
-                  indexer_tokens, indexer_coeff):
-    """The step's loss parts for one micro-batch: the model and the weighted cross-entropy."""
-    h, indexer_losses = model.hidden(batch.tokens.to(_device()), mode, indexer_tokens)
-    return _head_loss(model, h, batch, indexer_losses, cfg, weight, pg, indexer_coeff)
-
-
-def _stage_loss(model: GLM5Model, micro, mode, cfg: RunConfig, weight, pg: ProcessGroupCollection, sums, i, streams,
-                *, indexer_tokens, indexer_coeff):
-    """One pipeline stage's forward of micro-batch ``i`` (``pipeline.run_1f1b``): the streams
-    for the next stage and this stage's loss term (its indexer losses; on the last stage the
-    weighted cross-entropy too). Adds the detached parts to ``sums``."""
-    batch = micro[i]
-    out, losses = model.hidden(batch.tokens.to(_device()) if model.pre_process else None, mode, indexer_tokens,
-                               streams=streams, positions=batch.tokens.shape[1])
-    if losses:
-        sums["indexer"] += sum(loss.detach() for loss in losses).float().cpu() / len(micro)
-    if not model.post_process:
-        return out, indexer_coeff * sum(losses) if losses else None
-    parts = _head_loss(model, out, batch, losses, cfg, weight, pg, indexer_coeff)
-    sums["lm"] += parts.lm_sum.float().cpu()
-    return None, parts.total
-
-
-def _head_loss(model: GLM5Model, h, batch, indexer_losses, cfg: RunConfig, weight, pg: ProcessGroupCollection,
-               indexer_coeff):
-    """Loss parts from the final hidden states: the output layer and the weighted cross-entropy,
-    in blocks of ``memory.loss_chunk`` positions when set, plus the indexer losses."""
-    from .loss import chunked_lm_loss, lm_loss
-
-    labels, weights = batch.labels.to(_device()), batch.loss_weight.to(_device())
-    if cfg.memory.loss_chunk:
-        return chunked_lm_loss(model.output_layer, h, labels, weights, global_weight=weight,
-                               chunk=cfg.memory.loss_chunk, indexer_losses=indexer_losses,
-                               indexer_coeff=indexer_coeff, tp_group=pg.tp)
-    return lm_loss(model.output_layer(h)[0].transpose(0, 1), labels, weights, global_weight=weight,
-                   indexer_losses=indexer_losses, indexer_coeff=indexer_coeff, tp_group=pg.tp)
 
 
 def _cp_part(batch, cp: int, rank: int):

@@ -114,9 +114,9 @@ def _poison_steps(monkeypatch, bad_steps):
     """Make the loss NaN on ``bad_steps`` (1-based; two micro-batches per step here)."""
     import torch
 
-    from genome_lm.train import trainer
+    from genome_lm.train import step
 
-    original, calls = trainer._forward_loss, []
+    original, calls = step.forward_loss, []
 
     def poisoned(*args, **kwargs):
         parts = original(*args, **kwargs)
@@ -126,7 +126,7 @@ def _poison_steps(monkeypatch, bad_steps):
             parts = parts._replace(total=parts.total * nan, lm_sum=parts.lm_sum * nan)
         return parts
 
-    monkeypatch.setattr(trainer, "_forward_loss", poisoned)
+    monkeypatch.setattr(step, "forward_loss", poisoned)
 
 
 def _weights(out, step):
