@@ -73,3 +73,18 @@ def test_without_a_terminal_work_in_bases_prints_rate_and_time_left(log_file, mo
     assert lines[0] == "eval model: 400.0 kbp of 1.0 Mbp (40%), 33.3 kbp/s, about 18s left"
     assert lines[-1].startswith("eval model: 800.0 kbp of 1.0 Mbp (80%)")
     assert len(lines) == 2  # every 10 s (at 12 s and 24 s); the exit prints nothing new
+
+
+def test_step_bar_shows_tflops_and_mfu_when_the_step_has_them(screen):
+    bar = progress.StepProgress(True, start=0, total=2)
+    bar.update(SimpleNamespace(step=1, lm_loss=2.0, tokens_per_s=1_000.0, tflops_per_gpu=0.0123, mfu=0.0456))
+    bar.close()
+    assert "0.01 TFLOP/s/GPU, MFU 4.6%" in screen.getvalue()
+
+
+def test_plain_lines_carry_tflops_and_mfu(log_file, monkeypatch):
+    monkeypatch.setenv("GENOME_LM_PROGRESS_SECONDS", "30")
+    bar = progress.StepProgress(True, start=0, total=1)
+    bar.update(SimpleNamespace(step=1, lm_loss=2.0, tokens_per_s=1_000.0, tflops_per_gpu=1.5, mfu=0.25))
+    bar.close()
+    assert log_file.getvalue().splitlines() == ["train: step 1/1, loss 2.0000, tok/s 1,000, TFLOP/s/GPU 1.50, MFU 25.0%"]

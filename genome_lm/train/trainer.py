@@ -3,8 +3,10 @@
     process groups (engine.parallel) -> model (model.build_model, HF weights or random)
     -> memory techniques (train.memory) -> megatron-core DDP -> optimizer (train.optim)
     -> for each step: micro-batches from the prepared dataset (data.loader), weighted loss
-       normalised by the global batch's weight, backward, megatron-core's finalize_model_grads
-       (data-parallel reduction, MoE expert-bias update), clip, step, metrics to MLflow
+       normalised by the global batch's weight, forward and backward (``train.step``, the step
+       the planner and the benchmarks run too), megatron-core's finalize_model_grads
+       (data-parallel reduction, MoE expert-bias update), clip, step, metrics to MLflow (losses,
+       tokens/s, and TFLOP/s per GPU and MFU from ``train.throughput``)
     -> checkpoints every N steps, at the end, and on SIGTERM/SIGINT
 
 Loss parts, each a metric: ``lm_loss`` (weighted cross-entropy), ``indexer_loss`` (sum over the
@@ -67,6 +69,8 @@ class StepMetrics:
     peak_device_mib: float
     moe_max_over_mean: float
     moe_aux_loss: float | None = None  # None: train.moe_aux_loss_coeff is 0, the loss is not computed
+    tflops_per_gpu: float = 0.0  # model FLOPs of this rank's step (train.throughput) per second, / 1e12
+    mfu: float = 0.0  # ... over the device's peak (a GPU's bf16 dense rate; a CPU's measured matmul rate)
 
     @property
     def tokens_per_s(self) -> float:
@@ -77,6 +81,7 @@ class StepMetrics:
                 "grad_norm": self.grad_norm, "tokens_per_s": self.tokens_per_s, "step_seconds": self.seconds,
                 "peak_host_mib": self.peak_host_mib, "peak_device_mib": self.peak_device_mib,
                 "moe_busiest_expert_over_mean": self.moe_max_over_mean, "skipped": float(self.skipped),
+                "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
                 **({} if self.moe_aux_loss is None else {"moe_aux_loss": self.moe_aux_loss})}
 
 
@@ -172,6 +177,11 @@ def seq_len_at(cfg: RunConfig, step: int) -> int:
     return length
 
 
+def indexer_mode(cfg: RunConfig, step: int) -> str:
+    """The DSA indexer loss at ``step``: dense during ``train.indexer_dense_steps``, then the config's."""
+    return "dense" if step < cfg.train.indexer_dense_steps else cfg.train.indexer_loss
+
+
 def default_run_name(cfg: RunConfig) -> str:
     """The MLflow run's name: the config's, the preset and the run folder (``demo-cpu: tiny (runs/demo-cpu)``)."""
     source = getattr(cfg, "source", None)
@@ -212,6 +222,10 @@ class Trainer:
             model, pg_collection=pg)
         self.optimizer = make_optimizer(cfg, self.ddp, pg, backend)
         self.to_model = token_map(cfg, model)
+        from .throughput import Throughput
+
+        self.throughput = Throughput(cfg, model.cfg, micro_batches=self.n_micro,
+                                     ranks=pg.tp.size() * pg.cp.size() * pg.pp.size(), gpu=backend.gpu)
         self.loader = TrainLoader(cfg.data.dataset, cfg.data.train_split, seq_len=seq_len_at(cfg, 0),
                                   micro_batch_size=cfg.train.micro_batch_size, softmask_weight=cfg.data.softmask_weight,
                                   reverse_complement=cfg.data.reverse_complement,
@@ -243,7 +257,8 @@ class Trainer:
         from .optim import allreduce_sequence_parallel_grads, learning_rate
 
         cfg, pg, t0 = self.cfg, self.pg, time.perf_counter()
-        self.loader.set_seq_len(seq_len_at(cfg, step))
+        seq_len = seq_len_at(cfg, step)
+        self.loader.set_seq_len(seq_len)
         lr = learning_rate(step, cfg.train)
         self.optimizer.set_lr(lr)
         self.ddp.zero_grad_buffer()
@@ -264,8 +279,10 @@ class Trainer:
         tokens = sum(int(b.tokens.numel()) for b in micro)
         tokens_all = int(global_sum(torch.tensor(float(tokens)), pg.dp_cp))  # TP ranks share their tokens
         total = lm + cfg.train.indexer_loss_coeff * idx + (coeff * moe_aux if moe_aux else 0.0)
-        return StepMetrics(step + 1, total, lm, idx, lr, norm, tokens_all, time.perf_counter() - t0, not stepped,
-                           _peak_host_mib(), _peak_device_mib(), moe_load, moe_aux)
+        seconds = time.perf_counter() - t0
+        tflops, mfu = self.throughput.metrics(seq_len, indexer_mode(cfg, step), seconds)
+        return StepMetrics(step + 1, total, lm, idx, lr, norm, tokens_all, seconds, not stepped,
+                           _peak_host_mib(), _peak_device_mib(), moe_load, moe_aux, tflops, mfu)
 
     def _micro_batches(self) -> tuple[list, int]:
         """The step's micro-batches and their whole length (positions before context-parallel
@@ -289,7 +306,7 @@ class Trainer:
         from .step import StepSpec, forward_backward
 
         cfg, pg = self.cfg, self.pg
-        mode = "dense" if step < cfg.train.indexer_dense_steps else cfg.train.indexer_loss
+        mode = indexer_mode(cfg, step)
         # indexer_tokens: the model already divides each CP rank's indexer loss by cp
         spec = StepSpec(memory=cfg.memory, mode=mode, global_weight=weight, tp_group=pg.tp,
                         indexer_tokens=positions if pg.cp.size() > 1 else None,

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy:D
 
 STEPS = 3
 METRICS = ("loss", "lm_loss", "indexer_loss", "lr", "grad_norm", "tokens_per_s", "step_seconds", "peak_host_mib",
-           "peak_device_mib", "moe_busiest_expert_over_mean", "skipped")
+           "peak_device_mib", "moe_busiest_expert_over_mean", "skipped", "tflops_per_gpu", "mfu")
 
 
 def _config(dataset, out, extra=()):
@@ -77,6 +77,15 @@ def test_local_run_records_config_metrics_curve_and_checkpoint(small_dataset, tm
     assert values["lr"] == pytest.approx([learning_rate(s, cfg.train) for s in range(STEPS)], rel=1e-6)
     assert max(values["lr"]) <= 2e-3
     assert all(v > 0 for v in values["tokens_per_s"]) and all(v > 0 for v in values["step_seconds"])
+    # TFLOP/s per GPU: the step's model FLOPs (plan.flops) over its time; MFU against this CPU's
+    # measured matmul rate, a fraction
+    from genome_lm.plan.flops import model_flops
+    from genome_lm.plan.memory_model import model_config
+
+    for m, mode in zip(result.history, ["dense"] + ["sparse"] * (STEPS - 1)):
+        per_step = 2 * model_flops(model_config(cfg), cfg.memory, T=128, indexer_loss_mode=mode)
+        assert m.tflops_per_gpu == pytest.approx(per_step / m.seconds / 1e12, rel=1e-6)
+    assert all(0 < v < 1 for v in values["mfu"])
     assert all(v > 0 for v in values["peak_host_mib"]) and all(v >= 0 for v in values["peak_device_mib"])
     assert all(v >= 1.0 for v in values["moe_busiest_expert_over_mean"])  # busiest expert / mean
     assert all(v > 0 for v in values["grad_norm"]) and all(v > 0 for v in values["lm_loss"])
