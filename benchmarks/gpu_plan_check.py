@@ -40,7 +40,7 @@ def main() -> None:
         run = with_changes(base, data={"seq_len": T})
         want = planned_gpu_step(run)
         try:
-            row = {"seq_len": T, "measured_bytes": measure_gpu_step(run), "planned_bytes": want}
+            row = {"seq_len": T, "measured_bytes": measure_gpu_step(run).peak_bytes, "planned_bytes": want}
         except torch.cuda.OutOfMemoryError:  # the plan said so when planned > free memory
             free = torch.cuda.mem_get_info()[1]
             rows.append({"seq_len": T, "planned_bytes": want, "measured_bytes": None})

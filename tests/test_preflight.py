@@ -54,6 +54,9 @@ def test_cpu_preflight_figures(cpu_report):
     assert "not GPU figures" in sections["speed"]["note"]
     (peak,) = sections["slice"]["rows"]
     assert abs(peak["measured_over_plan"] - 1) <= 0.15
+    # the step's time beside its FLOPs at this CPU's matmul rate: never faster than that
+    assert peak["measured_s"] > peak["predicted_s"] > 0
+    assert peak["measured_over_predicted_s"] == peak["measured_s"] / peak["predicted_s"]
     resume = sections["resume"]
     assert resume["note"].startswith("bit-exact")
     assert all(r["loss_straight"] == r["loss_resumed"] for r in resume["rows"])

@@ -75,6 +75,11 @@ def measured_matmul_flops(n: int = 1024, repeats: int = 5, dtype=None) -> float:
     return 2.0 * n**3 / best
 
 
+def spec_of(device_name: str) -> GPUSpec | None:
+    """The ``SPECS`` entry a CUDA device name ("NVIDIA H200", "NVIDIA H100 80GB HBM3") names."""
+    return next((spec for key, spec in SPECS.items() if key in device_name.upper()), None)
+
+
 def device_peak_flops(device: str = "cpu", dtype=None) -> tuple[str, float]:
     """(label, FLOP/s) that MFU is measured against: a GPU's dense bf16 tensor-core peak (from
     ``SPECS`` by its name; an unknown GPU gives 0, no MFU), or this CPU's measured matmul rate."""
@@ -82,8 +87,6 @@ def device_peak_flops(device: str = "cpu", dtype=None) -> tuple[str, float]:
         import torch
 
         name = torch.cuda.get_device_name()
-        for key, spec in SPECS.items():
-            if key in name.upper():
-                return f"{key} bf16 dense peak", spec.bf16_flops
-        return f"{name} (unknown peak)", 0.0
+        spec = spec_of(name)
+        return (f"{spec.name} bf16 dense peak", spec.bf16_flops) if spec else (f"{name} (unknown peak)", 0.0)
     return "this CPU's measured matmul rate", measured_matmul_flops(dtype=dtype)

@@ -21,7 +21,7 @@ quantity ``torch.cuda.max_memory_allocated`` reports on a GPU and the planner pr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import json
 import os
@@ -223,12 +223,19 @@ def measure_step(run: RunConfig, threads: int = 1, timeout: float = 600) -> Meas
     return Measured(**json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def measure_gpu_step(run: RunConfig, device: str = "cuda") -> int:
-    """Bytes one training step of ``run``'s model (random weights, bf16, the config's kernel
-    backend, Transformer Engine as ``engine.backend`` resolves it, the memory switches as the
-    trainer applies them: ``train_step``, one micro-batch of ``train.micro_batch_size``) adds on a GPU: the allocator's peak
-    during the step (``torch.cuda.max_memory_allocated``) minus what was allocated before it
-    (the parameters). Gradients stay plain bf16 ``.grad`` tensors (see ``planned_gpu_step``)."""
+class GPUStep(NamedTuple):
+    peak_bytes: int  # the allocator's peak during the timed step, above what was allocated before it
+    seconds: float  # the timed step (the second one: the first compiles the Triton kernels)
+
+
+def measure_gpu_step(run: RunConfig, device: str = "cuda") -> GPUStep:
+    """Peak bytes and seconds of one training step of ``run``'s model (random weights, bf16, the
+    config's kernel backend, Transformer Engine as ``engine.backend`` resolves it, the memory
+    switches as the trainer applies them: ``train_step``, one micro-batch of
+    ``train.micro_batch_size``) on a GPU. A first step compiles the kernels and warms the
+    allocator; the second is measured: the allocator's peak during it
+    (``torch.cuda.max_memory_allocated``) minus what was allocated before it (the parameters),
+    and its time. Gradients stay plain bf16 ``.grad`` tensors (see ``planned_gpu_step``)."""
     import torch
 
     from genome_lm.engine.backend import current
@@ -240,16 +247,33 @@ def measure_gpu_step(run: RunConfig, device: str = "cuda") -> int:
                                transformer_impl=current().resolve_impl(run.model.transformer_impl),
                                kernel_backend=run.model.kernel_backend)
         micro = random_batches(run, 1, device=device)
+        train_step(model, run, micro, pin_offload=True)  # warm-up: kernel compilation, allocator growth
+        model.zero_grad(set_to_none=True)
+        release_host_cache()  # as the trainer does after each step
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
         train_step(model, run, micro, pin_offload=True)
         torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
         peak = torch.cuda.max_memory_allocated() - before
         release_host_cache()
         del model, micro
         torch.cuda.empty_cache()
-    return peak
+    return GPUStep(peak, seconds)
+
+
+def predicted_gpu_step_seconds(run: RunConfig, gpu_name: str) -> float:
+    """The time model's figure for ``measure_gpu_step``'s timed step on one ``gpu_name`` GPU:
+    the step's compute, memory and host transfers (with the pinning of the offloaded blocks),
+    without the optimizer step, which ``measure_gpu_step`` does not run."""
+    from genome_lm.plan.hardware import gpu_spec
+    from genome_lm.plan.memory_model import Hardware
+    from genome_lm.plan.time_model import estimate_time
+
+    timing = estimate_time(run, Hardware(gpu_name=gpu_name, gpus=1), gpu_spec(gpu_name))
+    return sum(i.seconds for i in timing.items if not i.name.startswith("optimizer"))
 
 
 def planned_gpu_step(run: RunConfig) -> float:

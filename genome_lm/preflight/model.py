@@ -11,29 +11,41 @@ PLAN_TOLERANCE = 0.15  # measured peak within 15% of the plan
 
 def slice_peak(ctx) -> tuple[list[dict], str]:
     """GPU: the 4-layer slice of GLM-5.3-Flash (random weights, the shipped 1-GPU config's memory
-    switches), one forward+backward at 32k, ``torch.cuda.max_memory_allocated`` against the plan.
-    CPU: the tiny model at 2k through the planner's own CPU measurement (resident-set peak)."""
+    switches), one training step at 32k: ``torch.cuda.max_memory_allocated`` against the plan,
+    and its time against the time model's (``plan.time_model``; the measured step over the
+    predicted one says how far the model's efficiencies are from this GPU's kernels).
+    CPU: the tiny model at 2k through the planner's own CPU measurement (resident-set peak), its
+    time beside its FLOPs at this CPU's measured matmul rate."""
     from genome_lm.config import load_config
     from genome_lm.plan.memory_model import with_changes
 
     if ctx.gpu:
-        from genome_lm.plan.measure import measure_gpu_step, planned_gpu_step
+        import torch
+
+        from genome_lm.plan.hardware import spec_of
+        from genome_lm.plan.measure import measure_gpu_step, planned_gpu_step, predicted_gpu_step_seconds
 
         run = with_changes(load_config("glm-5.3-flash-4layer-1gpu", ["model.checkpoint=null"]), data={"seq_len": 32768})
         planned = planned_gpu_step(run)
-        measured = measure_gpu_step(run)
+        got = measure_gpu_step(run)
+        measured, seconds = got.peak_bytes, got.seconds
+        spec = spec_of(torch.cuda.get_device_name())
+        predicted = predicted_gpu_step_seconds(run, spec.name) if spec else None
         what = "glm-5.3-flash-4layer, 32k tokens, bf16, the 1-GPU config's memory switches"
     else:
         from genome_lm.plan.measure import measure_step
-        from genome_lm.plan.sweep import predicted_step
+        from genome_lm.plan.sweep import cpu_matmul_rate, predicted_step, step_flops
 
         run = with_changes(load_config("demo-cpu", ["train.global_batch_size=1"]), data={"seq_len": 2048})
         planned = predicted_step(run)
-        measured = measure_step(run).peak_bytes
-        what = "tiny, 2k tokens, fp32 (resident-set peak of a fresh process)"
+        got = measure_step(run)
+        measured, seconds = got.peak_bytes, got.seconds
+        predicted = step_flops(run) / cpu_matmul_rate(1)  # measure_step runs one thread
+        what = "tiny, 2k tokens, fp32 (resident-set peak of a fresh process; time: FLOPs at the matmul rate)"
     ratio = measured / planned
     row = {"model": what, "planned_gib": planned / 2**30, "measured_gib": measured / 2**30,
-           "measured_over_plan": ratio, "ok": abs(ratio - 1) <= PLAN_TOLERANCE}
+           "measured_over_plan": ratio, "ok": abs(ratio - 1) <= PLAN_TOLERANCE, "measured_s": seconds,
+           "predicted_s": predicted, "measured_over_predicted_s": seconds / predicted if predicted else None}
     return [row], f"measured within {PLAN_TOLERANCE:.0%} of the plan" if row["ok"] else "plan and measurement disagree"
 
 

@@ -73,3 +73,14 @@ def test_the_indexer_overtakes_the_rest_with_length():
         compute = {i.name: i.seconds for i in t.items if i.resource == "compute"}
         share[T] = compute["DSA indexer selection"] / sum(compute.values())
     assert share[131072] < 0.4 < 0.6 < share[1048576]
+
+
+def test_preflight_slice_prediction_is_the_step_without_the_optimizer():
+    from genome_lm.plan.measure import predicted_gpu_step_seconds
+
+    run = with_changes(load_config("glm-5.3-flash-4layer-1gpu", ["model.checkpoint=null"]), data={"seq_len": 32768})
+    whole = tm.estimate_time(run, Hardware(gpu_name="H200", gpus=1), tm.gpu_spec("H200"))
+    step = predicted_gpu_step_seconds(run, "H200")
+    optimizer = sum(i.seconds for i in whole.items if i.name.startswith("optimizer"))
+    assert optimizer > 0 and step == pytest.approx(whole.step_seconds - optimizer)
+    assert predicted_gpu_step_seconds(run, "H100") > step  # same FLOP rate, slower memory and HBM
