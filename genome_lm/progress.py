@@ -174,13 +174,13 @@ class StepProgress:
         """``metrics``: a ``StepMetrics`` (step, lm_loss, tokens_per_s; TFLOP/s and MFU when it has them)."""
         tflops, mfu = getattr(metrics, "tflops_per_gpu", None), getattr(metrics, "mfu", None)
         if self.plain:
-            extra = {} if mfu is None else {"TFLOP/s_per_GPU": f"{tflops:,.2f}", "MFU": f"{mfu:.1%}"}
+            extra = {} if mfu is None else {"TFLOP/s_per_GPU": f"{tflops:.3g}", "MFU": f"{mfu:.1%}"}
             self.progress.update(self.task, completed=metrics.step, loss=f"{metrics.lm_loss:.4f}",
                                  tok_per_s=f"{metrics.tokens_per_s:,.0f}", **extra)
             return
         self.progress.update(self.task, completed=metrics.step, loss=f"{metrics.lm_loss:.4f}",
                              rate=_si(metrics.tokens_per_s, "").strip(),
-                             mfu="" if mfu is None else f"{tflops:,.2f} TFLOP/s/GPU, MFU {mfu:.1%}")
+                             mfu="" if mfu is None else f"{tflops:.3g} TFLOP/s/GPU, MFU {mfu:.1%}")
 
     def note(self, text: str) -> None:
         if self.enabled:

@@ -79,7 +79,7 @@ def test_step_bar_shows_tflops_and_mfu_when_the_step_has_them(screen):
     bar = progress.StepProgress(True, start=0, total=2)
     bar.update(SimpleNamespace(step=1, lm_loss=2.0, tokens_per_s=1_000.0, tflops_per_gpu=0.0123, mfu=0.0456))
     bar.close()
-    assert "0.01 TFLOP/s/GPU, MFU 4.6%" in screen.getvalue()
+    assert "0.0123 TFLOP/s/GPU, MFU 4.6%" in screen.getvalue()
 
 
 def test_plain_lines_carry_tflops_and_mfu(log_file, monkeypatch):
@@ -87,4 +87,4 @@ def test_plain_lines_carry_tflops_and_mfu(log_file, monkeypatch):
     bar = progress.StepProgress(True, start=0, total=1)
     bar.update(SimpleNamespace(step=1, lm_loss=2.0, tokens_per_s=1_000.0, tflops_per_gpu=1.5, mfu=0.25))
     bar.close()
-    assert log_file.getvalue().splitlines() == ["train: step 1/1, loss 2.0000, tok/s 1,000, TFLOP/s/GPU 1.50, MFU 25.0%"]
+    assert log_file.getvalue().splitlines() == ["train: step 1/1, loss 2.0000, tok/s 1,000, TFLOP/s/GPU 1.5, MFU 25.0%"]

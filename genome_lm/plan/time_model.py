@@ -178,7 +178,7 @@ def estimate_time(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
         add(TimeItem("DSA selection scores (top-k)", "DSA", "memory", micro * pairs * SCORE_BYTES / hbm))
 
     # communication, per micro-batch unless stated
-    layers = [i for i in plan.layers]
+    layers = list(plan.layers)
     moe_layers = [i for i in layers if cfg.mlp_layer_types[i] != "dense"]
     passes = 2 + (runs - 1)  # forward, backward, replays
     D = cfg.hidden_size
@@ -199,10 +199,8 @@ def estimate_time(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
         add(TimeItem("context parallel (head all-to-all, gathers)", "", "communication",
                      micro * passes * (len(kda) * per_kda + len(dsa) * per_dsa) / _link(p.tp, node, gpu, c)))
     if p.ep > 1 and moe_layers:
-        moe_runs = 1 + (1 if mem.recompute == "full" else 0) + \
-            (1 if mem.recompute == "full" and getattr(mem, "recompute_nested", False) else 0) + \
-            (1 if mem.moe_chunk_recompute and mem.moe_chunks > 1 and not getattr(mem, "recompute_nested", False)
-             else 0)
+        routed = next(w for w in work if w.name == "MoE routed experts")
+        moe_runs = 1 + round(routed.replay / routed.forward)  # the forward and what recompute replays of it
         a2a = 2 * (moe_runs + 1)  # dispatch and combine per forward run, and both again in backward
         received = local / p.tp * cfg.num_experts_per_tok * D * a * hw.moe_imbalance
         in_node = min(p.ep, max(1, node // p.etp))  # members of this GPU's expert group on its node
