@@ -2,8 +2,8 @@
 per sequence length and memory setting, measured next to the planner's prediction, as a table,
 JSON and a PNG (two panels: tokens/s and peak memory against length, one line per setting).
 
-Time: the step's FLOPs (``plan.flops``, recompute included) at this CPU's measured matrix-product
-rate (``hardware.measured_matmul_flops``, with the step's threads) are the time a step would take
+Time: the step's FLOPs (``model.flops``, recompute included) at this CPU's measured matrix-product
+rate (``engine.devices.measured_matmul_flops``, with the step's threads) are the time a step would take
 if all its arithmetic ran at that rate, the CPU's roofline for compute; measured / predicted is
 how far the step is from it (on a CPU the elementwise work, which the FLOP count leaves out,
 takes most of the step)."""
@@ -19,7 +19,7 @@ from rich.table import Table
 
 from genome_lm.config import load_config
 
-from . import flops
+from genome_lm.model import flops
 from .measure import measure_step
 from .memory_model import Hardware, estimate, model_config, with_changes
 
@@ -53,7 +53,7 @@ def cpu_matmul_rate(threads: int) -> float:
     """This CPU's matrix-product FLOP/s with ``threads`` torch threads."""
     import torch
 
-    from .hardware import measured_matmul_flops
+    from genome_lm.engine.devices import measured_matmul_flops
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -7,7 +7,7 @@ on one CUDA stream (communication on the default stream, ``overlap_grad_reduce``
 offload through ``torch.autograd.graph.save_on_cpu``, whose device-to-host copy blocks), so
 the step time is the sum of its parts on the busiest GPU:
 
-    compute        per piece of ``plan.flops`` (recompute included), this GPU's share of the
+    compute        per piece of ``model.flops`` (recompute included), this GPU's share of the
                    FLOPs / (bf16 tensor-core peak x efficiency of its class: "gemm" for the
                    linear layers and experts, "kernel" for the attention-like kernels: KDA,
                    sparse attention, the DSA indexer and its loss); the busiest expert rank
@@ -29,7 +29,7 @@ the step time is the sum of its parts on the busiest GPU:
                    host cache after each step), optimizer offload (gradients down,
                    parameters up, Adam on the CPU at host memory bandwidth)
 
-Every rate is a figure of ``hardware.SPECS`` times one efficiency of ``CONSTANTS``; each
+Every rate is a figure of ``engine.devices.SPECS`` times one efficiency of ``CONSTANTS``; each
 constant is used once, in ``estimate_time``. One of them, ``kernel``, is fitted to the published
 run's 13,700 tokens/s at 1M (``fit_kernel_efficiency``); the others are public measurements
 (docs/plan.md, "The time model", says which). The model is checked against the published run's
@@ -42,9 +42,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from genome_lm.config import RunConfig
+from genome_lm.engine.devices import GPUSpec
+from genome_lm.model import flops
 
-from . import flops
-from .hardware import GPUSpec, gpu_spec
+from .hardware import gpu_spec
 from .memory_model import Hardware, layer_bytes, parameter_split, shard_for, stage_plans, with_changes
 
 KERNELS = {"KDA recurrence", "DSA indexer selection", "DSA indexer loss target", "DSA indexer loss scores",

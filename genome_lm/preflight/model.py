@@ -22,7 +22,7 @@ def slice_peak(ctx) -> tuple[list[dict], str]:
     if ctx.gpu:
         import torch
 
-        from genome_lm.plan.hardware import spec_of
+        from genome_lm.engine.devices import spec_of
         from genome_lm.plan.measure import measure_gpu_step, planned_gpu_step, predicted_gpu_step_seconds
 
         run = with_changes(load_config("glm-5.3-flash-4layer-1gpu", ["model.checkpoint=null"]), data={"seq_len": 32768})

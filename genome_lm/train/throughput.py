@@ -1,10 +1,10 @@
 """TFLOP/s per GPU and MFU of each training step, as Megatron-LM and torchtitan log them.
 
-A step's model FLOPs come from ``plan.flops.model_flops`` (forward + backward of every micro-batch
+A step's model FLOPs come from ``model.flops.model_flops`` (forward + backward of every micro-batch
 this rank runs, recompute replays not counted: the FLOPs the model needs, not the ones the memory
 switches add), divided over the ranks of one model replica (tensor x context x pipeline
 parallel); MFU measures them against the device's peak: a known GPU's dense bf16 tensor-core
-rate, or on a CPU this machine's measured matrix-product rate (``plan.hardware``).
+rate, or on a CPU this machine's measured matrix-product rate (``engine.devices``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class Throughput:
 
     def __init__(self, cfg: RunConfig, model_cfg: ModelConfig, *, micro_batches: int, ranks: int, gpu: bool,
                  peak: tuple[str, float] | None = None):
-        from genome_lm.plan.hardware import device_peak_flops
+        from genome_lm.engine.devices import device_peak_flops
 
         self.cfg, self.model_cfg = cfg, model_cfg
         self.micro_batches, self.ranks, self.gpu = micro_batches, ranks, gpu
@@ -32,7 +32,7 @@ class Throughput:
         """Model FLOPs this rank runs in one step at ``seq_len`` with indexer-loss ``mode``."""
         key = (seq_len, mode)
         if key not in self._cache:
-            from genome_lm.plan.flops import model_flops
+            from genome_lm.model.flops import model_flops
 
             per_micro = model_flops(self.model_cfg, self.cfg.memory, T=seq_len, batch=self.cfg.train.micro_batch_size,
                                     indexer_loss_mode=mode, gpu=self.gpu)

@@ -1,4 +1,4 @@
-"""The step's FLOP count (genome_lm.plan.flops) against torch's own counter on a real training
+"""The step's FLOP count (genome_lm.model.flops) against torch's own counter on a real training
 step of the tiny model (the trainer's ``train.step``): every matrix product torch runs, counted by
 ``torch.utils.flop_counter.FlopCounterMode``, against the count made from the config alone.
 
@@ -17,7 +17,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from genome_lm.config import load_config
 from genome_lm.engine.parallel import ParallelSizes, parallel_context
-from genome_lm.plan import flops, measure
+from genome_lm.model import flops
+from genome_lm.plan import measure
 from genome_lm.plan.memory_model import model_config, with_changes
 
 

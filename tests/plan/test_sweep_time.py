@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from genome_lm.config import load_config
-from genome_lm.plan import flops
+from genome_lm.model import flops
 from genome_lm.plan.memory_model import model_config, with_changes
 from genome_lm.plan.sweep import SETTINGS, run_sweep, step_flops, sweep_rows_table
 

@@ -77,9 +77,9 @@ def test_local_run_records_config_metrics_curve_and_checkpoint(small_dataset, tm
     assert values["lr"] == pytest.approx([learning_rate(s, cfg.train) for s in range(STEPS)], rel=1e-6)
     assert max(values["lr"]) <= 2e-3
     assert all(v > 0 for v in values["tokens_per_s"]) and all(v > 0 for v in values["step_seconds"])
-    # TFLOP/s per GPU: the step's model FLOPs (plan.flops) over its time; MFU against this CPU's
+    # TFLOP/s per GPU: the step's model FLOPs (model.flops) over its time; MFU against this CPU's
     # measured matmul rate, a fraction
-    from genome_lm.plan.flops import model_flops
+    from genome_lm.model.flops import model_flops
     from genome_lm.plan.memory_model import model_config
 
     for m, mode in zip(result.history, ["dense"] + ["sparse"] * (STEPS - 1)):
