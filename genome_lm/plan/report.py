@@ -225,7 +225,7 @@ def print_plan(plan: Plan, hw: Hardware, console: Console | None = None) -> None
 # ------------------------------------------------------------------------------------ time
 def time_table(timing) -> Table:
     """Step time, throughput and MFU, and the step split by layer type and by resource."""
-    run, p = timing.run, timing.run.parallel
+    run = timing.run
     table = Table(title=f"Step time on {timing.gpus} x {timing.gpu.name} (predicted; plan.time_model, docs/plan.md)",
                   title_justify="left")
     table.add_column("per step", style="bold")
