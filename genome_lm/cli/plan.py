@@ -54,8 +54,8 @@ def plan(
 
     from genome_lm.plan.hardware import gpu_memory, gpu_spec
     from genome_lm.plan.memory_model import Hardware, estimate
-    from genome_lm.plan.report import (print_plan, published_table, published_time_table, sweep_table, time_plot,
-                                       time_table)
+    from genome_lm.plan.report import (print_plan, published_table, published_time_table, sweep_table,
+                                       sweep_time_table, time_plot, time_table)
     from genome_lm.plan.time_model import CONSTANTS, estimate_time
 
     if device not in ("gpu", "cpu"):
@@ -90,7 +90,9 @@ def plan(
     options = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items() if v is not None]
     run = load_config(config, [*(set_ or []), *options])  # validated like the trainer's config
     if sweep:
-        console.print(sweep_table(run, hw, gpu=spec, constants=constants))
+        console.print(sweep_table(run, hw))
+        if spec is not None:
+            console.print(sweep_time_table(run, hw, spec, constants))
         return
     memory_plan = estimate(run, hw)
     timing = estimate_time(run, hw, spec, constants) if spec is not None else None

@@ -177,26 +177,33 @@ def fit_line(plan: Plan, hw: Hardware) -> str:
             f"{s.plan.gpus} GPUs, host {gib(s.plan.host_per_node)} GiB per node")
 
 
-def sweep_table(run: RunConfig, hw: Hardware, lengths=SWEEP_LENGTHS, gpu=None, constants=None) -> Table:
-    """Peak memory per length; with ``gpu`` (a ``GPUSpec``) also the time model's tokens/s."""
+def sweep_table(run: RunConfig, hw: Hardware, lengths=SWEEP_LENGTHS) -> Table:
+    table = Table(title=f"{run.model.preset}, {hw.gpu_name}: per-GPU peak over sequence lengths", title_justify="left")
+    for col in ("length", "tokens/GPU", "peak GiB", "activations GiB", "where", "host/GPU GiB", "host/node GiB", "fits"):
+        table.add_column(col, justify="right" if col not in ("where",) else "left")
+    for n in lengths:
+        plan = estimate(with_changes(run, data={"seq_len": n}), hw)
+        acts = next(i.bytes for i in plan.device if i.name.startswith("activations"))
+        table.add_row(length_label(n), f"{plan.tokens:,}", gib(plan.peak), gib(acts), plan.peak_where,
+                      gib(plan.host_per_gpu), gib(plan.host_per_node),
+                      "[green]yes[/green]" if plan.fits else "[red]no[/red]")
+    return table
+
+
+def sweep_time_table(run: RunConfig, hw: Hardware, gpu, constants=None, lengths=SWEEP_LENGTHS) -> Table:
+    """The time model over the same lengths: step time, tokens/s, MFU and what bounds the step."""
     from .time_model import CONSTANTS, estimate_time
 
-    table = Table(title=f"{run.model.preset}, {hw.gpu_name}: per-GPU peak over sequence lengths", title_justify="left")
-    columns = ["length", "tokens/GPU", "peak GiB", "activations GiB", "where", "host/GPU GiB", "host/node GiB", "fits"]
-    if gpu is not None:
-        columns += ["step s", "tokens/s", "MFU", "bound by"]
-    for col in columns:
-        table.add_column(col, justify="right" if col not in ("where", "bound by") else "left")
+    table = Table(title=f"{run.model.preset} on {gpu.name}: predicted step time over sequence lengths",
+                  title_justify="left")
+    for col in ("length", "step s", "tokens/s", "tokens/s per GPU", "MFU", "bound by", "largest part"):
+        table.add_column(col, justify="left" if col in ("bound by", "largest part") else "right")
     for n in lengths:
-        changed = with_changes(run, data={"seq_len": n})
-        plan = estimate(changed, hw)
-        acts = next(i.bytes for i in plan.device if i.name.startswith("activations"))
-        row = [length_label(n), f"{plan.tokens:,}", gib(plan.peak), gib(acts), plan.peak_where,
-               gib(plan.host_per_gpu), gib(plan.host_per_node), "[green]yes[/green]" if plan.fits else "[red]no[/red]"]
-        if gpu is not None:
-            t = estimate_time(changed, hw, gpu, constants or CONSTANTS)
-            row += [f"{t.step_seconds:,.1f}", f"{t.tokens_per_s:,.0f}", f"{t.mfu:.1%}", t.bottleneck.split(" (")[0]]
-        table.add_row(*row)
+        t = estimate_time(with_changes(run, data={"seq_len": n}), hw, gpu, constants or CONSTANTS)
+        top = max(t.items, key=lambda i: i.seconds)
+        table.add_row(length_label(n), f"{t.step_seconds:,.1f}", f"{t.tokens_per_s:,.0f}",
+                      f"{t.tokens_per_s_per_gpu:,.0f}", f"{t.mfu:.1%}", next(iter(t.by("resource"))),
+                      f"{top.name} ({top.seconds / t.step_seconds:.0%})")
     return table
 
 
