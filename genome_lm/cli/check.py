@@ -29,7 +29,10 @@ def parity(
     random DNA tokens at each length, prints the largest |logit difference| per length, and exits
     with status 1 when any length exceeds --tol. Ties at the indexer's top-k boundary (equal pool
     scores: repeats, all-zero ReLU scores) are counted, and the logits from the first tied position on
-    are reported apart, since the two models may break the tie differently. Works for any glm5_next text config that
+    are reported apart, since the two models may break the tie differently. With a GPU backend
+    (triton: bf16 tensor-core products) the MoE routing and DSA selection are also compared with
+    genome-lm's torch path on the same input; decisions that flip on near-ties are listed with
+    their margins, and parity is judged before the first one. Works for any glm5_next text config that
     genome-lm supports (NoPE MLA without attention bias, the tail pool always selected; any
     router grouping); other configs are refused with the field named."""
     from genome_lm.compare.parity import run_parity
@@ -40,26 +43,44 @@ def parity(
         raise GenomeLMError(f"{hf}: not a folder")
     table = Table(title=f"genome-lm vs transformers on {hf}", title_justify="left")
     for column in ("T", "max |d logit|", "mean |d logit|", "max |d logprob|", f"<= {tol:g}", "tied queries",
-                   "first tie", "max |d logit| after ties"):
+                   "first tie", "routing flips", "selection flips", "first flip", "max |d logit| after"):
         table.add_column(column, justify="right")
 
     def show(row):
-        ties = (f" (before the first top-k tie at position {row.first_tie:,}; {row.tied_queries:,} tied queries)"
-                if row.first_tie is not None else "")
-        console.print(f"T={row.length:,}: max |d logit| {row.max_abs_logit:.3g}{ties}", highlight=False)
+        why = []
+        if row.first_tie is not None:
+            why.append(f"the first top-k tie at position {row.first_tie:,}; {row.tied_queries:,} tied queries")
+        if row.first_flip is not None:
+            why.append(f"the first flip at position {row.first_flip:,}; {row.routing_flips:,} routing and "
+                       f"{row.selection_flips:,} selection flips")
+        before = f" (before {' and '.join(why)})" if why else ""
+        console.print(f"T={row.length:,}: max |d logit| {row.max_abs_logit:.3g}, max |d logprob| "
+                      f"{row.max_abs_logprob:.3g}{before}", highlight=False)
 
     with quiet_megatron_import():
         rows = run_parity(hf, lengths_, tol=tol, seed=seed, kernel_backend=backend, progress=show)
     for row in rows:
-        after = "" if row.max_abs_logit_after_ties is None else f"{row.max_abs_logit_after_ties:.3g}"
+        after = "" if row.max_abs_logit_after is None else f"{row.max_abs_logit_after:.3g}"
         table.add_row(f"{row.length:,}", f"{row.max_abs_logit:.3g}", f"{row.mean_abs_logit:.3g}",
                       f"{row.max_abs_logprob:.3g}", "yes" if row.passed else "[bold red]NO[/]",
-                      f"{row.tied_queries:,}", "" if row.first_tie is None else f"{row.first_tie:,}", after)
+                      f"{row.tied_queries:,}", "" if row.first_tie is None else f"{row.first_tie:,}",
+                      f"{row.routing_flips:,}", f"{row.selection_flips:,}",
+                      "" if row.first_flip is None else f"{row.first_flip:,}", after)
     console.print(table)
     if any(r.first_tie is not None for r in rows):
         console.print("tied queries: (DSA layer, query) pairs whose k-th and next-best pools score the same; "
                       "genome-lm keeps the lower pool, transformers what torch.topk returns, so the logits from the "
                       "first tie on may differ and are shown apart (parity is judged before it)", highlight=False)
+    flipped = [(r.length, f) for r in rows for f in r.flips]
+    if flipped:
+        flips = Table(title="flips against genome-lm's torch path (the first ones per length): decisions on near-ties "
+                            "that this backend's rounding turns the other way; parity is judged before the first",
+                      title_justify="left")
+        for column in ("T", "position", "kind", "layer", "margin on the torch path"):
+            flips.add_column(column, justify="right" if column != "kind" else "left")
+        for length, f in flipped:
+            flips.add_row(f"{length:,}", f"{f.position:,}", f.kind, str(f.layer), f"{f.margin:.2g}")
+        console.print(flips)
     failed = [r.length for r in rows if not r.passed]
     if failed:
         Console(stderr=True).print(f"[bold red]parity failed[/] at T = {', '.join(map(str, failed))} (tolerance {tol:g})")

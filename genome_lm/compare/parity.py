@@ -12,7 +12,18 @@ its indexer), transformers whatever ``torch.topk`` returns. From the first query
 on, outputs may differ legitimately: a DSA layer's output at that position feeds every later
 position. Each row therefore counts the (layer, query) pairs with a boundary tie and the first
 tied position, and judges parity on the positions before it; the difference after it is shown
-apart ("after ties").
+apart ("after").
+
+Flips on near-ties. A GPU kernel backend (``--backend triton``: bf16 operands on tensor cores)
+rounds each layer's output by about 1%, which is enough to flip a decision whose two sides score
+almost the same: a MoE router's k-th and next expert (measured on the shipped tiny-long model:
+top-2 margins of 1e-4 to 1e-3 flip, and one flipped token's logits move by 0.4), or a DSA
+layer's k-th and next pool. With any backend other than the torch path, parity also runs
+genome-lm's torch path (fp32, which agrees with transformers to about 1e-5) on the same weights
+and tokens, compares every MoE layer's experts and every DSA layer's selected pools position by
+position, and lists each flip with its margin on the reference (the gap between the k-th and the
+next router choice score, or between the k-th and the next pool score over the query's top
+score). Parity is judged before the first tie or flip, whichever comes first.
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,15 +46,37 @@ DNA_IDS = (4, 5, 6, 7, 8)  # A C G T N in genome-lm's tokenizer
 
 
 @dataclass
+class Flip:
+    """A decision genome-lm's model makes otherwise than its torch path on the same input."""
+
+    position: int
+    kind: str  # "routing" (a MoE layer's experts) or "selection" (a DSA layer's pools)
+    layer: int  # which MoE layer, or which DSA layer with its own indexer, in the order they run (0-based)
+    margin: float  # the torch path's gap at the top-k boundary (router choice scores; pool scores / top score)
+
+
+@dataclass
 class ParityRow:
     length: int
-    max_abs_logit: float  # before the first tied position (all positions without ties)
+    max_abs_logit: float  # before the first tie or flip (all positions without either)
     mean_abs_logit: float
     max_abs_logprob: float
     passed: bool
     tied_queries: int = 0  # (DSA layer, query) pairs whose top-k boundary is a tie
     first_tie: int | None = None  # the first position with one (None: no tie)
-    max_abs_logit_after_ties: float | None = None  # from first_tie on, where the selections may differ
+    max_abs_logit_after: float | None = None  # from the first tie or flip on, where decisions may differ
+    routing_flips: int = 0  # (MoE layer, token) pairs whose experts differ from the torch path's
+    selection_flips: int = 0  # (DSA layer, query) pairs whose pools differ from the torch path's
+    first_flip: int | None = None
+    flips: list[Flip] = field(default_factory=list)  # the first ones by position (at most MAX_FLIPS_LISTED)
+
+    @property
+    def cut(self) -> int:
+        """The positions parity is judged on: before the first tie or flip."""
+        return min(p for p in (self.first_tie, self.first_flip, self.length) if p is not None)
+
+
+MAX_FLIPS_LISTED = 10
 
 
 class _IndexerInputs:
@@ -71,16 +104,18 @@ class _IndexerInputs:
             del attn.indexer.inputs  # back to the class's method
 
 
-def boundary_ties(q_BTHD, k_BTD, w_BTH, gate_BTD, ape_KD, kpool: int, topk: int, chunk: int = 256) -> torch.Tensor:
-    """[B, T] bool: the query's top-k boundary is a tie, i.e. the pool with the k-th highest score
-    (k = topk // kpool) scores exactly as much as the best pool left out, on the scores genome-lm's
-    selection uses (fp32, ``indexer.pool_scores_chunk``)."""
+def boundary_margins(q_BTHD, k_BTD, w_BTH, gate_BTD, ape_KD, kpool: int, topk: int, chunk: int = 256,
+                     relative: bool = False) -> torch.Tensor:
+    """[B, T]: the gap between the pool with the k-th highest score (k = topk // kpool) and the best
+    pool left out, on the scores genome-lm's selection uses (fp32, ``indexer.pool_scores_chunk``);
+    inf where the query sees at most k pools (nothing is left out). ``relative``: over the
+    query's top score."""
     from genome_lm_kernels.dsa import indexer
 
     B, T, _, D = q_BTHD.shape
     kp = indexer.pool_keys(k_BTD, gate_BTD, ape_KD, kpool=kpool)
     n_pick = topk // kpool
-    out = torch.zeros(B, T, dtype=torch.bool)
+    out = torch.full((B, T), float("inf"))
     for t0 in range(0, T, chunk):
         t1 = min(t0 + chunk, T)
         N = min(kp.shape[1], t1 // kpool)
@@ -88,8 +123,77 @@ def boundary_ties(q_BTHD, k_BTD, w_BTH, gate_BTD, ape_KD, kpool: int, topk: int,
             continue
         scores = indexer.pool_scores_chunk(q_BTHD[:, t0:t1], kp[:, :N], w_BTH[:, t0:t1], t0, D**-0.5, kpool)
         top = scores.topk(n_pick + 1, dim=-1).values  # descending
-        out[:, t0:t1] = (top[..., n_pick - 1] == top[..., n_pick]) & torch.isfinite(top[..., n_pick])
+        gap = torch.where(torch.isfinite(top[..., n_pick]), top[..., n_pick - 1] - top[..., n_pick], float("inf"))
+        if relative:
+            gap = gap / top[..., 0].abs().clamp_min(torch.finfo(top.dtype).tiny)
+        out[:, t0:t1] = gap.float()
     return out
+
+
+def boundary_ties(q_BTHD, k_BTD, w_BTH, gate_BTD, ape_KD, kpool: int, topk: int, chunk: int = 256) -> torch.Tensor:
+    """[B, T] bool: the query's top-k boundary is a tie, i.e. the pool with the k-th highest score
+    scores exactly as much as the best pool left out (``boundary_margins`` is 0)."""
+    return boundary_margins(q_BTHD, k_BTD, w_BTH, gate_BTD, ape_KD, kpool, topk, chunk) == 0
+
+
+class _Decisions:
+    """Records, during a forward of genome-lm's model, each MoE router's choice scores and experts
+    ([tokens, experts] fp32 and bool) and each own-indexer DSA layer's selected pools [B, T, P]."""
+
+    def __init__(self, model: GLM5Model):
+        from genome_lm.model.dsa import DSAAttention
+        from genome_lm.model.router import GLMRouterBase
+
+        self.routers = [m for m in model.modules() if isinstance(m, GLMRouterBase)]
+        self.dsa = [m for m in model.modules() if isinstance(m, DSAAttention) and m.indexer is not None]
+        self.routing: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.selection: list[torch.Tensor] = []
+        self._hooks = []
+
+    def __enter__(self):
+        for router in self.routers:
+            real = router.routing
+
+            def record(logits, *args, _real=real, _router=router, **kwargs):
+                probs, routing_map = _real(logits, *args, **kwargs)
+                choice = logits.detach().float().reshape(-1, logits.shape[-1]).sigmoid()
+                if _router.expert_bias is not None:
+                    choice = choice + _router.expert_bias.float()
+                self.routing.append((choice, routing_map.detach().reshape(choice.shape)))
+                return probs, routing_map
+
+            router.routing = record
+        self._hooks = [m.register_forward_hook(self._record_selection) for m in self.dsa]
+        return self
+
+    def _record_selection(self, module, args, out) -> None:
+        from genome_lm_kernels import dsa as dsa_ops
+
+        cfg = module.cfg
+        self.selection.append(dsa_ops.selection_pools(out.idx, kpool=cfg.index_kpool, topk=cfg.index_topk))
+
+    def __exit__(self, *exc):
+        for router in self.routers:
+            del router.routing  # back to the class's method
+        for hook in self._hooks:
+            hook.remove()
+
+
+def decision_flips(reference: _Decisions, ours: _Decisions, selection_margins: list[torch.Tensor]) -> list[Flip]:
+    """Every (layer, position) whose experts or pools differ between two runs of one sequence
+    (batch 1), with the reference's margin; ``selection_margins``: per own-indexer DSA layer, the
+    reference's ``boundary_margins(..., relative=True)`` [1, T]."""
+    flips = []
+    for layer, ((choice, ref_map), (_, our_map)) in enumerate(zip(reference.routing, ours.routing)):
+        k = int(ref_map[0].sum())
+        top = choice.topk(min(k + 1, choice.shape[-1]), dim=-1).values
+        gap = top[:, k - 1] - top[:, k] if top.shape[-1] > k else torch.full_like(top[:, 0], float("inf"))
+        for row in (ref_map != our_map).any(-1).nonzero().flatten().tolist():
+            flips.append(Flip(row, "routing", layer, float(gap[row])))
+    for layer, (ref_pools, our_pools, margin) in enumerate(zip(reference.selection, ours.selection, selection_margins)):
+        for t in (ref_pools[0] != our_pools[0]).any(-1).nonzero().flatten().tolist():
+            flips.append(Flip(t, "selection", layer, float(margin[0, t])))
+    return sorted(flips, key=lambda f: (f.position, f.kind, f.layer))
 
 
 def _import_transformers_model():
@@ -124,10 +228,15 @@ def run_parity(hf_dir: str | Path, lengths: list[int], *, tol: float = 1e-4, see
     with parallel_context() as pg:
         model = build_model(cfg, pg, ParallelSizes(), kernel_backend=kernel_backend).eval()
         load_hf_checkpoint(model, hf_dir)
+        reference = None  # the torch path on the same weights, for the flips of a GPU kernel backend
+        if model.options.kernel_backend != "torch":
+            reference = build_model(cfg, pg, ParallelSizes(), kernel_backend="torch").eval()
+            load_hf_checkpoint(reference, hf_dir)
         for length in lengths:
             ids = torch.tensor(vocab)[torch.randint(len(vocab), (1, length), generator=gen)]
-            with torch.no_grad(), _IndexerInputs(model) as recorded:
+            with torch.no_grad(), _IndexerInputs(model) as recorded, _Decisions(model) as decided:
                 ours = model(ids).logits.float()
+            with torch.no_grad():
                 theirs = hf_model(input_ids=ids).logits.float()
                 tied = torch.zeros(1, length, dtype=torch.bool)
                 count = 0
@@ -135,17 +244,26 @@ def run_parity(hf_dir: str | Path, lengths: list[int], *, tol: float = 1e-4, see
                     layer_ties = boundary_ties(*inputs)
                     count += int(layer_ties.sum())
                     tied |= layer_ties
-            first = int(tied[0].nonzero()[0]) if bool(tied.any()) else None
-            cut = length if first is None else first
+                flips = []
+                if reference is not None:
+                    with _IndexerInputs(reference) as ref_inputs, _Decisions(reference) as ref_decided:
+                        reference(ids)
+                    margins = [boundary_margins(*inputs, relative=True) for inputs in ref_inputs.seen]
+                    flips = decision_flips(ref_decided, decided, margins)
+            row = ParityRow(length, 0.0, 0.0, 0.0, False, tied_queries=count,
+                            first_tie=int(tied[0].nonzero()[0]) if bool(tied.any()) else None,
+                            routing_flips=sum(f.kind == "routing" for f in flips),
+                            selection_flips=sum(f.kind == "selection" for f in flips),
+                            first_flip=flips[0].position if flips else None, flips=flips[:MAX_FLIPS_LISTED])
+            cut = row.cut
             diff = (ours - theirs).abs()
             lp = (ours.log_softmax(-1) - theirs.log_softmax(-1)).abs()
             finite = bool(torch.isfinite(ours).all() and torch.isfinite(theirs).all())
-            before = diff[:, :cut]
-            max_before = before.max().item() if before.numel() else 0.0
-            row = ParityRow(length, max_before, before.mean().item() if before.numel() else 0.0,
-                            lp[:, :cut].max().item() if before.numel() else 0.0, finite and max_before <= tol,
-                            tied_queries=count, first_tie=first,
-                            max_abs_logit_after_ties=None if first is None else diff[:, first:].max().item())
+            if cut:
+                row.max_abs_logit, row.mean_abs_logit = diff[:, :cut].max().item(), diff[:, :cut].mean().item()
+                row.max_abs_logprob = lp[:, :cut].max().item()
+            row.passed = finite and row.max_abs_logit <= tol
+            row.max_abs_logit_after = None if cut == length else diff[:, cut:].max().item()
             rows.append(row)
             if progress is not None:
                 progress(row)
