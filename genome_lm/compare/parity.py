@@ -149,8 +149,10 @@ class _Decisions:
         self.routing: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.selection: list[torch.Tensor] = []
         self._hooks = []
+        self._saved: list = []
 
     def __enter__(self):
+        self._saved = [router.__dict__.get("routing") for router in self.routers]  # a wrapper already there
         for router in self.routers:
             real = router.routing
 
@@ -173,10 +175,57 @@ class _Decisions:
         self.selection.append(dsa_ops.selection_pools(out.idx, kpool=cfg.index_kpool, topk=cfg.index_topk))
 
     def __exit__(self, *exc):
-        for router in self.routers:
-            del router.routing  # back to the class's method
+        _restore(self.routers, self._saved)
         for hook in self._hooks:
             hook.remove()
+
+
+class ReplayRouting:
+    """Each MoE router of ``model`` routes to the experts of ``maps`` (one [tokens, experts] bool per
+    MoE layer in the order they run: a reference run's ``_Decisions.routing`` maps), weighting
+    them from its own scores: the model's output had it made the reference's routing decisions,
+    so that a comparison measures the rounding of its kernels and not which side of a near-tie
+    each token fell on. For inference (forward only)."""
+
+    def __init__(self, model: GLM5Model, maps: list[torch.Tensor]):
+        from genome_lm.model.router import GLMRouterBase
+
+        self.routers = [m for m in model.modules() if isinstance(m, GLMRouterBase)]
+        self.maps = maps
+        self._saved: list = []
+
+    def __enter__(self):
+        from genome_lm.model.router import expert_weights
+
+        self._saved = [router.__dict__.get("routing") for router in self.routers]
+        calls = iter(self.maps)
+        for router in self.routers:
+            real = router.routing
+
+            def replay(logits, *args, _real=real, _router=router, **kwargs):
+                _, routing_map = _real(logits, *args, **kwargs)  # its own bookkeeping (tokens per expert)
+                forced = next(calls).to(routing_map.device).reshape(routing_map.shape)
+                flat = logits.reshape(-1, logits.shape[-1])
+                experts = forced.float().topk(int(forced[0].sum()), dim=-1).indices  # the True columns
+                cfg = _router.glm_config
+                weights = expert_weights(flat, experts, norm_topk_prob=cfg.norm_topk_prob,
+                                         scaling=cfg.routed_scaling_factor)
+                return torch.zeros_like(flat).scatter(1, experts, weights.type_as(flat)), forced
+
+            router.routing = replay
+        return self
+
+    def __exit__(self, *exc):
+        _restore(self.routers, self._saved)
+
+
+def _restore(routers, saved) -> None:
+    """Put back each router's ``routing`` as it was: another recorder's wrapper, or the class's method."""
+    for router, previous in zip(routers, saved):
+        if previous is None:
+            del router.routing
+        else:
+            router.routing = previous
 
 
 def decision_flips(reference: _Decisions, ours: _Decisions, selection_margins: list[torch.Tensor]) -> list[Flip]:

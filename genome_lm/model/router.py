@@ -49,10 +49,17 @@ def glm_routing(logits: torch.Tensor, bias: torch.Tensor | None, *, topk: int, n
         keep = keep.bool().repeat_interleave(E // n_group, dim=1)
         choice = choice.masked_fill(~keep, float("-inf"))
     experts = choice.topk(topk, dim=-1).indices
-    weights = scores.gather(1, experts)
+    return expert_weights(logits, experts, norm_topk_prob=norm_topk_prob, scaling=scaling), experts
+
+
+def expert_weights(logits: torch.Tensor, experts: torch.Tensor, *, norm_topk_prob: bool,
+                   scaling: float) -> torch.Tensor:
+    """The routing weights [N, k] fp32 of ``experts`` [N, k] from the router logits [N, E]: their
+    sigmoid scores (without the selection bias), normalised when ``norm_topk_prob``, x ``scaling``."""
+    weights = logits.float().sigmoid().gather(1, experts)
     if norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * scaling, experts
+    return weights * scaling
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -110,6 +117,8 @@ def router_class(cfg: ModelConfig):
     """A router subclass bound to ``cfg``'s glm5_next routing fields."""
 
     class GLMRouter(GLMRouterBase):
+        glm_config = cfg  # the routing fields, for whoever weights given experts (compare.parity.ReplayRouting)
+
         def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
             seq_length, bsz = logits.shape[:2]  # [S, B, E] from the gate
             logits = logits.view(-1, self.config.num_moe_experts)

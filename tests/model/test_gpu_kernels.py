@@ -16,21 +16,28 @@ from genome_lm.model.presets import get_preset
 T = 130  # two KDA chunks, one ragged; the tiny preset's top-k (256 tokens) selects every visible pool
 
 
-def _run(backend, monkeypatch=None):
-    # the full model's initializer_range (0.02), at which the bf16 bound below was set: at the tiny-long
-    # preset's 0.125 the tensor-core path's logits differ by 0.18 relative (issue 17's note: not
-    # yet explained, to be found before this is relaxed)
-    cfg = get_preset("tiny").replace(initializer_range=0.02)
+def _run(backend, replay=None):
+    """Logits, indexer losses, gradients, whether each DSA layer attends absorbed, and the MoE
+    routing maps of the tiny-long preset (initialised at 0.125, the scale of a trained model's
+    activations) on ``backend``; ``replay``: route to these maps (``compare.parity.ReplayRouting``)."""
+    import contextlib
+
+    from genome_lm.compare.parity import ReplayRouting, _Decisions
+
+    cfg = get_preset("tiny-long")
     with parallel_context() as pg:
         torch.manual_seed(0)
         model = build_model(cfg, pg, ParallelSizes(), kernel_backend=backend)
         absorbed = [m.absorbed for m in model.modules() if hasattr(m, "absorbed")]
         ids = torch.randint(0, 5, (1, T + 1), generator=torch.Generator().manual_seed(1))
-        out = model(ids[:, :-1], indexer_loss="sparse")
+        # the recorder wraps the replay, so that it records the routing the model used
+        with (ReplayRouting(model, replay) if replay else contextlib.nullcontext()), _Decisions(model) as decided:
+            out = model(ids[:, :-1], indexer_loss="sparse")
         loss = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), ids[0, 1:])
         (loss + sum(out.indexer_losses)).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out.logits.detach().float(), [x.item() for x in out.indexer_losses], grads, absorbed
+    maps = [m for _, m in decided.routing]
+    return out.logits.detach().float(), [x.item() for x in out.indexer_losses], grads, absorbed, maps
 
 
 def _no_torch_paths(monkeypatch):
@@ -57,10 +64,11 @@ def torch_run():
 
 @pytest.mark.slow
 def test_fp32_kernels_give_the_torch_model(torch_run, monkeypatch):
-    logits, idx_losses, grads, absorbed = torch_run
+    logits, idx_losses, grads, absorbed, maps = torch_run
     assert absorbed and not any(absorbed)  # the CPU path attends per head
     _no_torch_paths(monkeypatch)
-    got_logits, got_losses, got_grads, got_absorbed = _run("triton-fp32")
+    got_logits, got_losses, got_grads, got_absorbed, got_maps = _run("triton-fp32")
+    assert all(bool((a == b).all()) for a, b in zip(maps, got_maps))  # fp32 kernels route every token alike
     assert all(got_absorbed)
     torch.testing.assert_close(got_logits, logits, rtol=2e-5, atol=2e-5)
     assert got_losses == pytest.approx(idx_losses, rel=1e-4)
@@ -72,11 +80,19 @@ def test_fp32_kernels_give_the_torch_model(torch_run, monkeypatch):
 
 @pytest.mark.slow
 def test_tensor_core_kernels_within_bf16_bound(torch_run, monkeypatch):
-    """Gradients are not compared: bf16 products flip MoE routing decisions (top-k), which moves
-    expert gradients by more than rounding; the fp32 mode above checks the gradient path."""
-    logits, *_ = torch_run
+    """bf16 products round each KDA and MLA output by about 1% (issue 27's bisection: 0.7-1.1e-2
+    RMS for the KDA kernel, 5e-3 for the MLA), enough to flip MoE routing where a token's k-th
+    and next expert score within 1e-3: measured 18 flipped (layer, token) pairs of 3 x 130, and a
+    flipped token's output moves by O(1) (0.176 relative over the logits). Routed as the torch
+    run routes (``ReplayRouting``), the logits are within the bf16 bound (0.015 measured).
+    Gradients are not compared here; the fp32 mode above checks the gradient path."""
+    logits, _, _, _, maps = torch_run
     _no_torch_paths(monkeypatch)
-    got_logits, _, grads, _ = _run("triton")
+    free_logits, _, grads, _, free_maps = _run("triton")
+    flipped = sum(int((a != b).any(-1).sum()) for a, b in zip(maps, free_maps))
+    assert flipped > 0  # the rounding does flip near-ties here: that is what replay takes out
+    got_logits, _, _, _, got_maps = _run("triton", replay=maps)
+    assert all(bool((a == b).all()) for a, b in zip(maps, got_maps))
     err = float((got_logits - logits).norm() / logits.norm())
-    assert err < 2e-2, err
+    assert err < 2e-2, (err, flipped)
     assert all(bool(torch.isfinite(g).all()) for g in grads.values())
