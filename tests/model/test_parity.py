@@ -27,7 +27,7 @@ def _env():
 
 
 def _max_diffs(stdout: str) -> dict[int, float]:
-    return {int(t.replace(",", "")): float(d) for t, d in re.findall(r"T=([\d,]+): max \|d logit\| (\S+)", stdout)}
+    return {int(t.replace(",", "")): float(d) for t, d in re.findall(r"T=([\d,]+): max \|d logit\| ([^,\s]+)", stdout)}
 
 
 @pytest.mark.slow
