@@ -36,8 +36,8 @@ def plan(
     published: Annotated[bool, typer.Option("--published", help="The published run's figures next to the plan's.")] = False,
     kernel_efficiency: Annotated[Optional[float], typer.Option(
         help="Achieved fraction of the bf16 peak for the attention-like kernels (KDA, sparse attention, DSA "
-             "indexer); default: the time model's, fitted on the published 1M run. `genome-lm preflight` measures "
-             "it on a GPU.")] = None,
+             "indexer); default: the time model's, fitted on the published 1M run (genome-lm preflight sets the "
+             "measured step of the 4-layer slice beside the predicted one on a GPU).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan (memory and time) as JSON instead of tables.")] = False,
     plot: Annotated[Optional[str], typer.Option(help="Write a bar chart of the step's time by part to this PNG.")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config field: section.field=value.")] = None,

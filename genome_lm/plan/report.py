@@ -265,15 +265,16 @@ def time_plot(timing, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    items = sorted((i for i in timing.items if i.seconds > 0), key=lambda i: i.seconds)
+    from matplotlib.patches import Patch
+
+    # the parts of at least 0.1% of the step, the largest on top
+    items = sorted((i for i in timing.items if i.seconds >= 1e-3 * timing.step_seconds), key=lambda i: i.seconds)
     colours = {"compute": "tab:blue", "memory": "tab:green", "communication": "tab:orange", "host": "tab:red",
                "idle": "tab:gray"}
     fig, ax = plt.subplots(figsize=(8, 0.3 * len(items) + 1.5))
     ax.barh([i.name for i in items], [i.seconds for i in items], color=[colours[i.resource] for i in items])
-    for resource, colour in colours.items():
-        if any(i.resource == resource for i in items):
-            ax.barh([], [], color=colour, label=resource)
-    ax.legend(loc="lower right")
+    ax.legend(handles=[Patch(color=colour, label=resource) for resource, colour in colours.items()
+                       if any(i.resource == resource for i in items)], loc="lower right")
     ax.set_xlabel("seconds per step (busiest GPU)")
     run = timing.run
     ax.set_title(f"{run.model.preset}, {length_label(run.data.seq_len)} on {timing.gpus} x {timing.gpu.name}: "
