@@ -52,6 +52,7 @@ def plan(
 
     from genome_lm.config import load_config
 
+    from genome_lm.engine.devices import SPECS
     from genome_lm.plan.hardware import gpu_memory, gpu_spec
     from genome_lm.plan.memory_model import Hardware, estimate
     from genome_lm.plan.report import (print_plan, published_table, published_time_table, sweep_table,
@@ -70,9 +71,10 @@ def plan(
         raise GenomeLMError(f"--kernel-efficiency {kernel_efficiency}: expected a fraction in (0, 1]")
     constants = CONSTANTS if kernel_efficiency is None else replace(CONSTANTS, kernel=kernel_efficiency)
     name, mem_bytes = gpu_memory(gpu, gpu_mem)
-    spec = gpu_spec(gpu) if device == "gpu" else None
-    if spec is not None and gpu_mem is not None:
-        spec = replace(spec, memory=mem_bytes)
+    # the time model needs a known GPU kind; --gpu-mem with another --gpu plans memory alone
+    spec = None
+    if device == "gpu" and (gpu_mem is None or gpu.upper() in SPECS):
+        spec = replace(gpu_spec(gpu), memory=mem_bytes)
     hw = Hardware(gpu_name=name, gpu_bytes=mem_bytes, gpus=gpus, gpus_per_node=gpus_per_node, device=device,
                   moe_imbalance=moe_imbalance, headroom=headroom)
     if published:

@@ -136,35 +136,61 @@ def boundary_ties(q_BTHD, k_BTD, w_BTH, gate_BTD, ape_KD, kpool: int, topk: int,
     return boundary_margins(q_BTHD, k_BTD, w_BTH, gate_BTD, ape_KD, kpool, topk, chunk) == 0
 
 
-class _Decisions:
+class _OnRouters:
+    """A context that wraps each MoE router's ``routing`` of ``model`` (``wrap(router, real)``
+    returns the wrapper) and puts back what was there on exit: another such context's wrapper,
+    or the class's method. Nested contexts wrap each other, the last one entered outermost."""
+
+    def __init__(self, model: GLM5Model):
+        from genome_lm.model.router import GLMRouterBase
+
+        self.routers = [m for m in model.modules() if isinstance(m, GLMRouterBase)]
+        self._saved: list = []
+
+    def wrap(self, router, real):
+        raise NotImplementedError
+
+    def __enter__(self):
+        self._saved = [router.__dict__.get("routing") for router in self.routers]
+        for router in self.routers:
+            router.routing = self.wrap(router, router.routing)
+        return self
+
+    def __exit__(self, *exc):
+        for router, previous in zip(self.routers, self._saved):
+            if previous is None:
+                del router.routing
+            else:
+                router.routing = previous
+
+
+class _Decisions(_OnRouters):
     """Records, during a forward of genome-lm's model, each MoE router's choice scores and experts
     ([tokens, experts] fp32 and bool) and each own-indexer DSA layer's selected pools [B, T, P]."""
 
     def __init__(self, model: GLM5Model):
         from genome_lm.model.dsa import DSAAttention
-        from genome_lm.model.router import GLMRouterBase
 
-        self.routers = [m for m in model.modules() if isinstance(m, GLMRouterBase)]
+        super().__init__(model)
         self.dsa = [m for m in model.modules() if isinstance(m, DSAAttention) and m.indexer is not None]
         self.routing: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.selection: list[torch.Tensor] = []
         self._hooks = []
-        self._saved: list = []
+
+    def wrap(self, router, real):
+        from genome_lm.model.router import choice_scores
+
+        def record(logits, *args, **kwargs):
+            probs, routing_map = real(logits, *args, **kwargs)
+            scores = logits.detach().float().reshape(-1, logits.shape[-1]).sigmoid()
+            choice = choice_scores(scores, router.expert_bias)
+            self.routing.append((choice, routing_map.detach().reshape(choice.shape)))
+            return probs, routing_map
+
+        return record
 
     def __enter__(self):
-        self._saved = [router.__dict__.get("routing") for router in self.routers]  # a wrapper already there
-        for router in self.routers:
-            real = router.routing
-
-            def record(logits, *args, _real=real, _router=router, **kwargs):
-                probs, routing_map = _real(logits, *args, **kwargs)
-                choice = logits.detach().float().reshape(-1, logits.shape[-1]).sigmoid()
-                if _router.expert_bias is not None:
-                    choice = choice + _router.expert_bias.float()
-                self.routing.append((choice, routing_map.detach().reshape(choice.shape)))
-                return probs, routing_map
-
-            router.routing = record
+        super().__enter__()
         self._hooks = [m.register_forward_hook(self._record_selection) for m in self.dsa]
         return self
 
@@ -175,12 +201,12 @@ class _Decisions:
         self.selection.append(dsa_ops.selection_pools(out.idx, kpool=cfg.index_kpool, topk=cfg.index_topk))
 
     def __exit__(self, *exc):
-        _restore(self.routers, self._saved)
+        super().__exit__(*exc)
         for hook in self._hooks:
             hook.remove()
 
 
-class ReplayRouting:
+class ReplayRouting(_OnRouters):
     """Each MoE router of ``model`` routes to the experts of ``maps`` (one [tokens, experts] bool per
     MoE layer in the order they run: a reference run's ``_Decisions.routing`` maps), weighting
     them from its own scores: the model's output had it made the reference's routing decisions,
@@ -188,44 +214,28 @@ class ReplayRouting:
     each token fell on. For inference (forward only)."""
 
     def __init__(self, model: GLM5Model, maps: list[torch.Tensor]):
-        from genome_lm.model.router import GLMRouterBase
-
-        self.routers = [m for m in model.modules() if isinstance(m, GLMRouterBase)]
+        super().__init__(model)
         self.maps = maps
-        self._saved: list = []
+        self._calls = iter(())
 
     def __enter__(self):
+        self._calls = iter(self.maps)  # the k-th routing call of a forward takes the k-th map
+        return super().__enter__()
+
+    def wrap(self, router, real):
         from genome_lm.model.router import expert_weights
 
-        self._saved = [router.__dict__.get("routing") for router in self.routers]
-        calls = iter(self.maps)
-        for router in self.routers:
-            real = router.routing
+        def replay(logits, *args, **kwargs):
+            _, routing_map = real(logits, *args, **kwargs)  # its own bookkeeping (tokens per expert)
+            forced = next(self._calls).to(routing_map.device).reshape(routing_map.shape)
+            flat = logits.reshape(-1, logits.shape[-1])
+            experts = forced.float().topk(int(forced[0].sum()), dim=-1).indices  # the True columns
+            cfg = router.glm_config
+            weights = expert_weights(flat.float().sigmoid(), experts, norm_topk_prob=cfg.norm_topk_prob,
+                                     scaling=cfg.routed_scaling_factor)
+            return torch.zeros_like(flat).scatter(1, experts, weights.type_as(flat)), forced
 
-            def replay(logits, *args, _real=real, _router=router, **kwargs):
-                _, routing_map = _real(logits, *args, **kwargs)  # its own bookkeeping (tokens per expert)
-                forced = next(calls).to(routing_map.device).reshape(routing_map.shape)
-                flat = logits.reshape(-1, logits.shape[-1])
-                experts = forced.float().topk(int(forced[0].sum()), dim=-1).indices  # the True columns
-                cfg = _router.glm_config
-                weights = expert_weights(flat, experts, norm_topk_prob=cfg.norm_topk_prob,
-                                         scaling=cfg.routed_scaling_factor)
-                return torch.zeros_like(flat).scatter(1, experts, weights.type_as(flat)), forced
-
-            router.routing = replay
-        return self
-
-    def __exit__(self, *exc):
-        _restore(self.routers, self._saved)
-
-
-def _restore(routers, saved) -> None:
-    """Put back each router's ``routing`` as it was: another recorder's wrapper, or the class's method."""
-    for router, previous in zip(routers, saved):
-        if previous is None:
-            del router.routing
-        else:
-            router.routing = previous
+        return replay
 
 
 def decision_flips(reference: _Decisions, ours: _Decisions, selection_margins: list[torch.Tensor]) -> list[Flip]:

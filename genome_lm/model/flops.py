@@ -44,13 +44,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from genome_lm_kernels.dsa.loss import KEEP_TARGET_BYTES, _n_candidates, _target_bytes
+from genome_lm_kernels.dsa.reference import slot_width
+from genome_lm_kernels.dsa.sparse_attention import DENSE_KEYS_PER_SLOT, queries_per_block
+from genome_lm_kernels.kda.chunked import CHUNK as KDA_CHUNK, SUB as KDA_SUB
+
 from genome_lm.model.config import DENSE, FULL, LINEAR, ModelConfig
 
-KDA_CHUNK, KDA_SUB = 64, 16  # genome_lm_kernels.kda.chunked: CHUNK, SUB
 DSA_CHUNK = 64  # the DSA kernels' default query block (memory.dsa_query_chunk overrides)
-GATHER_ELEMENTS = 1 << 21  # genome_lm_kernels.dsa.sparse_attention: values in one gathered block
-DENSE_KEYS_PER_SLOT = 8  # ... a query block seeing at most 8 S keys is scored densely on the CPU
-KEEP_TARGET_BYTES = 64 << 20  # genome_lm_kernels.dsa.loss: the indexer loss keeps its targets up to this
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ def dsa_selection(cfg: ModelConfig, T: int, batch: int, chunk: int) -> Work:
 def sparse_attention(cfg: ModelConfig, T: int, batch: int, chunk: int, gpu: bool) -> list[Work]:
     """The main attention over each query's S = index_topk + kpool - 1 selected slots."""
     H, Dqk, Dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-    S = cfg.index_topk + cfg.index_kpool - 1
+    S = slot_width(cfg.index_topk, cfg.index_kpool)
     if gpu:  # absorbed MLA: q W_UK, scores and values over the latent, then W_UV (sparse_mla)
         L = cfg.kv_lora_rank
         per_query = 2.0 * H * S * (L + L)
@@ -162,7 +163,7 @@ def sparse_attention(cfg: ModelConfig, T: int, batch: int, chunk: int, gpu: bool
         fwd = batch * T * (per_query + absorb)
         bwd = batch * T * (2.0 * H * S * (3 * L + 2 * L) + 2.0 * H * Dqk * L * 3 + 2.0 * 2 * H * L * Dv)
         return [Work("DSA sparse attention", "DSA", fwd, bwd)]
-    C = max(1, min(chunk, GATHER_ELEMENTS // max(1, S * H * max(Dqk, Dv))))
+    C = queries_per_block(chunk, S, H, max(Dqk, Dv))
     dense_keys = gathered = 0
     for t0, t1 in _query_blocks(T, C):
         if t1 <= DENSE_KEYS_PER_SLOT * S:
@@ -182,16 +183,14 @@ def indexer_loss(cfg: ModelConfig, T: int, batch: int, chunk: int, mode: str, gp
     """The indexer's KL loss (``genome_lm_kernels.dsa.loss``): target and scores per query block."""
     kpool, Hi, Di, H = cfg.index_kpool, cfg.index_n_heads, cfg.index_head_dim, cfg.num_attention_heads
     Dqk = cfg.kv_lora_rank if gpu else cfg.qk_nope_head_dim  # absorbed: q W_UK against the latent
-    N, S = T // kpool, cfg.index_topk + kpool - 1
-    sparse = mode == "sparse"
-    target = scores = kept_values = 0.0
+    N, sparse = T // kpool, mode == "sparse"
+    S = slot_width(cfg.index_topk, kpool) if sparse else None  # None: dense mode, every visible pool
+    target = scores = 0.0
     for t0, t1 in _query_blocks(T, chunk):
         c = t1 - t0
-        M = min((S - kpool + 1) // kpool, N) if sparse else min(N, t1 // kpool)
         target += c * (S if sparse else t1)  # query-key pairs of the main attention
-        scores += c * M  # query-pool pairs of the indexer
-        kept_values += c * M
-    kept = batch * kept_values * 4 <= KEEP_TARGET_BYTES
+        scores += c * _n_candidates(t1, kpool, N, S)  # query-pool pairs of the indexer
+    kept = _target_bytes(batch, T, N, S, kpool, chunk, 4) <= KEEP_TARGET_BYTES  # fp32 targets
     target_fwd = 2.0 * batch * H * target * Dqk
     score_fwd = 2.0 * batch * scores * Hi * Di
     absorb = 2.0 * batch * T * H * cfg.qk_nope_head_dim * cfg.kv_lora_rank if gpu else 0.0
@@ -259,27 +258,26 @@ def with_recompute(work: list[Work], memory, moe: bool, merge: float = 0.0) -> l
     attention and MLP blocks once more under nested recompute, the chosen modules under
     selective recompute, the MoE layer under ``moe_chunk_recompute``. ``merge``: the FLOPs of
     one mHC merge product, which a full recompute does not replay (below)."""
-    keep_selection = getattr(memory, "dsa_keep_selection", True)
+    full, nested = memory.recompute == "full", memory.recompute == "full" and memory.recompute_nested
+    modules = memory.recompute_modules if memory.recompute == "selective" else []
+    # MoE chunks checkpointed inside an already checkpointed MoE block replay nothing more
+    moe_block_checkpointed = nested or "moe" in modules
+    chunks_replayed = moe and memory.moe_chunk_recompute and memory.moe_chunks > 1 and not moe_block_checkpointed
     out = []
     for w in work:
-        times = 0
         attention = w.layer in ("KDA", "DSA")
         mlp = w.layer in ("dense MLP", "MoE")
-        if memory.recompute == "full":
-            times = 1 + (1 if getattr(memory, "recompute_nested", False) and (attention or mlp) else 0)
-        elif memory.recompute == "selective":
-            modules = memory.recompute_modules
+        if full:
+            times = 1 + int(nested and (attention or mlp))
+        else:
             times = int((attention and "attention" in modules) or (w.layer == "dense MLP" and "mlp" in modules)
                         or (w.layer == "MoE" and "moe" in modules))
-        if w.name == "DSA indexer selection" and keep_selection:
+        if w.name == "DSA indexer selection" and memory.dsa_keep_selection:
             times = 0
-        block_checkpointed = (memory.recompute == "full" and getattr(memory, "recompute_nested", False)) or (
-            memory.recompute == "selective" and "moe" in memory.recompute_modules)
-        if moe and w.layer == "MoE" and memory.moe_chunk_recompute and memory.moe_chunks > 1 \
-                and not block_checkpointed:  # inside a checkpointed block the chunks replay nothing more
+        if chunks_replayed and w.layer == "MoE":
             times += 1  # each chunk's whole MoE forward: router, shared and routed experts
         replay = times * w.forward
-        if w.name == "mHC" and memory.recompute == "full":
+        if w.name == "mHC" and full:
             # torch's non-reentrant checkpoint stops replaying once every saved tensor is back:
             # the layer's last product (the MLP merge's comb^T @ streams) saves nothing and is skipped
             replay -= merge
@@ -292,17 +290,17 @@ def step_work(cfg: ModelConfig, memory, *, T: int, batch: int = 1, indexer_loss_
     """Every piece of one micro-batch's forward and backward under ``memory``'s switches (a
     ``MemoryConfig``): identical layers' pieces summed into one item each (``count``), the
     output layer last (when ``head``). ``layers``: a pipeline stage's (all by default)."""
-    chunk = getattr(memory, "dsa_query_chunk", None) or DSA_CHUNK
+    chunk = memory.dsa_query_chunk or DSA_CHUNK
+    merge = 2.0 * batch * T * cfg.hc_mult**2 * cfg.hidden_size
     items: dict[tuple, Work] = {}
     for i in layers if layers is not None else range(cfg.num_hidden_layers):
         pieces = layer_work(cfg, i, T, batch, indexer_loss_mode=indexer_loss_mode, chunk=chunk, gpu=gpu)
-        merge = 2.0 * batch * T * cfg.hc_mult**2 * cfg.hidden_size
         for w in with_recompute(pieces, memory, cfg.mlp_layer_types[i] != DENSE, merge):
             key = (w.name, w.layer, w.forward, w.backward, w.replay, w.kind, w.split)
             items[key] = replace(items[key], count=items[key].count + 1) if key in items else w
     out = list(items.values())
     if head:
-        out.append(head_work(cfg, T, batch, getattr(memory, "loss_chunk", None)))
+        out.append(head_work(cfg, T, batch, memory.loss_chunk))
     return out
 
 

@@ -41,7 +41,7 @@ def glm_routing(logits: torch.Tensor, bias: torch.Tensor | None, *, topk: int, n
                 norm_topk_prob: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, E] -> (weights [N, topk] fp32, expert ids [N, topk])."""
     scores = logits.float().sigmoid()
-    choice = scores if bias is None else scores + bias.float()
+    choice = choice_scores(scores, bias)
     if n_group > 1:
         N, E = choice.shape
         group_scores = choice.view(N, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)
@@ -49,14 +49,20 @@ def glm_routing(logits: torch.Tensor, bias: torch.Tensor | None, *, topk: int, n
         keep = keep.bool().repeat_interleave(E // n_group, dim=1)
         choice = choice.masked_fill(~keep, float("-inf"))
     experts = choice.topk(topk, dim=-1).indices
-    return expert_weights(logits, experts, norm_topk_prob=norm_topk_prob, scaling=scaling), experts
+    return expert_weights(scores, experts, norm_topk_prob=norm_topk_prob, scaling=scaling), experts
 
 
-def expert_weights(logits: torch.Tensor, experts: torch.Tensor, *, norm_topk_prob: bool,
+def choice_scores(scores: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the top-k ranks experts by: the sigmoid scores [N, E] (fp32), plus the expert bias when
+    there is one (the bias steers the choice only, never the weights)."""
+    return scores if bias is None else scores + bias.float()
+
+
+def expert_weights(scores: torch.Tensor, experts: torch.Tensor, *, norm_topk_prob: bool,
                    scaling: float) -> torch.Tensor:
-    """The routing weights [N, k] fp32 of ``experts`` [N, k] from the router logits [N, E]: their
-    sigmoid scores (without the selection bias), normalised when ``norm_topk_prob``, x ``scaling``."""
-    weights = logits.float().sigmoid().gather(1, experts)
+    """The routing weights [N, k] fp32 of ``experts`` [N, k] from the sigmoid scores [N, E] (fp32,
+    without the bias): theirs, normalised when ``norm_topk_prob``, x ``scaling``."""
+    weights = scores.gather(1, experts)
     if norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return weights * scaling

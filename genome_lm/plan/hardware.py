@@ -5,15 +5,13 @@ from __future__ import annotations
 from genome_lm.engine.devices import SPECS, GPUSpec
 from genome_lm.errors import GenomeLMError
 
-# usable HBM per GPU as the vendors state it, in bytes (decimal GB)
-GPUS: dict[str, float] = {name: spec.memory for name, spec in SPECS.items()}
-
 
 def gpu_spec(name: str) -> GPUSpec:
+    """The GPU kind ``--gpu NAME`` names (any case)."""
     try:
         return SPECS[name.upper()]
     except KeyError:
-        raise GenomeLMError(f"--gpu {name}: unknown GPU (known: {', '.join(SPECS)})") from None
+        raise GenomeLMError(f"--gpu {name}: unknown GPU (known: {', '.join(SPECS)}; or give --gpu-mem GB)") from None
 
 
 def gpu_memory(name: str, override_gb: float | None = None) -> tuple[str, float]:
@@ -22,7 +20,5 @@ def gpu_memory(name: str, override_gb: float | None = None) -> tuple[str, float]
         if override_gb <= 0:
             raise GenomeLMError(f"--gpu-mem {override_gb}: must be positive (GB)")
         return f"{override_gb:g} GB", override_gb * 1e9
-    key = name.upper()
-    if key not in GPUS:
-        raise GenomeLMError(f"--gpu {name}: unknown GPU (known: {', '.join(GPUS)}; or give --gpu-mem GB)")
-    return key, GPUS[key]
+    spec = gpu_spec(name)
+    return spec.name, spec.memory

@@ -121,9 +121,9 @@ class Timing:
     @property
     def bottleneck(self) -> str:
         """The resource with the most time, and its largest part."""
-        resource = next(iter(self.by("resource")))
+        resource, seconds = next(iter(self.by("resource").items()))
         top = max((i for i in self.items if i.resource == resource), key=lambda i: i.seconds)
-        share = self.by("resource")[resource] / self.step_seconds
+        share = seconds / self.step_seconds
         return f"{resource} ({share:.0%} of the step; largest part: {top.name}, {top.seconds / self.step_seconds:.0%})"
 
     def as_dict(self) -> dict:
@@ -164,8 +164,7 @@ def estimate_time(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
     for w in work:
         eff = c.kernel if w.name in KERNELS else c.gemm
         add(TimeItem(w.name, w.layer, "compute", micro * w.total / par.divisor(w.split) / (gpu.bf16_flops * eff)))
-    whole = flops.step_work(cfg, mem, T=T, batch=B, indexer_loss_mode=mode, gpu=True)
-    timing.model_flops_per_gpu = sum(w.count * (w.forward + w.backward) for w in whole) * \
+    timing.model_flops_per_gpu = flops.model_flops(cfg, mem, T=T, batch=B, indexer_loss_mode=mode, gpu=True) * \
         (tr.global_batch_size // B) / gpus
 
     # memory-bound: saved activations written per forward run, read (with their gradient) in backward

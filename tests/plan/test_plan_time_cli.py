@@ -64,3 +64,11 @@ def test_bad_kernel_efficiency_and_plot_on_cpu():
     assert result.exit_code != 0 and "--kernel-efficiency 1.5" in result.output
     result = invoke("--config", "demo-cpu", "--device", "cpu", "--plot", "x.png")
     assert result.exit_code != 0 and "--plot" in result.output
+
+
+def test_gpu_mem_with_an_unknown_gpu_plans_memory_alone():
+    result = invoke("--config", "demo-cpu", "--gpu", "A100", "--gpu-mem", "40")
+    assert result.exit_code == 0, result.output
+    assert "on a 40 GB" in result.output and "Step time" not in result.output
+    result = invoke("--config", "demo-cpu", "--gpu", "A100")
+    assert result.exit_code != 0 and "--gpu A100: unknown GPU" in result.output
