@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -67,6 +68,8 @@ def plan(
         raise GenomeLMError(f"--moe-imbalance {moe_imbalance}: the busiest rank has at least the mean (>= 1)")
     if not 0 <= headroom < 1:
         raise GenomeLMError(f"--headroom {headroom}: expected a fraction in [0, 1)")
+    if plot is not None and not Path(plot).resolve().parent.is_dir():
+        raise GenomeLMError(f"--plot {plot}: no folder {Path(plot).resolve().parent} to write it in")
     if kernel_efficiency is not None and not 0 < kernel_efficiency <= 1:
         raise GenomeLMError(f"--kernel-efficiency {kernel_efficiency}: expected a fraction in (0, 1]")
     constants = CONSTANTS if kernel_efficiency is None else replace(CONSTANTS, kernel=kernel_efficiency)

@@ -3,7 +3,9 @@ fits, the sweep over sequence lengths, and the published-run comparison."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -280,8 +282,13 @@ def time_plot(timing, path) -> None:
     ax.set_title(f"{run.model.preset}, {length_label(run.data.seq_len)} on {timing.gpus} x {timing.gpu.name}: "
                  f"{timing.step_seconds:,.0f} s, {timing.tokens_per_s:,.0f} tokens/s, MFU {timing.mfu:.1%}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp.png")  # no half-written chart under the name asked for
+    try:
+        fig.savefig(tmp, dpi=120)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
 
 
 def published_time_table(hw: Hardware, constants=None) -> Table:

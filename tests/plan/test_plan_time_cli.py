@@ -66,6 +66,15 @@ def test_bad_kernel_efficiency_and_plot_on_cpu():
     assert result.exit_code != 0 and "--plot" in result.output
 
 
+def test_plot_into_a_missing_folder_is_one_line_and_writes_nothing(tmp_path):
+    target = tmp_path / "missing" / "time.png"
+    result = invoke("--config", "glm-5.3-flash-1m-64xb200", "--plot", str(target))
+    assert result.exit_code != 0 and "no folder" in result.output and "Traceback" not in result.output
+    assert not target.parent.exists()
+    invoke("--config", "glm-5.3-flash-1m-64xb200", "--plot", str(tmp_path / "time.png"))
+    assert [p.name for p in tmp_path.iterdir()] == ["time.png"]  # no temporary file left beside it
+
+
 def test_gpu_mem_with_an_unknown_gpu_plans_memory_alone():
     result = invoke("--config", "demo-cpu", "--gpu", "A100", "--gpu-mem", "40")
     assert result.exit_code == 0, result.output
