@@ -288,7 +288,7 @@ def run_parity(hf_dir: str | Path, lengths: list[int], *, tol: float = 1e-4, see
         model = build_model(cfg, pg, ParallelSizes(), kernel_backend=kernel_backend).eval()
         load_hf_checkpoint(model, hf_dir)
         reference = None  # the torch path on the same weights, for the flips of a GPU kernel backend
-        if model.options.kernel_backend != "torch":
+        if model.options.kernel_backend.name != "torch":
             reference = build_model(cfg, pg, ParallelSizes(), kernel_backend="torch").eval()
             load_hf_checkpoint(reference, hf_dir)
         for length in lengths:

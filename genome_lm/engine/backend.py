@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from genome_lm_kernels import KernelBackend
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,7 @@ class BackendProfile:
     moe_dispatcher: str  # megatron-core token dispatcher: "alltoall" or "allgather"
     batch_p2p: bool  # pipeline stages exchange activations with batched isend/irecv
     optimizer: str  # "megatron-distributed" (megatron-core's, ZeRO-1) or "cpu-adamw" (genome-lm's)
-    kernel_backend: str  # what model.kernel_backend "auto" becomes: "triton" or "torch"
+    kernel_backend: KernelBackend  # what model.kernel_backend "auto" becomes: "triton" or "torch"
     cpu_initialization: bool  # megatron-core initialises parameters on the CPU
     pinned_host_memory: bool  # offloaded activations go to pinned (page-locked) host memory
 
@@ -52,22 +56,24 @@ class BackendProfile:
         """The profile as MLflow parameters (``backend.*``)."""
         return {"backend.profile": self.name, "backend.process_groups": self.process_groups,
                 "backend.transformer_impl": self.transformer_impl, "backend.moe_dispatcher": self.moe_dispatcher,
-                "backend.optimizer": self.optimizer, "backend.kernels": self.kernel_backend}
+                "backend.optimizer": self.optimizer, "backend.kernels": str(self.kernel_backend)}
 
 
 def profile(*, gpu: bool, transformer_engine: bool | None = None) -> BackendProfile:
     """The GPU or CPU profile. ``transformer_engine``: whether Transformer Engine is installed
     (default: look); without it a GPU uses megatron-core's local specs."""
+    from genome_lm_kernels import resolve_backend
+
     if not gpu:
         return BackendProfile(gpu=False, device="cpu", process_groups="gloo", transformer_impl="local",
                               moe_dispatcher="allgather", batch_p2p=False, optimizer="cpu-adamw",
-                              kernel_backend="torch", cpu_initialization=True, pinned_host_memory=False)
-    from genome_lm_kernels import gpu_default
-
+                              kernel_backend=resolve_backend("auto", "cpu"), cpu_initialization=True,
+                              pinned_host_memory=False)
     te = has_transformer_engine() if transformer_engine is None else transformer_engine
     return BackendProfile(gpu=True, device="cuda", process_groups="nccl",
                           transformer_impl="transformer_engine" if te else "local", moe_dispatcher="alltoall",
-                          batch_p2p=True, optimizer="megatron-distributed", kernel_backend=gpu_default(),
+                          batch_p2p=True, optimizer="megatron-distributed",
+                          kernel_backend=resolve_backend("auto", "cuda"),
                           cpu_initialization=False, pinned_host_memory=True)
 
 

@@ -6,12 +6,14 @@ modules expect; the mHC residual streams are ``[S, B, N, hidden]`` with N = ``hc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from genome_lm_kernels import KernelBackend, resolve_backend
 
 from .config import ModelConfig
 
@@ -27,8 +29,8 @@ class BuildOptions:
 
     transformer_impl: megatron-core's spec provider, "local" (torch, CPU) or
         "transformer_engine" (GPU, needs the ``gpu`` extra).
-    kernel_backend: backend of the KDA and DSA ops ("reference", "torch", "triton"), already
-        resolved with ``genome_lm_kernels.resolve_backend``.
+    kernel_backend: backend of the KDA and DSA ops, resolved once with
+        ``genome_lm_kernels.resolve_backend`` (``build_model`` does it); the layers pass it on.
     dtype: parameter dtype.
     moe_aux_loss_coeff: weight of the MoE routers' auxiliary load-balancing loss (0: none, the
         expert bias alone balances the load); it joins backward as a gradient only
@@ -44,7 +46,7 @@ class BuildOptions:
     """
 
     transformer_impl: TransformerImpl = "local"
-    kernel_backend: str = "torch"
+    kernel_backend: KernelBackend = field(default_factory=lambda: resolve_backend("torch", "cpu"))
     dtype: torch.dtype = torch.float32
     moe_aux_loss_coeff: float = 0.0
     moe_aux_loss: Literal["seq_aux_loss", "aux_loss"] = "seq_aux_loss"

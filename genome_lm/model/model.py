@@ -203,15 +203,19 @@ def build_model(cfg: ModelConfig, pg: ProcessGroupCollection, sizes: ParallelSiz
                 moe_aux_loss_coeff: float = 0.0, moe_aux_loss: str = "seq_aux_loss",
                 absorbed_mla: bool | None = None, compiled: bool = False) -> GLM5Model:
     """Build the model for the process groups ``pg`` (from ``engine.parallel.parallel_context``);
-    the MoE auxiliary loss options and ``compiled`` are ``BuildOptions``'. ``absorbed_mla`` None:
-    absorbed with the GPU kernel backends (where it runs on tensor cores), per-head on the CPU
-    paths."""
-    from genome_lm_kernels import GPU_BACKENDS, resolve_backend
+    the MoE auxiliary loss options and ``compiled`` are ``BuildOptions``'. ``kernel_backend``
+    "auto" is what the backend profile says for the device (``profile.kernel_backend``); the name
+    is resolved here, once, and the layers read the result from ``BuildOptions``.
+    ``absorbed_mla`` None: absorbed with the GPU kernel backends (where it runs on tensor cores),
+    per-head on the CPU paths."""
+    from genome_lm_kernels import resolve_backend
 
     from genome_lm.engine.backend import current
 
     profile = current()
     device = torch.device(device or profile.device)
+    if kernel_backend == "auto" and device.type == profile.device:
+        kernel_backend = profile.kernel_backend
     backend = resolve_backend(kernel_backend, device)
     if compiled and device.type == "cpu":
         import logging
@@ -229,7 +233,7 @@ def build_model(cfg: ModelConfig, pg: ProcessGroupCollection, sizes: ParallelSiz
             compiled = False
     options = BuildOptions(transformer_impl=transformer_impl, dtype=dtype, kernel_backend=backend,
                            moe_aux_loss_coeff=moe_aux_loss_coeff, moe_aux_loss=moe_aux_loss,
-                           absorbed_mla=backend in GPU_BACKENDS if absorbed_mla is None else absorbed_mla,
+                           absorbed_mla=backend.gpu if absorbed_mla is None else absorbed_mla,
                            compiled=compiled)
     if not profile.cpu_initialization:
         # megatron-core initialises its parallel layers on the GPU from the CUDA RNG tracker's

@@ -40,6 +40,8 @@ from genome_lm_kernels.dsa.reference import slot_width
 from genome_lm_kernels.dsa.sparse_attention import GATHER_ELEMENTS, gather_rows, own_keys
 
 if TYPE_CHECKING:
+    from genome_lm_kernels import KernelBackend
+
     from genome_lm.model.model import GLM5Model
 
 SELECT_BLOCK = 64  # queries per indexer block when the layer sets none: select_tokens' default
@@ -146,10 +148,10 @@ class DSACache:
             self.pooled.append(dsa_indexer.pool_keys(k_BSD[:, :n], gate_BSD[:, :n], ape_KD, kpool=self.kpool))
         self.tail = (k_BSD[:, n:], gate_BSD[:, n:])
 
-    def _select(self, q_BSHD, w_BSH, t0: int, backend: str, block: int) -> torch.Tensor:
+    def _select(self, q_BSHD, w_BSH, t0: int, backend: KernelBackend, block: int) -> torch.Tensor:
         """Selected tokens of queries t0 .. t0+S-1: [B, S, slots] (``select_tokens``' layout), in
         query blocks at the same multiples of ``block`` as the full forward's."""
-        if backend == "triton":
+        if backend.dsa == "triton":
             from genome_lm_kernels.dsa import triton as dsa_triton
 
             score_fn = dsa_triton.pool_scores_chunk

@@ -15,7 +15,9 @@ free when activations are already fp32.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from genome_lm_kernels import KernelBackend, resolve_backend
 
 from genome_lm.model import common
 from genome_lm.model.config import ModelConfig
@@ -33,7 +35,7 @@ class Shard:
     cp: int = 1
     ep: int = 1
     etp: int = 1
-    backend: str = "torch"  # the kernel backend: "torch" (CPU), "triton", "triton-fp32" or "fla" (GPU)
+    backend: KernelBackend = field(default_factory=lambda: resolve_backend("torch", "cpu"))  # resolved once
     indexer_loss: bool = True
     moe_imbalance: float = 4.0  # busiest expert-parallel rank's tokens over the mean (ep > 1)
     query_chunk: int | None = None  # memory.dsa_query_chunk
@@ -50,7 +52,7 @@ class Shard:
     @property
     def gpu_kernels(self) -> bool:
         """The Triton (or fla) kernels, and the DSA layers in absorbed MLA form."""
-        return self.backend in ("triton", "triton-fp32", "fla")
+        return self.backend.gpu
 
 
 # ------------------------------------------------------------------------------------ pieces
@@ -211,7 +213,7 @@ def backward_attention(cfg: ModelConfig, s: Shard, kda: bool) -> float:
         W = h * K
         if s.gpu_kernels:  # the Triton backward's buffers (the kernel module's own inventory), d(conv input)
             triton = importlib.import_module("genome_lm_kernels.kda.triton")
-            return h * triton.backward_bytes_per_token(K, K, exact=s.backend == "triton-fp32") + 3 * W * F32
+            return h * triton.backward_bytes_per_token(K, K, exact=s.backend.exact) + 3 * W * F32
         # dq, dk, dv, dg in the chunk layout and their padded copies, d(conv input)
         return 8 * W * F32 + 3 * W * F32
     h = cfg.num_attention_heads // s.tp
@@ -248,7 +250,7 @@ def backward_fixed(cfg: ModelConfig, s: Shard, kda: bool) -> float:
     temporaries; DSA scores blocks of queries whose gathered keys hold at most
     ``GATHER_ELEMENTS`` values (keys, values and two products of that size in backward). The
     Triton kernels keep theirs in on-chip memory."""
-    if s.backend != "torch":
+    if s.backend.name != "torch":
         return 0.0
     if kda:
         chunked = importlib.import_module("genome_lm_kernels.kda.chunked")

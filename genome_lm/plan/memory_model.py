@@ -241,9 +241,9 @@ def pinned_size(nbytes: float) -> float:
 # ------------------------------------------------------------------------------------ estimate
 def shard_for(run: RunConfig, hw: Hardware) -> act.Shard:
     a = 2 if run.model.dtype == "bf16" else 4
-    backend = run.model.kernel_backend
-    if backend == "auto":
-        backend = "triton" if hw.device == "gpu" else "torch"
+    from genome_lm_kernels import resolve_backend
+
+    backend = resolve_backend(run.model.kernel_backend, "cuda" if hw.device == "gpu" else "cpu")
     p = run.parallel
     return act.Shard(a=a, tp=p.tp, cp=p.cp, ep=p.ep, etp=p.etp, backend=backend,
                      indexer_loss=run.train.indexer_loss != "off", moe_imbalance=hw.moe_imbalance,

@@ -11,6 +11,7 @@ import statistics
 import time
 
 import torch
+from genome_lm_kernels import resolve_backend
 
 BOUND = {"triton": 2e-2, "fla": 2e-2, "triton-fp32": 2e-5}
 
@@ -60,7 +61,8 @@ def _kda_grads(x: dict, backend: str, w_o, w_S):
 
     leaves = {n: t.detach().requires_grad_() for n, t in x.items()}
     o, S = kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], initial_state=leaves["initial_state"],
-               output_final_state=True, use_qk_l2norm=True, backend=backend)
+               output_final_state=True, use_qk_l2norm=True,
+               backend=resolve_backend(backend, x["q"].device))
     grads = torch.autograd.grad((o.float() * w_o).sum() + (S * w_S).sum(), list(leaves.values()))
     return {"o": o.detach(), "final state": S.detach(), **{f"d{n}": gr for n, gr in zip(leaves, grads)}}
 
@@ -96,7 +98,7 @@ def _selection(B, T, kpool, topk, device, seed=0):
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     q, k, w = (torch.randn(*s, generator=g).to(device) for s in ((B, T, 4, 32), (B, T, 32), (B, T, 4)))
-    return dsa.select_tokens(q, k, w, kpool=kpool, topk=topk, backend="torch", chunk=1024)[0]
+    return dsa.select_tokens(q, k, w, kpool=kpool, topk=topk, backend=resolve_backend("torch", device), chunk=1024)[0]
 
 
 def mla_parity(ctx) -> list[dict]:
@@ -109,7 +111,7 @@ def mla_parity(ctx) -> list[dict]:
 
     def run(q, kv, backend):
         q, kv = q.detach().requires_grad_(), kv.detach().requires_grad_()
-        o, lse = dsa.sparse_mla(q, kv, idx, scale=D**-0.5, dv=dv, backend=backend)
+        o, lse = dsa.sparse_mla(q, kv, idx, scale=D**-0.5, dv=dv, backend=resolve_backend(backend, ctx.device))
         dq, dkv = torch.autograd.grad((o.to(do.dtype) * do.to(o.dtype)).sum(), (q, kv))
         return {"o": o.detach(), "lse": lse.detach(), "dq": dq, "dkv": dkv}
 
@@ -144,8 +146,9 @@ def indexer_parity(ctx) -> list[dict]:
     finite = torch.isfinite(want)
     same_mask = bool(torch.equal(finite, torch.isfinite(got)))
     err = _rel(got[finite], want[finite])
-    idx_t = dsa.select_tokens(q, k, w, kpool=kpool, topk=topk, backend="triton", chunk=chunk)[0]
-    idx_r = dsa.select_tokens(q, k, w, kpool=kpool, topk=topk, backend="torch", chunk=chunk)[0]
+    triton, torch_path = resolve_backend("triton", ctx.device), resolve_backend("torch", ctx.device)
+    idx_t = dsa.select_tokens(q, k, w, kpool=kpool, topk=topk, backend=triton, chunk=chunk)[0]
+    idx_r = dsa.select_tokens(q, k, w, kpool=kpool, topk=topk, backend=torch_path, chunk=chunk)[0]
     agree = (idx_t == idx_r).all(-1).float().mean().item()
     return [{"op": "indexer scores", "backend": "triton", "shape": f"T{T} Hi{Hi} Di{Di} kpool{kpool}",
              "reference": "torch path, fp32", "worst": "scores", "rel_err": err, "bound": 1e-4,
@@ -204,15 +207,16 @@ def _kda_speed(ctx, T, repeats, rows):
             rows.append({**base, "note": f"skipped: {why}"})
             continue
         leaves = {n: t.requires_grad_() for n, t in x.items() if t is not None}
+        resolved = resolve_backend(backend, ctx.device)
 
         def forward():
             with torch.no_grad():
                 return kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], use_qk_l2norm=True,
-                           backend=backend)
+                           backend=resolved)
 
         def forward_backward():
             o, _ = kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], use_qk_l2norm=True,
-                       backend=backend)
+                       backend=resolved)
             torch.autograd.grad(o.float().sum(), list(leaves.values()))
 
         _measure(ctx, rows, base, [("forward", forward), ("forward+backward", forward_backward)], repeats)
@@ -231,7 +235,7 @@ def _dsa_speed(ctx, T, repeats, rows):
 
     qi, ki, wi = r(1, T, Hi, Di), r(1, T, Di), r(1, T, Hi, dtype=torch.float32)
     q, kv = r(1, T, H, D).requires_grad_(), r(1, T, D).requires_grad_()
-    backend = "triton"
+    backend = resolve_backend("triton", ctx.device)
 
     def select():
         with torch.no_grad():

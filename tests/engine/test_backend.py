@@ -13,7 +13,7 @@ from genome_lm.engine.backend import BackendProfile, current, profile
 def test_cpu_profile():
     cpu = profile(gpu=False)
     assert (cpu.device, cpu.process_groups, cpu.transformer_impl, cpu.moe_dispatcher, cpu.optimizer,
-            cpu.kernel_backend) == ("cpu", "gloo", "local", "allgather", "cpu-adamw", "torch")
+            cpu.kernel_backend.name) == ("cpu", "gloo", "local", "allgather", "cpu-adamw", "torch")
     assert cpu.cpu_initialization and not cpu.batch_p2p and not cpu.pinned_host_memory
     assert not cpu.distributed_optimizer
 
@@ -22,7 +22,7 @@ def test_cpu_profile():
 def test_gpu_profile_as_values(te):
     """The GPU path's choices, read without a GPU."""
     gpu = profile(gpu=True, transformer_engine=te)
-    assert (gpu.device, gpu.process_groups, gpu.moe_dispatcher, gpu.optimizer, gpu.kernel_backend) == (
+    assert (gpu.device, gpu.process_groups, gpu.moe_dispatcher, gpu.optimizer, gpu.kernel_backend.name) == (
         "cuda", "nccl", "alltoall", "megatron-distributed", "triton")
     assert gpu.transformer_impl == ("transformer_engine" if te else "local")
     assert gpu.batch_p2p and gpu.pinned_host_memory and gpu.distributed_optimizer and not gpu.cpu_initialization
@@ -74,3 +74,24 @@ def test_optimizer_follows_the_profile(monkeypatch, gpu):
 
     make_optimizer(load_config("demo-cpu", []), DDP(), None, profile(gpu=gpu, transformer_engine=False))
     assert made == [profile(gpu=gpu, transformer_engine=False).optimizer]
+
+
+def test_the_model_reads_auto_from_the_profile(monkeypatch):
+    """``build_model(kernel_backend="auto")`` takes the profile's backend, resolves it once, and
+    every layer passes that one object to the ops."""
+    from genome_lm_kernels import resolve_backend
+
+    from genome_lm.engine import backend
+    from genome_lm.engine.parallel import ParallelSizes, parallel_context
+    from genome_lm.model import get_preset
+    from genome_lm.model.model import build_model
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    chosen = dataclasses.replace(profile(gpu=False), kernel_backend=resolve_backend("triton-fp32", "cpu"))
+    monkeypatch.setattr(backend, "current", lambda: chosen)
+    with parallel_context() as pg:
+        model = build_model(get_preset("tiny"), pg, ParallelSizes(), kernel_backend="auto")
+    resolved = model.options.kernel_backend
+    assert resolved.name == "triton-fp32" and model.options.absorbed_mla
+    layers = [m for m in model.modules() if hasattr(m, "backend")]
+    assert layers and all(m.backend is resolved for m in layers)

@@ -16,6 +16,13 @@ LENGTHS = (1, 63, 65, 257, 1000)
 REL_TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
+def backend_of(name: str):
+    """The kernel backend ``name`` resolved for the tests' device (the ops take only resolved ones)."""
+    from genome_lm_kernels import resolve_backend
+
+    return resolve_backend(name, DEVICE)
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual, expected = actual.double(), expected.double()
     assert torch.isfinite(actual).all(), "non-finite values (an unwritten, NaN-poisoned element?)"

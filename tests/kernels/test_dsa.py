@@ -11,7 +11,7 @@ from genome_lm_kernels import dsa
 from genome_lm_kernels.dsa import loss as loss_module, reference
 from genome_lm_kernels.dsa.bench import PeakRSS
 
-from .conftest import LENGTHS, REL_TOL, assert_rel_close
+from .conftest import LENGTHS, REL_TOL, assert_rel_close, backend_of
 
 # (kpool, topk): released checkpoint kpool 4, config default 16; topk not a multiple of kpool;
 # topk below kpool (no pool slot: only the tail, so some queries select nothing).
@@ -77,8 +77,8 @@ def assert_same_selection(idx, idx_ref, scores_BTN, *, kpool, topk, sorted_pools
 
 def _check_selection(backend, T, kpool, topk, dtype, generator, gate=True, chunk=64):
     inp = indexer_inputs(generator, 2, T, 3, 16, kpool, dtype, gate)
-    idx, valid = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend=backend, chunk=chunk)
-    idx_ref, _ = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend="reference")
+    idx, valid = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend=backend_of(backend), chunk=chunk)
+    idx_ref, _ = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend=backend_of("reference"))
     assert torch.equal(valid, idx >= 0)
     if dtype == torch.float64:  # same arithmetic up to fp64 rounding: identical, ties included
         assert torch.equal(idx, idx_ref)
@@ -103,7 +103,7 @@ def test_select_tokens_ties_go_to_the_lower_pool(generator):
     """All scores equal (w = 0): the first topk // kpool visible pools are selected."""
     inp = indexer_inputs(generator, 1, 100, 2, 8, 4, torch.float32)
     inp["w_idx_BTH"] = torch.zeros_like(inp["w_idx_BTH"])
-    idx, _ = dsa.select_tokens(**inp, kpool=4, topk=12, backend="torch", chunk=16)
+    idx, _ = dsa.select_tokens(**inp, kpool=4, topk=12, backend=backend_of("torch"), chunk=16)
     assert idx[0, 99, :12].tolist() == list(range(12))
     assert idx[0, 99, 12:].tolist() == [-1, -1, -1]  # 100 tokens: pool 24 complete, no tail
     assert idx[0, 50, 12:].tolist() == [48, 49, 50]
@@ -115,7 +115,7 @@ def test_selection_pools_round_trip(T, kpool, topk, generator):
     """A selection kept as int32 pools (across recompute) expands back to the same index, in
     blocks of rows that do not divide T."""
     inp = indexer_inputs(generator, 2, T, 3, 16, kpool, torch.float32)
-    idx, _ = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend="torch", chunk=32)
+    idx, _ = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend=backend_of("torch"), chunk=32)
     pools = dsa.selection_pools(idx, kpool=kpool, topk=topk)
     assert pools.dtype == torch.int32 and pools.shape == (2, T, min(topk // kpool, T // kpool))
     for rows in (7, None):
@@ -159,7 +159,7 @@ def test_pick_pools_matches_a_sort_with_ties_and_invisible_pools(N, n_pick, leve
 def attention_case(generator, B, T, H, dtype, kpool=4, topk=18, D=16, DV=8):
     r = lambda *s: torch.randn(*s, generator=generator).to(dtype)  # noqa: E731
     inp = indexer_inputs(generator, B, T, 2, 8, kpool, torch.float64)
-    idx, _ = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend="torch")
+    idx, _ = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend=backend_of("torch"))
     q, k, v = r(B, T, H, D), r(B, T, H, D), r(B, T, H, DV)
     return q, k, v, idx, r(B, T, H, DV), torch.randn(B, T, H, generator=generator)
 
@@ -168,7 +168,7 @@ def _check_attention(backend, T, H, dtype, generator, kpool=4, topk=18, chunk=64
     q, k, v, idx, do, dlse = attention_case(generator, 2, T, H, dtype, kpool, topk)
     scale = q.shape[-1] ** -0.5
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    o, lse = dsa.sparse_attention(*leaves, idx, scale=scale, backend=backend, chunk=chunk)
+    o, lse = dsa.sparse_attention(*leaves, idx, scale=scale, backend=backend_of(backend), chunk=chunk)
     finite = torch.isfinite(lse)
     grads = torch.autograd.grad((o.float() * do.float()).sum() + (lse.nan_to_num(neginf=0.0) * dlse).sum(), leaves)
 
@@ -221,18 +221,18 @@ def _check_loss(backend, T, kpool, topk, sparse, dtype, generator, chunk=64):
     inp = indexer_inputs(generator, 2, T, 3, 8, kpool, dtype)
     r = lambda *s: torch.randn(*s, generator=generator).to(dtype)  # noqa: E731
     q, k = r(2, T, 2, 16).requires_grad_(), r(2, T, 2, 16).requires_grad_()
-    idx = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend="torch")[0] if sparse else None
+    idx = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend=backend_of("torch"))[0] if sparse else None
     names = list(inp)
     leaves = {n: inp[n].clone().requires_grad_() for n in names}
     loss = dsa.indexer_loss(leaves["q_idx_BTHD"], leaves["k_idx_BTD"], leaves["w_idx_BTH"], q, k, idx,
                             gate_BTD=leaves["gate_BTD"], ape_KD=leaves["ape_KD"], kpool=kpool, scale=0.25,
-                            backend=backend, chunk=chunk)
+                            backend=backend_of(backend), chunk=chunk)
     grads = torch.autograd.grad(loss, [leaves[n] for n in names] + [q, k], allow_unused=True)
     assert grads[-1] is None and grads[-2] is None, "the main q, k must not receive indexer-loss gradient"
     ref = {n: inp[n].detach().double().requires_grad_() for n in names}
     loss_ref = dsa.indexer_loss(ref["q_idx_BTHD"], ref["k_idx_BTD"], ref["w_idx_BTH"], q.double(), k.double(),
                                 idx, gate_BTD=ref["gate_BTD"], ape_KD=ref["ape_KD"], kpool=kpool, scale=0.25,
-                                backend="reference")
+                                backend=backend_of("reference"))
     if T < kpool:  # no query sees a complete pool
         assert loss.item() == 0.0
         return
@@ -291,13 +291,13 @@ def test_indexer_loss_with_heads_split_over_ranks(T, sparse, keep, generator, na
         monkeypatch.setattr(loss_module, "KEEP_TARGET_BYTES", 0)
     inp = indexer_inputs(generator, 2, T, 3, 8, kpool, torch.float64)
     q, k = (torch.randn(2, T, 5, 16, generator=generator, dtype=torch.float64) for _ in range(2))
-    idx = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend="torch")[0] if sparse else None
+    idx = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend=backend_of("torch"))[0] if sparse else None
 
     def run(heads, reduce_target):
         leaves = {n: inp[n].clone().requires_grad_() for n in inp}
         loss = dsa.indexer_loss(leaves["q_idx_BTHD"], leaves["k_idx_BTD"], leaves["w_idx_BTH"], q[:, :, heads],
                                 k[:, :, heads], idx, gate_BTD=leaves["gate_BTD"], ape_KD=leaves["ape_KD"],
-                                kpool=kpool, scale=0.25, backend="torch", chunk=chunk, reduce_target=reduce_target)
+                                kpool=kpool, scale=0.25, backend=backend_of("torch"), chunk=chunk, reduce_target=reduce_target)
         return loss, torch.autograd.grad(loss, list(leaves.values()))
 
     other = []
@@ -324,13 +324,13 @@ def test_chunked_paths_never_build_T_by_T(generator):
     q, k, v = (torch.randn(1, T, 2, 16, generator=generator).requires_grad_() for _ in range(3))
     tt_bytes = T * T * 4
     with PeakRSS() as m_sel:
-        idx, _ = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend="torch", chunk=chunk)
+        idx, _ = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend=backend_of("torch"), chunk=chunk)
     with PeakRSS() as m_attn:
-        o, lse = dsa.sparse_attention(q, k, v, idx, scale=0.25, backend="torch", chunk=chunk)
+        o, lse = dsa.sparse_attention(q, k, v, idx, scale=0.25, backend=backend_of("torch"), chunk=chunk)
         o.sum().backward()
     leaves = [inp[n].requires_grad_() for n in ("q_idx_BTHD", "k_idx_BTD", "w_idx_BTH")]
     with PeakRSS() as m_loss:
         for mode in (None, idx):
-            dsa.indexer_loss(*leaves, q, k, mode, kpool=kpool, scale=0.25, backend="torch", chunk=chunk).backward()
+            dsa.indexer_loss(*leaves, q, k, mode, kpool=kpool, scale=0.25, backend=backend_of("torch"), chunk=chunk).backward()
     for what, m in (("select", m_sel), ("attention", m_attn), ("loss", m_loss)):
         assert m.delta < tt_bytes / 8, f"{what}: peak growth {m.delta / 2**20:.0f} MiB, [T, T] is 1 GiB"

@@ -10,7 +10,7 @@ import torch
 from genome_lm_kernels import dsa
 from genome_lm_kernels.dsa import sparse_attention
 
-from .conftest import assert_rel_close
+from .conftest import assert_rel_close, backend_of
 
 impl = importlib.import_module("genome_lm_kernels.dsa.sparse_attention")
 loss_impl = importlib.import_module("genome_lm_kernels.dsa.loss")
@@ -37,7 +37,7 @@ def _ascending_unique(row):
 
 def _run(backend, q, k, v, idx, chunk=16):
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    o, lse = sparse_attention(*leaves, idx, scale=0.3, backend=backend, chunk=chunk)
+    o, lse = sparse_attention(*leaves, idx, scale=0.3, backend=backend_of(backend), chunk=chunk)
     g = torch.Generator().manual_seed(1)
     (o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum().backward()
     return o, lse, *(x.grad for x in leaves)
@@ -93,7 +93,7 @@ def test_select_tokens_rows_ascending_without_repeats(T, kpool, topk):
     (complete pools ascending, then the incomplete tail pool), so no key repeats."""
     g = torch.Generator().manual_seed(T)
     idx, valid = dsa.select_tokens(torch.randn(2, T, 2, 8, generator=g), torch.randn(2, T, 8, generator=g),
-                                   torch.randn(2, T, 2, generator=g), kpool=kpool, topk=topk, backend="torch")
+                                   torch.randn(2, T, 2, generator=g), kpool=kpool, topk=topk, backend=backend_of("torch"))
     for row in idx.flatten(0, 1):
         keys = row[row >= 0]
         assert (keys[1:] > keys[:-1]).all()
@@ -116,7 +116,7 @@ def test_gathered_block_depends_on_S_not_T(monkeypatch):
     for T in (128, 1024):
         (q, k, v), idx = _inputs(T, 16, B=1, Dv=8)
         leaves = [x.requires_grad_() for x in (q, k, v)]
-        o, _ = sparse_attention(*leaves, idx, scale=0.3, backend="torch", chunk=64)
+        o, _ = sparse_attention(*leaves, idx, scale=0.3, backend=backend_of("torch"), chunk=64)
         o.sum().backward()
     assert set(shapes) == {(64, 16, 3, 8)}
     assert impl.queries_per_block(64, 259, 4, 16) == 64  # the benchmark shape: one 4 MiB block

@@ -11,14 +11,14 @@ from genome_lm_kernels import dsa
 from genome_lm_kernels.dsa import mla as mla_module
 from genome_lm_kernels.dsa import reference
 
-from .conftest import REL_TOL, assert_rel_close
+from .conftest import REL_TOL, assert_rel_close, backend_of
 from .test_dsa import indexer_inputs
 
 
 def mla_case(generator, B, T, H, D, dv, dtype, kpool=4, topk=18):
     r = lambda *s: torch.randn(*s, generator=generator).to(dtype)  # noqa: E731
     idx, _ = dsa.select_tokens(**indexer_inputs(generator, B, T, 2, 8, kpool, torch.float64),
-                               kpool=kpool, topk=topk, backend="torch")
+                               kpool=kpool, topk=topk, backend=backend_of("torch"))
     return r(B, T, H, D), r(B, T, D), idx, r(B, T, H, dv), torch.randn(B, T, H, generator=generator)
 
 
@@ -28,12 +28,12 @@ def check_mla(backend, T, H, D, dv, dtype, generator, *, bound=None, kpool=4, to
     q, kv, idx, do, dlse = mla_case(generator, 2, T, H, D, dv, dtype, kpool, topk)
     scale = D**-0.5
     leaves = [x.clone().requires_grad_() for x in (q, kv)]
-    o, lse = dsa.sparse_mla(*leaves, idx, scale=scale, dv=dv, backend=backend, chunk=chunk)
+    o, lse = dsa.sparse_mla(*leaves, idx, scale=scale, dv=dv, backend=backend_of(backend), chunk=chunk)
     finite = torch.isfinite(lse)
     loss = (o.float() * do.float()).sum() + (lse.nan_to_num(neginf=0.0) * dlse).sum()
     grads = torch.autograd.grad(loss, leaves)
     ref_leaves = [x.detach().double().requires_grad_() for x in (q, kv)]
-    o_ref, lse_ref = dsa.sparse_mla(*ref_leaves, idx, scale=scale, dv=dv, backend="reference")
+    o_ref, lse_ref = dsa.sparse_mla(*ref_leaves, idx, scale=scale, dv=dv, backend=backend_of("reference"))
     ref_loss = (o_ref * do.double()).sum() + (lse_ref.nan_to_num(neginf=0.0) * dlse.double()).sum()
     ref_grads = torch.autograd.grad(ref_loss, ref_leaves)
     assert o.dtype == dtype and o.shape == (2, T, H, dv)
@@ -59,8 +59,8 @@ def test_torch_counts_a_repeated_key_once(generator, nan_poison, monkeypatch):
     monkeypatch.setattr(mla_module, "DENSE_KEYS_PER_SLOT", 0)
     q, kv, idx, *_ = mla_case(generator, 1, 40, 2, 8, 8, torch.float64)
     idx[..., :3] = 0
-    o, lse = dsa.sparse_mla(q, kv, idx, scale=0.3, dv=8, backend="torch")
-    o_ref, lse_ref = dsa.sparse_mla(q, kv, idx, scale=0.3, dv=8, backend="reference")
+    o, lse = dsa.sparse_mla(q, kv, idx, scale=0.3, dv=8, backend=backend_of("torch"))
+    o_ref, lse_ref = dsa.sparse_mla(q, kv, idx, scale=0.3, dv=8, backend=backend_of("reference"))
     assert_rel_close(o, o_ref, torch.float64, "o")
 
 
@@ -96,7 +96,7 @@ def test_rejects_values_wider_than_the_latent(generator):
     q, kv, idx, *_ = mla_case(generator, 1, 8, 2, 16, 16, torch.float32)
     for backend in ("reference", "torch", "triton"):
         with pytest.raises(ValueError, match="dv <= D"):
-            dsa.sparse_mla(q, kv, idx, scale=0.3, dv=32, backend=backend)
+            dsa.sparse_mla(q, kv, idx, scale=0.3, dv=32, backend=backend_of(backend))
 
 
 @pytest.mark.slow
@@ -112,11 +112,11 @@ def test_absorbing_inside_the_op(backend, bound, generator, nan_poison, monkeypa
     q = torch.randn(B, T, H, E, generator=generator, dtype=dtype)
     w = torch.randn(H, E, D, generator=generator, dtype=dtype) / E**0.5
     leaves = [x.clone().requires_grad_() for x in (q, w, kv)]
-    o, lse = dsa.sparse_mla(leaves[0], leaves[2], idx, scale=0.3, dv=dv, backend=backend, w_uk_HED=leaves[1])
+    o, lse = dsa.sparse_mla(leaves[0], leaves[2], idx, scale=0.3, dv=dv, backend=backend_of(backend), w_uk_HED=leaves[1])
     grads = torch.autograd.grad((o * do).sum() + lse.nan_to_num(neginf=0.0).sum(), leaves)
     ref = [x.detach().double().requires_grad_() for x in (q, w, kv)]
     o_ref, lse_ref = dsa.sparse_mla(torch.einsum("bthe,hed->bthd", ref[0], ref[1]), ref[2], idx, scale=0.3, dv=dv,
-                                    backend="reference")
+                                    backend=backend_of("reference"))
     ref_grads = torch.autograd.grad((o_ref * do.double()).sum() + lse_ref.nan_to_num(neginf=0.0).sum(), ref)
     assert_rel_close(o, o_ref, bound, "o")
     for name, g, g_ref in zip(("dq", "dw_uk", "dkv"), grads, ref_grads):
@@ -127,12 +127,12 @@ def test_indexer_loss_absorbs_per_block(generator):
     """The loss with per-head q and W_UK equals the loss on q W_UK against the shared latent."""
     B, T, H, E, D, kpool = 1, 150, 3, 8, 16, 4
     inp = indexer_inputs(generator, B, T, 2, 8, kpool, torch.float64)
-    idx, _ = dsa.select_tokens(**inp, kpool=kpool, topk=16, backend="torch")
+    idx, _ = dsa.select_tokens(**inp, kpool=kpool, topk=16, backend=backend_of("torch"))
     q = torch.randn(B, T, H, E, generator=generator, dtype=torch.float64)
     w = torch.randn(H, E, D, generator=generator, dtype=torch.float64)
     kv = torch.randn(B, T, 1, D, generator=generator, dtype=torch.float64)
     for mode_idx in (None, idx):
-        kwargs = dict(gate_BTD=inp["gate_BTD"], ape_KD=inp["ape_KD"], kpool=kpool, scale=0.3, backend="torch", chunk=32)
+        kwargs = dict(gate_BTD=inp["gate_BTD"], ape_KD=inp["ape_KD"], kpool=kpool, scale=0.3, backend=backend_of("torch"), chunk=32)
         args = (inp["q_idx_BTHD"], inp["k_idx_BTD"], inp["w_idx_BTH"])
         got = dsa.indexer_loss(*args, q, kv, mode_idx, w_uk_HED=w, **kwargs)
         want = dsa.indexer_loss(*args, torch.einsum("bthe,hed->bthd", q, w), kv.expand(B, T, H, D), mode_idx, **kwargs)
@@ -146,12 +146,12 @@ def test_absorbed_equals_per_head_attention(generator):
     r = lambda *s: torch.randn(*s, generator=generator, dtype=torch.float64)  # noqa: E731
     c, q, W_UK, W_UV = r(B, T, Dc), r(B, T, H, dqk), r(H, dqk, Dc), r(H, dv, Dc)
     idx, _ = dsa.select_tokens(**indexer_inputs(generator, B, T, 2, 8, 4, torch.float64), kpool=4, topk=18,
-                               backend="torch")
+                               backend=backend_of("torch"))
     k = torch.einsum("hdc,btc->bthd", W_UK, c)
     v = torch.einsum("hdc,btc->bthd", W_UV, c)
     o_heads, lse_heads = reference.sparse_attention(q, k, v, idx, scale=0.25)
     qa = torch.einsum("bthd,hdc->bthc", q, W_UK)
-    o_lat, lse_lat = dsa.sparse_mla(qa, c, idx, scale=0.25, dv=Dc, backend="torch")
+    o_lat, lse_lat = dsa.sparse_mla(qa, c, idx, scale=0.25, dv=Dc, backend=backend_of("torch"))
     o_abs = torch.einsum("bthc,hdc->bthd", o_lat, W_UV)
     assert_rel_close(o_abs, o_heads, torch.float64, "o")
     assert_rel_close(lse_lat, lse_heads, torch.float64, "lse")

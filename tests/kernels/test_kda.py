@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from genome_lm_kernels.kda import kda, l2norm
 from genome_lm_kernels.kda.reference import kda_reference
 
-from .conftest import DEVICE, LENGTHS, assert_rel_close
+from .conftest import DEVICE, LENGTHS, assert_rel_close, backend_of
 
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
@@ -49,7 +49,7 @@ def run(x, backend, use_qk_l2norm):
     return kda(
         x["q"], x["k"], x["v"], x["g"], x["beta"],
         initial_state=x["initial_state"], output_final_state=True,
-        use_qk_l2norm=use_qk_l2norm, backend=backend,
+        use_qk_l2norm=use_qk_l2norm, backend=backend_of(backend),
     )
 
 
@@ -183,7 +183,7 @@ def test_defaults_follow_glm5_next(generator):
     """scale defaults to K**-0.5; l2norm is x / sqrt(sum x^2 + 1e-6) in fp32; no final state
     unless asked."""
     x = make_inputs(1, 10, 2, 16, 16, generator, normalised_k=False, with_state=False)
-    o, S = kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm=True)
+    o, S = kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm=True, backend=backend_of("torch"))
     assert S is None
     q, k = l2norm(x["q"]), l2norm(x["k"])
     assert torch.allclose(q.norm(dim=-1), torch.ones(()), atol=1e-5)
@@ -192,23 +192,28 @@ def test_defaults_follow_glm5_next(generator):
 
 
 def test_rejects_bad_backend_and_shapes(generator, monkeypatch):
+    from genome_lm_kernels import resolve_backend
+
     x = make_inputs(1, 4, 2, 16, 16, generator, with_state=False)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     with pytest.raises(ValueError, match="unknown kernel backend"):
-        kda(*args, backend="cuda")
+        resolve_backend("cuda", DEVICE)
+    with pytest.raises(TypeError, match=r"kda\(\) takes a resolved backend.*resolve_backend\('torch'"):
+        kda(*args, backend="torch")  # a name is resolved once, by the caller, never inside an op
     if DEVICE.type == "cpu":
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
         for name in ("triton", "triton-fp32"):
             with pytest.raises(ValueError, match="needs a CUDA device"):
-                kda(*args, backend=name)
+                resolve_backend(name, DEVICE)
     if DEVICE.type == "cpu":  # fla-core's kernels need a GPU, interpreter or not
         with pytest.raises(ValueError, match="fla backend needs a CUDA device"):
-            kda(*args, backend="fla")
+            resolve_backend("fla", DEVICE)
+    torch_path = backend_of("torch")
     with pytest.raises(ValueError, match="beta"):
-        kda(*args[:4], x["beta"][..., None])
+        kda(*args[:4], x["beta"][..., None], backend=torch_path)
     with pytest.raises(ValueError, match="initial_state"):
-        kda(*args, initial_state=torch.zeros(1, 2, 16, 8))
-    assert kda(*args, backend="auto")[0].shape == (1, 4, 2, 16)
+        kda(*args, initial_state=torch.zeros(1, 2, 16, 8), backend=torch_path)
+    assert kda(*args, backend=backend_of("auto"))[0].shape == (1, 4, 2, 16)
 
 
 def test_reference_matches_the_definition(generator):

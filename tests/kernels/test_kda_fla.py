@@ -13,7 +13,7 @@ import torch
 from genome_lm_kernels.kda import kda, l2norm
 from genome_lm_kernels.kda.reference import kda_reference
 
-from .conftest import DEVICE, assert_rel_close
+from .conftest import DEVICE, assert_rel_close, backend_of
 from .test_kda import make_inputs
 
 
@@ -51,9 +51,9 @@ def test_fla_matches_reference_on_gpu(dtype, generator):
     pytest.importorskip("fla.ops.kda")
     x = make_inputs(2, 300, 4, 64, 64, generator, dtype=dtype, normalised_k=False)
     o, S = kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"], output_final_state=True,
-               use_qk_l2norm=True, backend="fla")
+               use_qk_l2norm=True, backend=backend_of("fla"))
     ref = {n: t.detach().float() for n, t in x.items()}
     o_ref, S_ref = kda(ref["q"], ref["k"], ref["v"], ref["g"], ref["beta"], initial_state=ref["initial_state"],
-                       output_final_state=True, use_qk_l2norm=True, backend="reference")
+                       output_final_state=True, use_qk_l2norm=True, backend=backend_of("reference"))
     assert_rel_close(o, o_ref, torch.bfloat16, "o")
     assert_rel_close(S, S_ref, torch.bfloat16, "final state")

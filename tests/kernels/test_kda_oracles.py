@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from genome_lm_kernels.kda import kda
 
-from .conftest import assert_rel_close
+from .conftest import assert_rel_close, backend_of
 
 B, H, K, V = 2, 3, 16, 32
 
@@ -99,7 +99,7 @@ def transformers_results(tmp_path_factory):
 
 def ours(x: dict, backend: str, use_qk_l2norm: bool):
     return kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["s0"], output_final_state=True,
-               use_qk_l2norm=use_qk_l2norm, backend=backend)
+               use_qk_l2norm=use_qk_l2norm, backend=backend_of(backend))
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import torch
 from genome_lm_kernels.kda import kda
 from genome_lm_kernels.kda import triton as kda_triton_module
 
-from .conftest import DEVICE, assert_rel_close, rel_err
+from .conftest import DEVICE, assert_rel_close, backend_of, rel_err
 from .test_kda import make_inputs
 
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
@@ -33,7 +33,7 @@ def gradients(x, backend, use_qk_l2norm, w_o, w_S):
     """Gradients of sum(o * w_o) + sum(S * w_S) (either weight may be None: that output unused)."""
     o, S = kda(
         x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
-        output_final_state=True, use_qk_l2norm=use_qk_l2norm, backend=backend,
+        output_final_state=True, use_qk_l2norm=use_qk_l2norm, backend=backend_of(backend),
     )
     loss = 0.0
     if w_o is not None:

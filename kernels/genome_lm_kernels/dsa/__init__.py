@@ -1,8 +1,8 @@
 """DeepSeek sparse attention with a k-pool lightning indexer (GLM-5.3-Flash).
 
-Three public ops, each with an explicit ``backend`` ("reference" | "torch" | "triton"; resolve
-"auto" once with ``genome_lm_kernels.resolve_backend``; "triton-fp32" and "fla", which choose
-the KDA kernels, run the DSA ops' Triton kernels):
+The public ops take a backend resolved once with ``genome_lm_kernels.resolve_backend``; they
+run its ``dsa`` path ("reference" | "torch" | "triton": every GPU backend runs the Triton
+kernels here, with fp32 products under "triton-fp32"):
 
     select_tokens(q_idx [B,T,Hi,Di], k_idx [B,T,Di], w_idx [B,T,Hi], gate [B,T,Di] | None,
                   ape [kpool,Di] | None, *, kpool, topk, scale=None, backend, chunk=64)
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from genome_lm_kernels import KernelBackend, resolved
+
 from . import indexer as _indexer
 from . import loss as _loss
 from . import reference as _reference
@@ -39,13 +41,7 @@ selection_pools = _indexer.selection_pools
 selection_tokens = _indexer.selection_tokens
 
 
-def _path(backend: str) -> str:
-    """The DSA kernels for a model-wide backend name: "triton-fp32" and "fla" pick KDA kernels
-    (the exact mode, fla-core's chunk_kda); DSA runs its own Triton kernels under both."""
-    return "triton" if backend in ("triton-fp32", "fla") else backend
-
-
-def sparse_mla(q_BTHD, kv_BTD, idx_BTS, *, scale: float, dv: int, backend: str, chunk: int = 64, w_uk_HED=None):
+def sparse_mla(q_BTHD, kv_BTD, idx_BTS, *, scale: float, dv: int, backend: KernelBackend, chunk: int = 64, w_uk_HED=None):
     """Attention of each query's heads over its selected rows of a latent shared by the heads
     (``mla.py``): keys kv, values kv[..., :dv]. lse is fp32 (fp64 for fp64 inputs on the
     torch and reference paths). "triton" runs the products on tensor cores (bf16 operands),
@@ -57,25 +53,23 @@ def sparse_mla(q_BTHD, kv_BTD, idx_BTS, *, scale: float, dv: int, backend: str, 
         raise ValueError(f"sparse_mla needs q [..., D] (or q [..., H, E] with w_uk [H, E, D]) and kv [..., D], "
                          f"0 < dv <= D; got q {tuple(q_BTHD.shape)}, kv {tuple(kv_BTD.shape)}, dv {dv}"
                          + ("" if w_uk_HED is None else f", w_uk {tuple(w_uk_HED.shape)}"))
-    if backend == "reference":
+    path = resolved(backend, "sparse_mla").dsa
+    if path == "reference":
         q = q_BTHD if w_uk_HED is None else torch.einsum("bthe,hed->bthd", q_BTHD, w_uk_HED)
         return _mla.sparse_mla_reference(q, kv_BTD, idx_BTS, scale=scale, dv=dv)
-    if backend == "torch":
+    if path == "torch":
         return _mla.sparse_mla(q_BTHD, kv_BTD, idx_BTS, scale=scale, dv=dv, chunk=chunk, w_uk_HED=w_uk_HED)
-    if backend in ("triton", "triton-fp32", "fla"):
-        from . import triton_mla
+    from . import triton_mla
 
-        return triton_mla.sparse_mla(q_BTHD, kv_BTD, idx_BTS, scale=scale, dv=dv, exact=backend == "triton-fp32",
-                                     w_uk_HED=w_uk_HED)
-    raise ValueError(f"unknown backend {backend!r}")
+    return triton_mla.sparse_mla(q_BTHD, kv_BTD, idx_BTS, scale=scale, dv=dv, exact=backend.exact, w_uk_HED=w_uk_HED)
 
 
 def select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate_BTD=None, ape_KD=None, *, kpool: int, topk: int,
-                  scale: float | None = None, backend: str, chunk: int = 64):
+                  scale: float | None = None, backend: KernelBackend, chunk: int = 64):
     """Top topk // kpool complete pools per query (causal), expanded to tokens, plus the
     query's incomplete tail pool; see ``indexer`` for the slot layout and tie rule."""
-    backend = _path(backend)
-    if backend == "reference":
+    path = resolved(backend, "select_tokens").dsa
+    if path == "reference":
         scale = q_idx_BTHD.shape[-1] ** -0.5 if scale is None else scale
         B, T, _ = k_idx_BTD.shape
         gate = gate_BTD if gate_BTD is not None else k_idx_BTD.new_zeros(B, T, k_idx_BTD.shape[-1])
@@ -83,43 +77,39 @@ def select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate_BTD=None, ape_KD=None, 
         with torch.no_grad():
             return _reference.select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate, ape,
                                             kpool=kpool, topk=topk, scale=scale)
-    if backend == "torch":
+    if path == "torch":
         score_fn = _indexer.torch_scores
-    elif backend == "triton":
+    else:
         from . import triton as _triton
 
         score_fn = _triton.pool_scores_chunk
-    else:
-        raise ValueError(f"unknown backend {backend!r}")
     return _indexer.select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate_BTD, ape_KD, kpool=kpool, topk=topk,
                                   scale=scale, chunk=chunk, score_fn=score_fn)
 
 
-def sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, *, scale: float, backend: str, chunk: int = 64):
+def sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, *, scale: float, backend: KernelBackend, chunk: int = 64):
     """Attention of each query over its selected keys only. lse is fp32 (fp64 for fp64 inputs on
     the torch and reference paths); a query with no key gets o = 0, lse = -inf."""
-    backend = _path(backend)
-    if backend == "reference":
+    path = resolved(backend, "sparse_attention").dsa
+    if path == "reference":
         return _reference.sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale=scale)
-    if backend == "torch":
+    if path == "torch":
         return _sparse.sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale=scale, chunk=chunk)
-    if backend == "triton":
-        from . import triton as _triton
+    from . import triton as _triton
 
-        return _triton.sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale=scale)
-    raise ValueError(f"unknown backend {backend!r}")
+    return _triton.sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale=scale)
 
 
 def indexer_loss(q_idx_BTHD, k_idx_BTD, w_idx_BTH, q_BTHD, k_BTHD, idx_BTS=None, *, gate_BTD=None, ape_KD=None,
-                 kpool: int, idx_scale: float | None = None, scale: float, backend: str, chunk: int = 64,
+                 kpool: int, idx_scale: float | None = None, scale: float, backend: KernelBackend, chunk: int = 64,
                  reduce_target=None, w_uk_HED=None):
     """KL(p || softmax(I)) over pools (see ``loss``). Gradient reaches q_idx, k_idx, w_idx, gate,
     ape only. The "triton" backend runs the chunked torch loss (no Triton loss kernel yet).
     ``reduce_target``: q, k hold some of the heads; it sums a target block over the ranks that
     hold the others (not for the reference backend). ``w_uk_HED``: q holds per-head queries
     absorbed with it (absorbed MLA, k the shared latent [B, T, 1, D])."""
-    backend = _path(backend)
-    if backend == "reference":
+    path = resolved(backend, "indexer_loss").dsa
+    if path == "reference":
         if w_uk_HED is not None:
             q_BTHD = torch.einsum("bthe,hed->bthd", q_BTHD, w_uk_HED)
         if reduce_target is not None:
@@ -130,8 +120,6 @@ def indexer_loss(q_idx_BTHD, k_idx_BTD, w_idx_BTH, q_BTHD, k_BTHD, idx_BTS=None,
         ape = ape_KD if ape_KD is not None else k_idx_BTD.new_zeros(kpool, D)
         return _reference.indexer_loss(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate, ape, q_BTHD, k_BTHD, idx_BTS,
                                        kpool=kpool, idx_scale=idx_scale, scale=scale)
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"unknown backend {backend!r}")
     return _loss.indexer_loss(q_idx_BTHD, k_idx_BTD, w_idx_BTH, q_BTHD, k_BTHD, idx_BTS, gate_BTD=gate_BTD,
                               ape_KD=ape_KD, kpool=kpool, idx_scale=idx_scale, scale=scale, chunk=chunk,
                               reduce_target=reduce_target, w_uk_HED=w_uk_HED)

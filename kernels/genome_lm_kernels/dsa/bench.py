@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from .. import resolve_backend
 from . import select_tokens, sparse_attention
 
 
@@ -77,11 +78,12 @@ def _inputs(T, B, H, D, Hi, Di, kpool, seed):
 
 
 def _sparse_step(idx_in, q, k, v, do, *, kpool, topk, chunk):
+    backend = resolve_backend("torch", q.device)
     t0 = time.perf_counter()
-    idx, _ = select_tokens(**idx_in, kpool=kpool, topk=topk, backend="torch", chunk=chunk)
+    idx, _ = select_tokens(**idx_in, kpool=kpool, topk=topk, backend=backend, chunk=chunk)
     t1 = time.perf_counter()
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    o, _ = sparse_attention(q, k, v, idx, scale=q.shape[-1] ** -0.5, backend="torch", chunk=chunk)
+    o, _ = sparse_attention(q, k, v, idx, scale=q.shape[-1] ** -0.5, backend=backend, chunk=chunk)
     (o * do).sum().backward()
     return idx, t1 - t0, time.perf_counter() - t1
 

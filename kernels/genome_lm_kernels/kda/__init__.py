@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from genome_lm_kernels import resolve_backend
+from genome_lm_kernels import KernelBackend, resolved
 
 __all__ = ["kda", "l2norm"]
 
@@ -34,7 +34,7 @@ def kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
-    backend: str = "torch",
+    backend: KernelBackend,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention over a whole sequence.
 
@@ -47,10 +47,10 @@ def kda(
         initial_state: [B, H, K, V] state entering the sequence (streaming, context parallel).
         output_final_state: also return the [B, H, K, V] fp32 state after the last token.
         use_qk_l2norm: L2-normalise q and k over K in fp32 first (glm5_next passes True).
-        backend: "reference" (token loop), "torch" (chunked, CPU), "triton" (chunked GPU
-            kernels, bf16 tensor-core products), "triton-fp32" (the same kernels in fp32),
-            "fla" (fla-core's ``chunk_kda``, GPU only) or "auto"; checked by
-            ``genome_lm_kernels.resolve_backend``.
+        backend: from ``genome_lm_kernels.resolve_backend``; its ``kda`` path is "reference"
+            (token loop), "torch" (chunked, CPU), "triton" (chunked GPU kernels: bf16
+            tensor-core products, or fp32 ones for "triton-fp32") or "fla" (fla-core's
+            ``chunk_kda``, GPU only).
 
     Returns:
         (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32 or None).
@@ -62,11 +62,11 @@ def kda(
         raise ValueError(f"v must be [B, T, H, V] and beta [B, T, H]; got {tuple(v.shape)}, {tuple(beta.shape)}")
     if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
         raise ValueError(f"initial_state must be [B, H, K, V]; got {tuple(initial_state.shape)}")
-    name = resolve_backend(backend, q.device)
+    path = resolved(backend, "kda").kda
     scale = K**-0.5 if scale is None else scale
 
     out_dtype = q.dtype
-    if name == "fla":  # fla normalises q and k inside its kernels, from their own dtype
+    if path == "fla":  # fla normalises q and k inside its kernels, from their own dtype
         from .fla import kda_fla
 
         o, state = kda_fla(q, k, v, g, beta, scale, initial_state, use_qk_l2norm=use_qk_l2norm)
@@ -74,15 +74,15 @@ def kda(
     q, k = q.float(), k.float()
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
-    if name == "reference":
+    if path == "reference":
         from .reference import kda_reference as run
-    elif name == "torch":
+    elif path == "torch":
         from .chunked import kda_chunked as run
     else:
         from functools import partial
 
         from .triton import kda_triton
 
-        run = partial(kda_triton, exact=name == "triton-fp32")
+        run = partial(kda_triton, exact=backend.exact)
     o, state = run(q, k, v, g, beta, scale, initial_state)
     return o.to(out_dtype), (state if output_final_state else None)

@@ -106,10 +106,13 @@ def _measure(cfg_json: str) -> None:
         def op(q, k, v, g, beta):
             return chunk_kimi_delta_attention(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
     else:
+        from genome_lm_kernels import resolve_backend
         from genome_lm_kernels.kda import kda
 
+        backend = resolve_backend(cfg["impl"], q.device)
+
         def op(q, k, v, g, beta):
-            return kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True, backend=cfg["impl"])
+            return kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True, backend=backend)
 
     backward = cfg["mode"] == "forward+backward"
 
