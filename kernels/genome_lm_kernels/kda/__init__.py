@@ -48,8 +48,9 @@ def kda(
         output_final_state: also return the [B, H, K, V] fp32 state after the last token.
         use_qk_l2norm: L2-normalise q and k over K in fp32 first (glm5_next passes True).
         backend: from ``genome_lm_kernels.resolve_backend``; its ``kda`` path is "reference"
-            (token loop), "torch" (chunked, CPU), "triton" (chunked GPU kernels: bf16
-            tensor-core products, or fp32 ones for "triton-fp32") or "fla" (fla-core's
+            (token loop), "torch" (chunked, CPU), "triton" (chunked GPU kernels:
+            tensor-core products in q's half type, fp16 for fp16 inputs and bf16 otherwise, or fp32
+            ones for "triton-fp32") or "fla" (fla-core's
             ``chunk_kda``, GPU only).
 
     Returns:
@@ -83,6 +84,8 @@ def kda(
 
         from .triton import kda_triton
 
-        run = partial(kda_triton, exact=backend.exact)
+        # products and chunk buffers in the input's half type, as fla does: fp16 in, fp16 products
+        half = torch.float16 if out_dtype == torch.float16 else torch.bfloat16
+        run = partial(kda_triton, exact=backend.exact, half=half)
     o, state = run(q, k, v, g, beta, scale, initial_state)
     return o.to(out_dtype), (state if output_final_state else None)

@@ -1,12 +1,16 @@
 """Kimi Delta Attention on the GPU: launches the tiled Triton kernels of ``triton_fwd.py`` and
 ``triton_bwd.py`` and wraps them in an autograd Function.
 
-Two precisions, one set of kernels:
-  ``exact=False`` (backend "triton"): matrix products on tensor cores with bf16 operands and fp32
-      accumulation; the chunk buffers (M, Y, W, U, states, deltas) are stored in bf16; decays, the
-      cumulative decay G, the triangular solve and the recurrent state stay fp32.
+Three precisions, one set of kernels:
+  ``exact=False`` (backend "triton"): matrix products on tensor cores with half-precision operands
+      and fp32 accumulation; the chunk buffers (M, Y, W, U, Qg, Kd, states, deltas and their
+      gradients) are stored in that half type; decays, the cumulative decay G, the triangular
+      solve and the recurrent state stay fp32. The half type is ``half``: bf16 by default, fp16
+      for fp16 models (as fla-core does: its products and buffers follow the inputs' dtype; fp16
+      keeps 3 more mantissa bits than bf16, in a range that tops out at 65504).
   ``exact=True`` (backend "triton-fp32"): every product in fp32 (``input_precision="ieee"``), the
-      buffers in fp32 and G in fp64, which the parity tests compare with the reference at 2e-5.
+      buffers in fp32 and G in fp64, which the parity tests compare with the reference at 2e-5;
+      ``half`` is ignored.
 
 The forward saves only its inputs; the backward recomputes the chunk buffers (one pass of the
 chunk-parallel kernels and the state pass) before its three kernels.
@@ -75,27 +79,48 @@ def tiles(K: int, V: int, exact: bool) -> Tiles:
                  dqkw=launch(32, 64, 8), intra_bwd=launch(16, 0, 8))
 
 
-def dot_mode(exact: bool) -> str:
-    """The kernels' ``DOT`` setting: fp32 ("ieee") when exact, else bf16 operands (emulated in
-    fp32 under Triton's interpreter, which multiplies bf16 wrongly; see ``triton_fwd``)."""
+HALF_TYPES = (torch.bfloat16, torch.float16)  # the half types of the fast mode
+
+
+def _check_half(half: torch.dtype) -> torch.dtype:
+    if half not in HALF_TYPES:
+        raise ValueError(f"half must be torch.bfloat16 or torch.float16; got {half}")
+    return half
+
+
+def dot_mode(exact: bool, half: torch.dtype = torch.bfloat16) -> str:
+    """The kernels' ``DOT`` setting: fp32 ("ieee") when exact, else ``half`` operands. bf16 is
+    emulated in fp32 under Triton's interpreter, which multiplies bf16 wrongly; fp16 needs no
+    emulation (the interpreter hands fp16 operands to numpy's matmul with an fp32 result type,
+    which is exact products and fp32 sums; see ``triton_fwd``)."""
     if exact:
         return "ieee"
+    if _check_half(half) == torch.float16:
+        return "fp16"
     return "bf16-emulated" if os.environ.get("TRITON_INTERPRET") == "1" else "bf16"
+
+
+def store_dtype(exact: bool, half: torch.dtype = torch.bfloat16) -> torch.dtype:
+    """The dtype of the chunk buffers (M, Y, W, U, Qg, Kd, h, delta, dh, d_delta)."""
+    return torch.float32 if exact else _check_half(half)
 
 
 class ChunkBuffers:
     """The forward's chunk buffers, heads-first and padded to whole chunks: G, M, P, Y, W, U, the
-    state entering each chunk (h), delta = U - W S0 of each chunk, and the final state."""
+    state entering each chunk (h), delta = U - W S0 of each chunk, and the final state. The
+    buffers are fp32 when ``exact``, else ``half`` (bf16 or fp16); G and P stay fp32 (fp64 G
+    when exact)."""
 
-    def __init__(self, q, k, v, g, beta, scale: float, exact: bool, initial_state=None):
+    def __init__(self, q, k, v, g, beta, scale: float, exact: bool, initial_state=None, *,
+                 half: torch.dtype = torch.bfloat16):
         B, T, H, K = k.shape
         V = v.shape[-1]
         NT = triton.cdiv(T, BT)
         BH, TP = B * H, NT * BT
         dev = k.device
-        store = torch.float32 if exact else torch.bfloat16
+        store = store_dtype(exact, half)
         t = self.tiles = tiles(K, V, exact)
-        self.shape, self.exact, self.dot = (B, T, H, K, V, NT), exact, dot_mode(exact)
+        self.shape, self.exact, self.dot = (B, T, H, K, V, NT), exact, dot_mode(exact, half)
 
         self.G = torch.empty(BH, TP, K, device=dev, dtype=torch.float64 if exact else torch.float32)
         fwd._cumsum_kernel[(NT, BH, triton.cdiv(K, t.intra.BK))](g, self.G, T, H, K=K, BT=BT, BK=t.intra.BK)
@@ -127,11 +152,13 @@ def _contiguous(*xs):
     return tuple(x.contiguous() if x is not None else None for x in xs)
 
 
-def kda_forward(q, k, v, g, beta, scale: float, initial_state=None, *, exact: bool = False):
+def kda_forward(q, k, v, g, beta, scale: float, initial_state=None, *, exact: bool = False,
+                half: torch.dtype = torch.bfloat16):
     """(o [B, T, H, V] fp32, final state [B, H, K, V] fp32); q, k, g [B, T, H, K], v [B, T, H, V],
-    beta [B, T, H], any float dtype (read as fp32)."""
+    beta [B, T, H], any float dtype (read as fp32). ``half``: the fast mode's operand and buffer
+    type (bf16 or fp16; ignored when ``exact``)."""
     q, k, v, g, beta = _contiguous(q, k, v, g, beta)
-    buf = ChunkBuffers(q, k, v, g, beta, scale, exact, initial_state)
+    buf = ChunkBuffers(q, k, v, g, beta, scale, exact, initial_state, half=half)
     B, T, H, K, V, NT = buf.shape
     t = buf.tiles.output
     o = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32)
@@ -142,12 +169,13 @@ def kda_forward(q, k, v, g, beta, scale: float, initial_state=None, *, exact: bo
     return o, buf.final_state
 
 
-def kda_backward(q, k, v, g, beta, scale: float, initial_state, do, dS_final, *, exact: bool = False):
+def kda_backward(q, k, v, g, beta, scale: float, initial_state, do, dS_final, *, exact: bool = False,
+                 half: torch.dtype = torch.bfloat16):
     """Gradients (dq, dk, dv, dg, dbeta in [B, T, H, .] fp32; d initial state [B, H, K, V] fp32 or
     None without one) of sum(o * do) + sum(S_final * dS_final). Each buffer is dropped as soon
     as no later kernel reads it (``backward_bytes_per_token`` counts the peak)."""
     q, k, v, g, beta, do = _contiguous(q, k, v, g, beta, do)
-    buf = ChunkBuffers(q, k, v, g, beta, scale, exact, initial_state)
+    buf = ChunkBuffers(q, k, v, g, beta, scale, exact, initial_state, half=half)
     B, T, H, K, V, NT = buf.shape
     tls = buf.tiles
     BH, TP, dev = B * H, NT * BT, q.device
@@ -189,11 +217,11 @@ def kda_backward(q, k, v, g, beta, scale: float, initial_state, do, dS_final, *,
     return dq, dk, dv, dg, dbeta, (ds0 if initial_state is not None else None)
 
 
-def backward_bytes_per_token(K: int, V: int, exact: bool = False) -> float:
+def backward_bytes_per_token(K: int, V: int, exact: bool = False, half: torch.dtype = torch.bfloat16) -> float:
     """Bytes per (token, head) that ``kda_backward`` holds at its peak, the largest of its phases
     (each buffer is freed once no later kernel reads it); the memory planner reads this so that
-    it follows the kernels."""
-    store = 4 if exact else 2
+    it follows the kernels. bf16 and fp16 buffers are both 2 bytes."""
+    store = store_dtype(exact, half).itemsize
     G = (8 if exact else 4) * K
     states = K * V * store / BT  # one [K, V] state per chunk
     recomputed = G + 2 * BT * store + BT * 4 + (3 * K + V) * store + states + V * store  # G, M, Y, P, W Qg Kd, U, h, delta
@@ -207,21 +235,21 @@ def backward_bytes_per_token(K: int, V: int, exact: bool = False) -> float:
 
 class _KDATriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, exact):
-        ctx.scale, ctx.exact = scale, exact
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, exact, half):
+        ctx.scale, ctx.exact, ctx.half = scale, exact, half
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
-        return kda_forward(q, k, v, g, beta, scale, initial_state, exact=exact)
+        return kda_forward(q, k, v, g, beta, scale, initial_state, exact=exact, half=half)
 
     @staticmethod
     def backward(ctx, do, dS):
         q, k, v, g, beta, s0 = ctx.saved_tensors
         if do is None:
             do = torch.zeros(*q.shape[:3], v.shape[-1], device=q.device, dtype=torch.float32)
-        grads = kda_backward(q, k, v, g, beta, ctx.scale, s0, do, dS, exact=ctx.exact)
+        grads = kda_backward(q, k, v, g, beta, ctx.scale, s0, do, dS, exact=ctx.exact, half=ctx.half)
         dq, dk, dv, dg, dbeta, ds0 = (
             gr.to(x.dtype) if gr is not None else None for gr, x in zip(grads, (q, k, v, g, beta, s0))
         )
-        return dq, dk, dv, dg, dbeta, None, ds0, None
+        return dq, dk, dv, dg, dbeta, None, ds0, None, None
 
 
 def kda_triton(
@@ -234,6 +262,12 @@ def kda_triton(
     initial_state_BHKV: torch.Tensor | None = None,
     *,
     exact: bool = False,
+    half: torch.dtype = torch.bfloat16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``kda_reference``: (o [B, T, H, V] fp32, final state [B, H, K, V] fp32)."""
-    return _KDATriton.apply(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale, initial_state_BHKV, exact)
+    """Same contract as ``kda_reference``: (o [B, T, H, V] fp32, final state [B, H, K, V] fp32).
+
+    ``exact``: fp32 products and buffers ("triton-fp32"). Otherwise products take ``half``
+    operands (bf16 or fp16) with fp32 accumulation and the chunk buffers are stored in ``half``:
+    pass the model's dtype when it is fp16 (``kda()`` reads it from q before upcasting q and k)."""
+    return _KDATriton.apply(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale, initial_state_BHKV, exact,
+                            _check_half(half))

@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_fwd import decay_le1, mm, token_rows
+from .triton_fwd import decay_le1, mm, to_buffer, token_rows
 
 
 @triton.jit
@@ -46,7 +46,7 @@ def _state_bwd_kernel(Qg_ptr, Kd_ptr, decay_ptr, W_ptr, M_ptr, do_ptr, dsT_ptr, 
         c = NT - 1 - cc
         row0 = bh * NT * BT + c * BT
         t = c * BT + rows
-        tl.store(dh_ptr + ((bh * NT + c) * K + ck)[:, None] * V + cv[None, :], dS.to(dh_ptr.dtype.element_ty),
+        tl.store(dh_ptr + ((bh * NT + c) * K + ck)[:, None] * V + cv[None, :], to_buffer(dS, dh_ptr, DOT),
                  mask=m_state)
         at_k = (row0 + rows)[:, None] * K + ck[None, :]
         Qg = tl.load(Qg_ptr + at_k, mask=mk[None, :], other=0.0)
@@ -57,7 +57,7 @@ def _state_bwd_kernel(Qg_ptr, Kd_ptr, decay_ptr, W_ptr, M_ptr, do_ptr, dsT_ptr, 
         do = tl.load(do_ptr + token_rows(b, h, t, T, H)[:, None] * V + cv[None, :],
                      mask=(t < T)[:, None] & mv[None, :], other=0.0)
         d_delta = mm(tl.trans(M), do, DOT) + mm(Kd, dS, DOT)
-        tl.store(ddelta_ptr + (row0 + rows)[:, None] * V + cv[None, :], d_delta.to(ddelta_ptr.dtype.element_ty),
+        tl.store(ddelta_ptr + (row0 + rows)[:, None] * V + cv[None, :], to_buffer(d_delta, ddelta_ptr, DOT),
                  mask=mv[None, :])
         dS = decay[:, None] * dS + mm(tl.trans(Qg), do, DOT) - mm(tl.trans(W), d_delta, DOT)
     tl.store(ds0_ptr + state, dS, mask=m_state)

@@ -21,12 +21,19 @@ Five kernels, each small enough to read in one sitting:
                          carries its [K, BV] fp32 state through the chunks;
   ``_output_kernel``     o, all chunks in parallel, from the states the state pass stored.
 
-Precision (``DOT``): "bf16" gives the matrix products bf16 operands with fp32 accumulation
-(tensor cores); decays, G, the triangular solve and the recurrent state stay fp32. "ieee" makes
-every product fp32 with ``input_precision="ieee"`` (the exact mode, for parity tests).
-"bf16-emulated" rounds the operands to bf16 and multiplies them exactly in fp32, which is the
-same arithmetic: Triton's interpreter multiplies bf16 operands wrongly (it reads their bits as
-integers), so the CPU tests of the fast mode run this way.
+Precision (``DOT``): "bf16" and "fp16" give the matrix products half-precision operands with
+fp32 accumulation (tensor cores); decays, G, the triangular solve and the recurrent state stay
+fp32. "ieee" makes every product fp32 with ``input_precision="ieee"`` (the exact mode, for parity
+tests). "bf16-emulated" rounds the operands to bf16 and multiplies them exactly in fp32, which is
+the same arithmetic: Triton's interpreter multiplies bf16 operands wrongly (it reads their bits
+as integers), so the CPU tests of the bf16 mode run this way. The interpreter also converts fp32
+to bf16 by truncation where a GPU rounds to nearest even (``tl.float32 -> tl.bfloat16`` is
+``fptrunc``, round-to-nearest-even on the device), and truncation's one-sided errors add up
+along sums (measured: 3-4x the RMS error of rounding): the emulated mode rounds to nearest even
+itself (``round_bf16``), before its products and before every store into a bf16 buffer
+(``to_buffer``). fp16 needs no emulation: the interpreter multiplies fp16 operands correctly
+(numpy's matmul with an fp32 result type) and converts to fp16 with numpy, to nearest.
+The chunk buffers' dtype is the caller's (each store converts to the buffer's element type).
 Per-token inputs are [B, T, H, X] (contiguous); chunk buffers are heads-first and padded to whole
 chunks, [B*H, NT*BT, X], so only per-token loads and stores need a mask. Padded rows hold
 q = k = v = beta = 0 and G constant, which leaves the state untouched.
@@ -39,12 +46,32 @@ import triton.language as tl
 
 
 @triton.jit
+def round_bf16(x):
+    """fp32 x rounded to the nearest bf16 value (ties to even), kept in fp32: the GPU's conversion,
+    written out for the interpreter, whose own conversion truncates (x finite)."""
+    bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_buffer(x, ptr, DOT: tl.constexpr):
+    """x converted to the element type of the chunk buffer at ``ptr``, rounded to nearest (the
+    emulated bf16 mode rounds first, so that the interpreter's truncating conversion is exact)."""
+    if DOT == "bf16-emulated":
+        x = round_bf16(x)
+    return x.to(ptr.dtype.element_ty)
+
+
+@triton.jit
 def mm(a, b, DOT: tl.constexpr):
-    """a @ b with fp32 accumulation: bf16 operands (tensor cores) or exact fp32 (see ``DOT``)."""
+    """a @ b with fp32 accumulation: bf16 or fp16 operands (tensor cores) or exact fp32 (see ``DOT``)."""
     if DOT == "bf16":
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif DOT == "fp16":
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
     elif DOT == "bf16-emulated":
-        return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
+        return tl.dot(round_bf16(a), round_bf16(b), input_precision="ieee")
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
@@ -123,7 +150,7 @@ def _intra_kernel(q_ptr, k_ptr, G_ptr, M_ptr, P_ptr, T, H, scale,
             Macc += tl.where(at_j, tl.sum(q * kjE, axis=1)[:, None], 0.0)
             Pacc += tl.where(at_j & (ri[:, None] > jl), tl.sum(k * kjE, axis=1)[:, None], 0.0)
     out = (row0 + rows)[:, None] * BT + cols[None, :]
-    tl.store(M_ptr + out, Macc.to(M_ptr.dtype.element_ty))
+    tl.store(M_ptr + out, to_buffer(Macc, M_ptr, DOT))
     tl.store(P_ptr + out, Pacc)
 
 
@@ -167,7 +194,7 @@ def _store_rows(out_ptr, Ya, a, X, row0, cols, m_cols, D, BC: tl.constexpr, DOT:
     """Rows of sub-chunk a of Y @ X into out [.., D] at columns ``cols``."""
     r = tl.arange(0, BC)
     tl.store(out_ptr + (row0 + a * BC + r)[:, None] * D + cols[None, :],
-             mm(Ya, X, DOT).to(out_ptr.dtype.element_ty), mask=m_cols[None, :])
+             to_buffer(mm(Ya, X, DOT), out_ptr, DOT), mask=m_cols[None, :])
 
 
 @triton.jit
@@ -195,10 +222,10 @@ def _solve_kernel(P_ptr, beta_ptr, q_ptr, k_ptr, v_ptr, G_ptr, Y_ptr, W_ptr, U_p
     Y3 = _solve_rows(P_ptr, beta_ptr, b, h, c, row0, 3, R3, T, H, BT, BC)
 
     r, cols = tl.arange(0, BC), tl.arange(0, BT)
-    tl.store(Y_ptr + (row0 + 0 * BC + r)[:, None] * BT + cols[None, :], Y0.to(Y_ptr.dtype.element_ty))
-    tl.store(Y_ptr + (row0 + 1 * BC + r)[:, None] * BT + cols[None, :], Y1.to(Y_ptr.dtype.element_ty))
-    tl.store(Y_ptr + (row0 + 2 * BC + r)[:, None] * BT + cols[None, :], Y2.to(Y_ptr.dtype.element_ty))
-    tl.store(Y_ptr + (row0 + 3 * BC + r)[:, None] * BT + cols[None, :], Y3.to(Y_ptr.dtype.element_ty))
+    tl.store(Y_ptr + (row0 + 0 * BC + r)[:, None] * BT + cols[None, :], to_buffer(Y0, Y_ptr, DOT))
+    tl.store(Y_ptr + (row0 + 1 * BC + r)[:, None] * BT + cols[None, :], to_buffer(Y1, Y_ptr, DOT))
+    tl.store(Y_ptr + (row0 + 2 * BC + r)[:, None] * BT + cols[None, :], to_buffer(Y2, Y_ptr, DOT))
+    tl.store(Y_ptr + (row0 + 3 * BC + r)[:, None] * BT + cols[None, :], to_buffer(Y3, Y_ptr, DOT))
 
     rows = tl.arange(0, BT)
     t = c * BT + rows
@@ -214,8 +241,8 @@ def _solve_kernel(P_ptr, beta_ptr, q_ptr, k_ptr, v_ptr, G_ptr, Y_ptr, W_ptr, U_p
         G_last = tl.load(G_ptr + (row0 + BT - 1) * K + ck, mask=mk, other=0.0)
         eG = decay_le1(G)
         at_k = (row0 + rows)[:, None] * K + ck[None, :]
-        tl.store(Qg_ptr + at_k, (q.to(tl.float32) * scale * eG).to(Qg_ptr.dtype.element_ty), mask=mk[None, :])
-        tl.store(Kd_ptr + at_k, (k * decay_le1(G_last[None, :] - G)).to(Kd_ptr.dtype.element_ty), mask=mk[None, :])
+        tl.store(Qg_ptr + at_k, to_buffer(q.to(tl.float32) * scale * eG, Qg_ptr, DOT), mask=mk[None, :])
+        tl.store(Kd_ptr + at_k, to_buffer(k * decay_le1(G_last[None, :] - G), Kd_ptr, DOT), mask=mk[None, :])
         tl.store(decay_ptr + (bh * NT + c) * K + ck, decay_le1(G_last), mask=mk)
         Xw = beta[:, None] * eG * k
         _store_rows(W_ptr, Y0, 0, Xw, row0, ck, mk, K, BC, DOT)
@@ -254,12 +281,12 @@ def _state_kernel(W_ptr, U_ptr, Kd_ptr, decay_ptr, s0_ptr, h_ptr, vnew_ptr, sT_p
     for c in range(0, NT):
         row0 = bh * NT * BT + c * BT
         if STORE_H:
-            tl.store(h_ptr + ((bh * NT + c) * K + ck)[:, None] * V + cv[None, :], S.to(h_ptr.dtype.element_ty),
+            tl.store(h_ptr + ((bh * NT + c) * K + ck)[:, None] * V + cv[None, :], to_buffer(S, h_ptr, DOT),
                      mask=m_state)
         W = tl.load(W_ptr + (row0 + rows)[:, None] * K + ck[None, :], mask=mk[None, :], other=0.0)
         U = tl.load(U_ptr + (row0 + rows)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
         delta = U.to(tl.float32) - mm(W, S, DOT)
-        tl.store(vnew_ptr + (row0 + rows)[:, None] * V + cv[None, :], delta.to(vnew_ptr.dtype.element_ty),
+        tl.store(vnew_ptr + (row0 + rows)[:, None] * V + cv[None, :], to_buffer(delta, vnew_ptr, DOT),
                  mask=mv[None, :])
         Kd = tl.load(Kd_ptr + (row0 + rows)[:, None] * K + ck[None, :], mask=mk[None, :], other=0.0)
         decay = tl.load(decay_ptr + (bh * NT + c) * K + ck, mask=mk, other=0.0)
