@@ -97,18 +97,44 @@ def token_nll(model: GLM5Model, tokens: np.ndarray, *, chunk: int | None = None,
 
 
 @torch.no_grad()
-def token_nll_cut(model: GLM5Model, tokens: np.ndarray, max_context: int, **kwargs) -> np.ndarray:
+def token_nll_cut(model: GLM5Model, tokens: np.ndarray, max_context: int, *, chunk: int | None = None,
+                  token_map: torch.Tensor | None = None, device: torch.device | str | None = None,
+                  on_chunk=None) -> np.ndarray:
     """``token_nll`` with every target seeing at most ``max_context`` tokens: the sequence is cut
     into segments of ``max_context`` inputs, each scored alone from scratch (segment s predicts
     the targets at positions s*N+1 .. (s+1)*N from the inputs s*N .. , so their contexts are
-    1 .. N). A cut at or beyond the sequence's length is the whole-sequence score itself."""
+    1 .. N). A cut at or beyond the sequence's length is the whole-sequence score itself.
+
+    The whole segments run as the rows of batched forwards (one forward for the window, or
+    ``chunk // N`` rows at a time so that a forward holds no more tokens than a prefill chunk);
+    a ragged last segment runs alone. A model scores each row of a batch on its own, so this is
+    the per-segment loop's result (``tests/eval/test_ablation.py`` compares them), in a few
+    large forwards instead of L / N small ones."""
     if max_context < 1:
         raise ValueError(f"max_context must be at least 1, got {max_context}")
-    L = len(tokens) - 1
-    if max_context >= L:
-        return token_nll(model, tokens, **kwargs)
-    return np.concatenate([token_nll(model, tokens[start:start + max_context + 1], **kwargs)
-                           for start in range(0, L, max_context)])
+    N, L = max_context, len(tokens) - 1
+    if N >= L:
+        return token_nll(model, tokens, chunk=chunk, token_map=token_map, device=device, on_chunk=on_chunk)
+    ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+    if token_map is not None:
+        ids = token_map[ids]
+    ids = ids.to(device or model_device(model))
+    whole = L // N  # segments with N targets each
+    rows = ids[:whole * N].view(whole, N)  # inputs of segment s: tokens s*N .. s*N+N-1
+    targets = ids[1:whole * N + 1].view(whole, N)
+    per_forward = whole if chunk is None else max(1, chunk // N)
+    out = np.empty(L, dtype=np.float64)
+    for r0 in range(0, whole, per_forward):
+        r1 = min(r0 + per_forward, whole)
+        logits = model(rows[r0:r1]).logits.float()
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets[r0:r1].flatten(), reduction="none")
+        out[r0 * N:r1 * N] = nll.double().cpu().numpy()
+        if on_chunk is not None:
+            on_chunk((r1 - r0) * N)
+    if whole * N < L:  # the ragged last segment
+        out[whole * N:] = token_nll(model, tokens[whole * N:], chunk=chunk, token_map=token_map, device=device,
+                                    on_chunk=on_chunk)
+    return out
 
 
 @torch.no_grad()

@@ -33,12 +33,21 @@ def test_a_cut_beyond_the_window_is_the_whole_window_score(tiny_model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("N", [1, 64, 97])
-def test_a_cut_of_n_is_each_segment_scored_alone(tiny_model, N):
+@pytest.mark.parametrize("N,chunk", [(1, None), (64, None), (97, None), (64, 130), (40, 39)])
+def test_a_cut_of_n_is_each_segment_scored_alone(tiny_model, N, chunk):
     """Independently: every target j (1-based position in the window) predicted by a forward over
-    tokens[start .. j-1] alone, start = the last multiple of N below j; targets grouped by that."""
+    tokens[start .. j-1] alone, start = the last multiple of N below j; targets grouped by that.
+    The segments run batched (all in one forward, or ``chunk // N`` per forward, at least one);
+    each here runs alone."""
     tokens = np.random.default_rng(1).integers(0, 4, 260)  # 259 targets: not a multiple of N
-    got = token_nll_cut(tiny_model, tokens, N)
+    forwards = []
+    hook = tiny_model.register_forward_hook(lambda m, args, out: forwards.append(tuple(args[0].shape)))
+    try:
+        got = token_nll_cut(tiny_model, tokens, N, chunk=chunk)
+    finally:
+        hook.remove()
+    per_forward = 259 // N if chunk is None else max(1, chunk // N)
+    assert forwards[0] == (min(per_forward, 259 // N), N)  # whole segments as the rows of a batch
     assert got.shape == (259,)
     want = np.empty(259)
     for start in range(0, 259, N):
