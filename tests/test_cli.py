@@ -88,3 +88,23 @@ def test_a_bad_set_field_blames_set_not_the_config_file(tmp_path):
     assert result.exit_code == 1
     assert result.output.startswith("error: --set train.stepz:") and ".yaml" not in result.output
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("backend,tol", [("torch", 1e-4), ("triton-fp32", 1e-4), ("triton", 5e-2)])
+def test_parity_bound_follows_the_backend(backend, tol, monkeypatch, tmp_path):
+    """parity's default --tol: 1e-4 for the fp32 paths, the bf16 bound for the tensor-core one."""
+    from genome_lm.compare import parity
+
+    seen = {}
+    monkeypatch.setattr(parity, "run_parity", lambda hf, lengths, *, tol, **kw: seen.update(tol=tol) or [])
+    result = runner.invoke(app, ["parity", "--hf", str(tmp_path), "--backend", backend, "--lengths", "8"])
+    assert result.exit_code == 0, result.output
+    assert seen == {"tol": tol}
+
+
+def test_parity_refuses_a_gpu_backend_without_a_gpu_in_one_line(monkeypatch, tmp_path):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    result = runner.invoke(app, ["parity", "--hf", str(tmp_path), "--backend", "triton"])
+    assert result.exit_code == 1
+    assert "--backend triton: the triton backend needs a CUDA device" in result.output
+    assert "Traceback" not in result.output

@@ -15,11 +15,20 @@ from genome_lm.errors import GenomeLMError
 from .base import app, console, print_rows, sizes
 
 
+# parity's default bound for the tensor-core backends: bf16 operands round each product's inputs
+# by 2^-9 relative; measured on the shipped tiny-long model against transformers' fp32 model,
+# max |d logit| 0.034 at T = 257 and 0.0065 at T = 1,000 before the first flip (issue 27)
+HALF_PRECISION_TOL = 5e-2
+
+
 @app.command()
 def parity(
     hf: Annotated[Path, typer.Option("--hf", help="A glm5_next checkpoint folder written by transformers' save_pretrained.")],
     lengths: Annotated[str, typer.Option(help="Comma-separated sequence lengths (k=1024).")] = "1,63,64,65,257,1000,4096",
-    tol: Annotated[float, typer.Option(help="Largest allowed |logit difference| (fp32).")] = 1e-4,
+    tol: Annotated[Optional[float], typer.Option(
+        help="Largest allowed |logit difference| before the first tie or flip (default: 1e-4 for the fp32 "
+             "backends; 0.05 for triton and fla, whose bf16 products round each KDA and MLA output by "
+             "about 2^-9 relative, measured 0.034 on the shipped tiny-long model at T = 257).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random DNA tokens.")] = 0,
     backend: Annotated[str, typer.Option(help="Kernel backend of genome-lm's model: auto, torch, triton, reference.")] = "auto",
 ) -> None:
@@ -38,9 +47,19 @@ def parity(
     from genome_lm.compare.parity import run_parity
     from genome_lm.engine import quiet_megatron_import
 
+    from genome_lm_kernels import resolve_backend
+
+    from genome_lm.engine.backend import current
+
     lengths_ = sizes(lengths, "--lengths")
     if not hf.is_dir():
         raise GenomeLMError(f"{hf}: not a folder")
+    try:
+        resolved = resolve_backend(current().kernel_backend if backend == "auto" else backend, current().device)
+    except ValueError as err:
+        raise GenomeLMError(f"--backend {backend}: {err}") from None
+    if tol is None:
+        tol = HALF_PRECISION_TOL if resolved.gpu and not resolved.exact else 1e-4
     table = Table(title=f"genome-lm vs transformers on {hf}", title_justify="left")
     for column in ("T", "max |d logit|", "mean |d logit|", "max |d logprob|", f"<= {tol:g}", "tied queries",
                    "first tie", "routing flips", "selection flips", "first flip", "max |d logit| after"):
