@@ -59,11 +59,13 @@ def _compile_check(targets: str, op: str, json_out: Path | None) -> None:
     with console.status(f"compiling every kernel for {', '.join(names)} (about a minute per target)"):
         rows = run_in_subprocess(names, "kda,dsa" if op == "all" else op)
     for row in rows:
-        row["problem"] = "; ".join(row["problems"]) or ("spills (fp32 parity mode)" if row["local_bytes"] else "")
-    print_rows("Triton kernels compiled for the target (nothing launched)", rows,
-               {"target": "target", "case": "op and shape", "kernel": "kernel", "shared_bytes": "shared B",
-                "registers": "regs", "local_bytes": "spill B", "mma": "tensor-core ops", "compile_s": "compile s",
-                "problem": "note"})
+        spills = row["spill_stores"] or row["spill_loads"] or row["local_bytes"]
+        row["problem"] = "; ".join(row["problems"]) or ("spills (fp32 parity mode)" if spills else "")
+    print_rows("Triton kernels compiled for the target (nothing launched; registers, spills and stack from ptxas -v)",
+               rows, {"target": "target", "case": "op and shape", "kernel": "kernel", "shared_bytes": "shared B",
+                      "registers": "regs", "spill_stores": "spill st B", "spill_loads": "spill ld B",
+                      "local_bytes": "stack B", "mma": "tensor-core ops", "compile_s": "compile s",
+                      "problem": "note"})
     if json_out:
         json_out.write_text(json.dumps(rows, indent=1) + "\n")
     bad = [r for r in rows if r["problems"]]
