@@ -23,16 +23,18 @@ genome-lm's torch path (fp32, which agrees with transformers to about 1e-5) on t
 and tokens, compares every MoE layer's experts and every DSA layer's selected pools position by
 position, and lists each flip with its margin on the reference (the gap between the k-th and the
 next router choice score, or between the k-th and the next pool score over the query's top
-score). Parity is judged before the first tie or flip, whichever comes first.
+score). Parity is judged before the first tie or flip, whichever comes first. To judge every
+position, ``replay_decisions`` makes a model route and select as a reference run did
+(``ReplayRouting``, ``ReplaySelection``; ``compare.precision`` does so for bf16 against fp32).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+import contextlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -238,6 +240,61 @@ class ReplayRouting(_OnRouters):
         return replay
 
 
+class ReplaySelection:
+    """Each DSA layer of ``model`` with its own indexer attends over the pools of ``pools`` (one
+    [B, T, P] int32 per such layer in the order they run: a reference run's
+    ``_Decisions.selection``) instead of the ones its indexer picks; a layer that shares the
+    previous layer's indexer takes the replayed selection with it. With ``ReplayRouting``, the
+    output the model would give had it made every decision of the reference, so that a comparison
+    measures the rounding of its kernels and not which side of a near-tie a query fell on. The
+    indexer's inputs are still computed, and its loss when asked for (over the replayed pools);
+    its own selection is not.
+
+    The hook is the one activation recompute uses to give a recomputed forward its forward's
+    selection (``model.recompute_memo``): a replaying frame holding the given pools, so the
+    layers take them in call order without any of their code changing. One forward per
+    ``with``; a forward that asks for more selections than given, or fewer, raises."""
+
+    def __init__(self, model: GLM5Model, pools: list[torch.Tensor]):
+        from genome_lm.model.dsa import DSAAttention
+        from genome_lm.model.recompute_memo import Memo
+
+        self.layers = [m for m in model.modules() if isinstance(m, DSAAttention) and m.indexer is not None]
+        if len(pools) != len(self.layers):
+            raise ValueError(f"{len(pools)} selections for {len(self.layers)} DSA layers with their own indexer")
+        device = next(model.parameters()).device
+        self.memo = Memo()
+        self.memo.values = [p.to(device) for p in pools]
+        self._frame = None
+        self._keep: list[bool] = []
+
+    def __enter__(self):
+        # a layer takes a kept selection only when it keeps one (memory.dsa_keep_selection)
+        self._keep = [m.keep_selection for m in self.layers]
+        for m in self.layers:
+            m.keep_selection = True
+        self._frame = self.memo.replaying()
+        self._frame.__enter__()
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        self._frame.__exit__(exc_type, *exc)
+        for m, keep in zip(self.layers, self._keep):
+            m.keep_selection = keep
+        used, given = self._frame.position, len(self.memo.values)
+        if exc_type is None and used != given:
+            raise RuntimeError(f"a replayed forward took {used} of the {given} selections given")
+        return False
+
+
+@contextlib.contextmanager
+def replay_decisions(model: GLM5Model, reference: _Decisions):
+    """``model`` routes every token (``ReplayRouting``) and selects every query's pools
+    (``ReplaySelection``) as the run that ``reference`` recorded did. For one forward."""
+    with ReplayRouting(model, [m for _, m in reference.routing]), ReplaySelection(model, reference.selection):
+        yield
+
+
 def decision_flips(reference: _Decisions, ours: _Decisions, selection_margins: list[torch.Tensor]) -> list[Flip]:
     """Every (layer, position) whose experts or pools differ between two runs of one sequence
     (batch 1), with the reference's margin; ``selection_margins``: per own-indexer DSA layer, the
@@ -272,9 +329,8 @@ def _import_transformers_model():
 
 def run_parity(hf_dir: str | Path, lengths: list[int], *, tol: float = 1e-4, seed: int = 0,
                kernel_backend: str = "auto", progress=None) -> list[ParityRow]:
-    from genome_lm.engine.parallel import ParallelSizes, parallel_context
-
     from genome_lm.checkpoint.huggingface import HFCheckpoint, load_hf_checkpoint
+    from genome_lm.engine.parallel import ParallelSizes, parallel_context
     from genome_lm.model.model import build_model
 
     hf_dir = Path(hf_dir)
