@@ -45,8 +45,13 @@ def test_cpu_preflight_figures(cpu_report):
         assert parity[key]["ok"] is True and parity[key]["rel_err"] <= parity[key]["bound"], parity[key]
     assert parity[("kda", "triton-fp32")]["rel_err"] < 1e-5 < parity[("kda", "triton")]["rel_err"]
     assert "need a GPU" in parity[("kda", "fla")]["note"]  # skipped, and says why
+    model = parity[("model (bf16, decisions replayed)", "triton")]  # issue 27: the whole model, not only each kernel
+    assert model["ok"] is True and 0 < model["rel_err"] <= model["bound"], model
+    assert model["shape"] == "tiny-long T130" and model["decisions"] > 0
+    assert model["max_abs_logprob"] <= model["max_abs_logprob_bound"]
     compiled = sections["compile"]["rows"]
-    assert len(compiled) >= 10 and all(r["ok"] and r["spill_bytes"] == 0 for r in compiled)
+    assert len(compiled) >= 10 and all(r["ok"] and r["spill_stores"] == r["spill_loads"] == r["stack_bytes"] == 0
+                                          for r in compiled)
     speed = sections["speed"]["rows"]
     timed = {(r["impl"], r["mode"]) for r in speed if "ms" in r}
     assert {("triton", "forward+backward"), ("genome-lm triton", "forward+backward"),

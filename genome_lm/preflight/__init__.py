@@ -9,7 +9,8 @@ soon as it ends (an interrupted preflight keeps what it measured):
   compile      every Triton kernel compiled for this GPU's target at the shipped configs'
                per-rank shapes: shared memory, registers, spills, tensor-core instructions;
   parity       each kernel against its reference at real shapes, forward and backward, within
-               its precision's bound (``kernels.py``);
+               its precision's bound (``kernels.py``), and the whole model in bf16 through those
+               kernels against its fp32 torch path at a real layer size (``model.precision``);
   speed        own KDA vs fla-core's chunk_kda, and the DSA layer's kernels (indexer + sparse
                attention) vs dense causal attention through torch SDPA (flash), at 32k and 128k;
   slice        the 4-layer slice of GLM-5.3-Flash, one forward+backward at 32k: measured peak

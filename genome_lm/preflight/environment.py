@@ -73,7 +73,8 @@ def compile_check(ctx) -> tuple[list[dict], str]:
     reports = run_in_subprocess([ctx.target], "kda,dsa", kda_heads=heads, kda_backends="triton", dsa_heads=heads,
                                 use_triton_cache=True)
     rows = [{"case": r["case"], "kernel": r["kernel"], "shared_bytes": r["shared_bytes"], "registers": r["registers"],
-             "spill_bytes": r["local_bytes"], "mma": r["mma"], "compile_s": r["compile_s"],
+             "spill_stores": r["spill_stores"], "spill_loads": r["spill_loads"], "stack_bytes": r["local_bytes"],
+             "mma": r["mma"], "compile_s": r["compile_s"],
              "ok": not r["problems"], **({"problem": "; ".join(r["problems"])} if r["problems"] else {})}
             for r in reports]
     return rows, f"{len(rows)} kernels compiled for {ctx.target}"

@@ -159,8 +159,11 @@ def indexer_parity(ctx) -> list[dict]:
 
 
 def parity(ctx) -> tuple[list[dict], str]:
-    rows = kda_parity(ctx) + mla_parity(ctx) + indexer_parity(ctx)
-    return rows, "relative error of the worst output or gradient against the reference on the same values"
+    from .model import precision
+
+    rows = kda_parity(ctx) + mla_parity(ctx) + indexer_parity(ctx) + precision(ctx)
+    return rows, ("relative error of the worst output or gradient against the reference on the same values; "
+                  "the model row: bf16 logits against fp32 with routing and selection replayed, flips counted")
 
 
 # --- speed ----------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Preflight sections ``slice`` (a real-size step's peak against the plan) and ``resume``."""
+"""Preflight's model-level parity rows (``precision``), and the sections ``slice`` (a real-size
+step's peak against the plan) and ``resume``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,38 @@ import math
 import numpy as np
 
 PLAN_TOLERANCE = 0.15  # measured peak within 15% of the plan
+# the model-level comparison on a GPU: GLM-5.3-Flash's layers at their real size (4 layers: 3 KDA
+# and a DSA layer with its indexer choosing 512 of 1,024 pools at 4k, the MoE's 8 of 64 experts,
+# fewer than its 288 so that an fp32 and a bf16 copy fit one GPU with room to spare)
+GPU_PRECISION = dict(preset="glm-5.3-flash-4layer", n_routed_experts=64, T=4096)
+CPU_PRECISION = dict(preset="tiny-long", T=130)
+
+
+def precision(ctx) -> list[dict]:
+    """The whole model through the tensor-core path (bf16 parameters and activations, the Triton
+    kernels) against its fp32 torch path on the same weights and tokens
+    (``compare.precision.compare_precision``), judged by ``compare.precision.bounds``: the
+    kernels' rounding with every MoE routing and DSA selection replayed from the fp32 run, and the
+    flips that rounding causes on near-ties counted, with the bound before the first one. On a
+    GPU at a real layer size; on a CPU the tiny-long preset under Triton's interpreter."""
+    from genome_lm.compare.precision import bounds, compare_precision, exceeded
+    from genome_lm.model.presets import get_preset
+
+    setting = dict(GPU_PRECISION if ctx.gpu else CPU_PRECISION)
+    name, T = setting.pop("preset"), setting.pop("T")
+    cfg = get_preset(name).replace(**setting)
+    r = compare_precision(cfg, T, seed=0)
+    b = bounds(r, cfg)
+    over = exceeded(r, b)
+    shape = f"{name}{''.join(f' {k}={v}' for k, v in setting.items())} T{T}"
+    return [{"op": "model (bf16, decisions replayed)", "backend": "triton", "shape": shape,
+             "reference": "torch path, fp32, same weights", "worst": "logits (relative)", "rel_err": r.rel_logit,
+             "bound": b.rel_logit, "ok": not over, "max_abs_logprob": r.max_abs_logprob,
+             "max_abs_logprob_bound": b.max_abs_logprob, "loss_rel_diff": r.loss_rel_diff,
+             "loss_replayed_rel_diff": r.loss_replayed_rel_diff, "routing_flips": r.routing_flips,
+             "selection_flips": r.selection_flips, "decisions": r.decisions, "first_flip": r.first_flip,
+             "max_abs_logprob_before_flip": r.max_abs_logprob_before_flip,
+             **({"problem": "; ".join(over)} if over else {})}]
 
 
 def slice_peak(ctx) -> tuple[list[dict], str]:

@@ -80,11 +80,12 @@ def test_fp32_kernels_give_the_torch_model(torch_run, monkeypatch):
 
 @pytest.mark.slow
 def test_tensor_core_kernels_within_bf16_bound(torch_run, monkeypatch):
-    """bf16 products round each KDA and MLA output by about 1% (issue 27's bisection: 0.7-1.1e-2
-    RMS for the KDA kernel, 5e-3 for the MLA), enough to flip MoE routing where a token's k-th
-    and next expert score within 1e-3: measured 18 flipped (layer, token) pairs of 3 x 130, and a
-    flipped token's output moves by O(1) (0.176 relative over the logits). Routed as the torch
-    run routes (``ReplayRouting``), the logits are within the bf16 bound (0.015 measured).
+    """bf16 products round each KDA output by 2-4e-3 RMS (``test_kda_accuracy.py``) and the MLA's
+    alike, enough to flip MoE routing where a token's k-th and next expert score within 1e-3:
+    measured 10 flipped (layer, token) pairs of 3 x 130, and a flipped token's output moves by
+    O(1) (0.10 relative over the logits; 18 pairs and 0.176 while the interpreter's emulation
+    truncated to bf16 instead of rounding). Routed as the torch run routes (``ReplayRouting``),
+    the logits are within the bf16 bound (0.0086 measured).
     Gradients are not compared here; the fp32 mode above checks the gradient path."""
     logits, _, _, _, maps = torch_run
     _no_torch_paths(monkeypatch)
