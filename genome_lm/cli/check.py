@@ -44,18 +44,17 @@ def parity(
     their margins, and parity is judged before the first one. Works for any glm5_next text config that
     genome-lm supports (NoPE MLA without attention bias, the tail pool always selected; any
     router grouping); other configs are refused with the field named."""
-    from genome_lm.compare.parity import run_parity
-    from genome_lm.engine import quiet_megatron_import
-
     from genome_lm_kernels import resolve_backend
 
+    from genome_lm.compare.parity import run_parity
+    from genome_lm.engine import quiet_megatron_import
     from genome_lm.engine.backend import current
 
     lengths_ = sizes(lengths, "--lengths")
     if not hf.is_dir():
         raise GenomeLMError(f"{hf}: not a folder")
     try:
-        resolved = resolve_backend(current().kernel_backend if backend == "auto" else backend, current().device)
+        resolved = resolve_backend(backend, current().device)
     except ValueError as err:
         raise GenomeLMError(f"--backend {backend}: {err}") from None
     if tol is None:

@@ -65,6 +65,16 @@ def model_device(model: GLM5Model) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
+def _model_ids(model: GLM5Model, tokens: np.ndarray, token_map: torch.Tensor | None,
+               device: torch.device | str | None) -> torch.Tensor:
+    """genome-lm token ids [L] as the model's ids (through ``token_map``) on ``device`` (default:
+    the model's)."""
+    ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+    if token_map is not None:
+        ids = token_map[ids]
+    return ids.to(device or model_device(model))
+
+
 @torch.no_grad()
 def token_nll(model: GLM5Model, tokens: np.ndarray, *, chunk: int | None = None, token_map: torch.Tensor | None = None,
               device: torch.device | str | None = None, on_chunk=None) -> np.ndarray:
@@ -72,10 +82,7 @@ def token_nll(model: GLM5Model, tokens: np.ndarray, *, chunk: int | None = None,
     of genome-lm token ids, computed on ``device`` (default: the model's). ``token_map``:
     genome-lm id -> model id (a pretrained vocabulary). ``on_chunk(n)`` is called after each n
     predicted tokens (progress)."""
-    ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
-    if token_map is not None:
-        ids = token_map[ids]
-    ids = ids.to(device or model_device(model))[None]
+    ids = _model_ids(model, tokens, token_map, device)[None]
     inputs, targets = ids[:, :-1], ids[0, 1:]
     L = inputs.shape[1]
     out = np.empty(L, dtype=np.float64)
@@ -115,10 +122,7 @@ def token_nll_cut(model: GLM5Model, tokens: np.ndarray, max_context: int, *, chu
     N, L = max_context, len(tokens) - 1
     if N >= L:
         return token_nll(model, tokens, chunk=chunk, token_map=token_map, device=device, on_chunk=on_chunk)
-    ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
-    if token_map is not None:
-        ids = token_map[ids]
-    ids = ids.to(device or model_device(model))
+    ids = _model_ids(model, tokens, token_map, device)
     whole = L // N  # segments with N targets each
     rows = ids[:whole * N].view(whole, N)  # inputs of segment s: tokens s*N .. s*N+N-1
     targets = ids[1:whole * N + 1].view(whole, N)
