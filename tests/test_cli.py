@@ -108,3 +108,24 @@ def test_parity_refuses_a_gpu_backend_without_a_gpu_in_one_line(monkeypatch, tmp
     assert result.exit_code == 1
     assert "--backend triton: the triton backend needs a CUDA device" in result.output
     assert "Traceback" not in result.output
+
+
+def test_help_placeholders_survive_markdown():
+    """--help renders in markdown mode, which drops an <out>-style placeholder as an HTML tag
+    ("kept in /.scores"): no help text may hold one, and eval's shows its OUT and RUN."""
+    import re
+
+    import typer.main
+
+    def texts(cmd):
+        yield cmd.help or ""
+        for p in cmd.params:
+            yield getattr(p, "help", None) or ""
+        for sub in getattr(cmd, "commands", {}).values():
+            yield from texts(sub)
+
+    tags = [t for t in texts(typer.main.get_command(app)) if re.search(r"<[A-Za-z][\w.-]*>", t)]
+    assert not tags, tags
+    result = runner.invoke(app, ["eval", "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
+    lines = " ".join(" ".join(line.split()) for line in result.output.splitlines())
+    assert "OUT/.scores" in lines and "RUN/eval-CHROM" in lines and " /.scores" not in lines

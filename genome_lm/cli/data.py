@@ -80,7 +80,7 @@ def print_dataset_summary(manifest, reused: bool = False) -> None:
 
 @app.command("demo-genome")
 def demo_genome(
-    out: Annotated[Path, typer.Option(help="FASTA to write; the planted copies go to <out>.planted.json.")] = Path(
+    out: Annotated[Path, typer.Option(help="FASTA to write; the planted copies go to OUT.planted.json.")] = Path(
         "data/demo/genome.fa"
     ),
     seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same genome.")] = 0,

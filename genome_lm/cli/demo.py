@@ -33,7 +33,7 @@ def demo(
 ) -> None:
     """Run the study end to end on the built-in demo genome, on this CPU.
 
-    demo genome -> prepare (chr1, chr2 train; chr22 eval) -> fine-tune the tiny model (config demo-finetune-cpu: from the shipped model that the long-context recipe, --long, trained to copy from earlier in the sequence; tracked in MLflow) -> `genome-lm eval` of the tuned against the starting model on the same chr22 windows: loss by preceding-context length with 95% intervals, the same model with its context cut to 256 bases (what the rest of the window adds), and the loss on planted later copies whose first copy lies inside the window against those whose first copy lies outside it. The report goes to <out>/run/eval-chr22 and to MLflow."""
+    demo genome -> prepare (chr1, chr2 train; chr22 eval) -> fine-tune the tiny model (config demo-finetune-cpu: from the shipped model that the long-context recipe, --long, trained to copy from earlier in the sequence; tracked in MLflow) -> `genome-lm eval` of the tuned against the starting model on the same chr22 windows: loss by preceding-context length with 95% intervals, the same model with its context cut to 256 bases (what the rest of the window adds), and the loss on planted later copies whose first copy lies inside the window against those whose first copy lies outside it. The report goes to OUT/run/eval-chr22 and to MLflow."""
     from genome_lm.demo import run_demo
     from genome_lm.eval.planted import demo_note
 

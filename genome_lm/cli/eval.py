@@ -108,7 +108,7 @@ def eval_command(
     chrom: Annotated[Optional[str], typer.Option(help="Chromosome to evaluate (chr22, 22 and NC_000022.11 all match); default: every window of the split.")] = None,
     baseline: Annotated[Optional[str], typer.Option(help="A second model scored on the same tokens (same kinds as --model, or 'init': the run's starting weights); the report gives the relative change per bucket.")] = None,
     dataset: Annotated[Optional[Path], typer.Option(help="A prepared dataset folder; default: the run's data.dataset.")] = None,
-    fasta: Annotated[Optional[Path], typer.Option(help="Evaluate straight from a genome FASTA: --chrom is prepared into <out>/prepared first.")] = None,
+    fasta: Annotated[Optional[Path], typer.Option(help="Evaluate straight from a genome FASTA: --chrom is prepared into OUT/prepared first.")] = None,
     window: Annotated[str, typer.Option(help="With --fasta: window length (512k, 1M).")] = "512k",
     split: Annotated[str, typer.Option(help="Split of the dataset to evaluate.")] = "eval",
     buckets: Annotated[Optional[str], typer.Option(help="Context buckets: edges '0,1k,4k,64k' (the window length is added), or 'pow2:1k' (0, then powers of two from 1k). Default: pow2:1k up to the window length.")] = None,
@@ -117,9 +117,9 @@ def eval_command(
     max_n: Annotated[float, typer.Option(help="Skip windows with more than this fraction of N.")] = MAX_N_FRACTION,
     resamples: Annotated[int, typer.Option(help="Bootstrap resamples over windows for the 95% intervals.", min=10)] = 1000,
     seed: Annotated[int, typer.Option(help="Seed of the bootstrap.")] = 0,
-    planted: Annotated[Optional[Path], typer.Option(help="Planted-copies JSON (demo genome); default: <genome>.planted.json beside the dataset's FASTA when present.")] = None,
+    planted: Annotated[Optional[Path], typer.Option(help="Planted-copies JSON (demo genome); default: the FASTA name with .planted.json for .fa (demo.fa -> demo.planted.json), beside the dataset's FASTA, when present.")] = None,
     max_context: Annotated[Optional[str], typer.Option(help="Context ablation: score the model again with every base seeing at most N preceding tokens (the window in N-token segments, each from scratch), e.g. '1k,4k'; the report gives loss(cut) - loss(whole window) per bucket with intervals.")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Output folder for eval.json, eval.csv and the plots; default: <run>/eval-<chrom> or ./eval.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output folder for eval.json, eval.csv and the plots; default: RUN/eval-CHROM or ./eval.")] = None,
     tracking_uri: Annotated[Optional[str], typer.Option(help="MLflow store; default: the training run's store (its run folder's mlflow.db).")] = None,
     tracking: Annotated[bool, typer.Option(help="Log the evaluation to MLflow as a child of the training run.")] = True,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
@@ -128,7 +128,7 @@ def eval_command(
 
     Scores every non-N base of the chromosome's windows (each window from its first base, so a base's context is its offset in the window), in nats and bits per base, overall and apart for soft-masked and unmasked bases, and groups them by context length (powers of two up to the window length) with 95% bootstrap intervals over windows. With --baseline the same tokens are scored by a second model and the relative change is reported per bucket.
 
-    Each window's scores are kept in <out>/.scores as soon as it is scored: an interrupted evaluation re-run with the same arguments scores only the windows it had not (delete the folder to free the space).
+    Each window's scores are kept in OUT/.scores (OUT the --out folder) as soon as it is scored: an interrupted evaluation re-run with the same arguments scores only the windows it had not (delete the folder to free the space).
 
     With --max-context N[,N...] the model is also scored with its context cut to N (a context ablation: one model against itself, so no second model is needed), reported per bucket as the loss difference with a paired interval and drawn in context_ablation.png.
 
