@@ -131,9 +131,11 @@ def kda_core(cfg: ModelConfig, T: int, batch: int) -> Work:
     prepare = pairwise + _inverse_flops(C, sub) + wu
     # T_c = diag - Kd^T W, b_c = Kd^T U, the state loop (one baddbmm), o = Qg S + M (U - W S)
     rest = 2.0 * C * K * K + 2.0 * C * K * V + 2.0 * K * K * V + 4.0 * C * K * V + 2.0 * C * C * V
-    # backward: the checkpointed preparation again, its products' two gradients, the inverse's
-    # gradient -(Y^T dY Y^T) (two C^3 products), and two gradients of every product after it
-    backward = prepare + 2 * (pairwise + wu) + 4.0 * C**3 + 2 * rest
+    # backward (chunked_bwd, nothing recomputed): the output's and the state loop's gradients
+    # (4CCV + 14CKV + 2CKK + 2KKV), W's and U's (2 wu), and the pairwise products' gradients,
+    # each sub-chunk's rows against the columns up to its end (4 C K (C + sub))
+    backward = (4.0 * C * C * V + 14.0 * C * K * V + 2.0 * C * K * K + 2.0 * K * K * V + 2 * wu
+                + 4.0 * C * K * (C + sub))
     return Work("KDA recurrence", "KDA", chunks * (prepare + rest), chunks * backward)
 
 

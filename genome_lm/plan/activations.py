@@ -94,11 +94,9 @@ def saved_kda(cfg: ModelConfig, s: Shard) -> float:
     l2norm = 2 * h * F32
     if s.gpu_kernels:  # the Triton function saves its inputs: l2-normalised q, k and g (v, beta shared)
         kernel = 3 * W * F32
-    else:  # chunked.py: checkpointed chunk inputs (q, k, v, G in fp64, beta), W and e^{G_last-G} k,
-        # U and the deltas, entering states and their stack, each chunk's state transition
-        # A [K, K], e^G q, M (stored with the UT transform)
-        per_head = ((2 * K + V) * F32 + K * I64 + F32 + 2 * K * F32 + 2 * V * F32 + 2 * K * V * F32 / KDA_CHUNK
-                    + K * K * F32 / KDA_CHUNK + K * F32 + 2 * KDA_CHUNK * F32)
+    else:  # chunked_bwd.ChunkGroup saves q, k, g, W (4K), v, U (2V), beta, M and the UT
+        # transform Tinv (2 x 64 per row), and the state entering each chunk (K x V per 64 rows)
+        per_head = (4 * K + 2 * V + 1 + 2 * KDA_CHUNK) * F32 + K * V * F32 / KDA_CHUNK
         kernel = h * per_head
     output = W * F32 + h * F32 + 3 * W * F32 + K * s.a + W * s.a  # o fp32, 1/rms, normed, gated, sigmoid, g_a, o_proj in
     return projections + conv + l2norm + kernel + output
@@ -245,9 +243,9 @@ DSA_DEFAULT_CHUNK = 64  # model.dsa.DSAAttention.query_chunk unless memory.dsa_q
 
 
 def backward_fixed(cfg: ModelConfig, s: Shard, kda: bool) -> float:
-    """Bytes of the torch kernels' working blocks, whatever the length: KDA prepares (and, in
-    backward, recomputes) ``GROUP`` chunks at a time, the pairwise decays being the largest
-    temporaries; DSA scores blocks of queries whose gathered keys hold at most
+    """Bytes of the torch kernels' working blocks, whatever the length: KDA prepares ``GROUP``
+    chunks at a time (and its backward forms their pairwise gradients a group at a time), the
+    pairwise decays being the largest temporaries; DSA scores blocks of queries whose gathered keys hold at most
     ``GATHER_ELEMENTS`` values (keys, values and two products of that size in backward). The
     Triton kernels keep theirs in on-chip memory."""
     if s.backend.name != "torch":
