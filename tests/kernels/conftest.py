@@ -61,3 +61,13 @@ def generator(request) -> torch.Generator:
     import zlib
 
     return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test, restored afterwards: a token-loop reference is thousands of
+    tiny ops, and OpenMP threads spinning on a busy 2-core machine slow its backward badly."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

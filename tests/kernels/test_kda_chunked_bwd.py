@@ -20,14 +20,7 @@ NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 SCALE = 0.3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The reference is thousands of tiny ops; OpenMP threads spinning on a busy 2-core machine
-    slow its backward badly. One thread here, restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.one_thread: the reference is many tiny ops
 
 
 def make_inputs(B, T, H, K, V, generator, *, with_state=True, decay=5.0, dtype=torch.float32):

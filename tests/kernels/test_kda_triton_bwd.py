@@ -19,14 +19,7 @@ from .test_kda import make_inputs
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The reference is thousands of tiny ops; OpenMP threads spinning on a busy 2-core machine
-    slow its backward badly. One thread here, restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.one_thread: the reference is many tiny ops
 
 
 def gradients(x, backend, use_qk_l2norm, w_o, w_S):
