@@ -102,23 +102,23 @@ def test_select_tokens_rows_ascending_without_repeats(T, kpool, topk):
 
 
 def test_gathered_block_depends_on_S_not_T(monkeypatch):
-    """Each gathered block is [H, C, S, D] with C from chunk, S, H, D only: same for T = 128
+    """Each gathered block is [C, S, H, D] with C from chunk, S, H, D only: same for T = 128
     and T = 1024 (the work per query does not grow with T), and never a T-sized dimension."""
     shapes = []
-    original = impl.gather_heads
+    original = impl.gather_rows
 
-    def spy(x_HTD, key_CS):
-        out = original(x_HTD, key_CS)
+    def spy(x_TX, key_CS):
+        out = original(x_TX, key_CS)
         shapes.append(tuple(out.shape))
         return out
 
-    monkeypatch.setattr(impl, "gather_heads", spy)
+    monkeypatch.setattr(impl, "gather_rows", spy)
     for T in (128, 1024):
         (q, k, v), idx = _inputs(T, 16, B=1, Dv=8)
         leaves = [x.requires_grad_() for x in (q, k, v)]
         o, _ = sparse_attention(*leaves, idx, scale=0.3, backend=backend_of("torch"), chunk=64)
         o.sum().backward()
-    assert set(shapes) == {(3, 64, 16, 8)}
+    assert set(shapes) == {(64, 16, 3, 8)}
     assert impl.queries_per_block(64, 259, 4, 16) == 64  # the benchmark shape: one 4 MiB block
     assert impl.queries_per_block(64, 2063, 64, 256) == 1  # the full model: one query per block
 

@@ -4,19 +4,17 @@ Each query attends only to the keys listed in its row of ``idx`` (-1 = empty slo
 are trusted to be causal; a key listed twice counts once, as in the dense-mask reference).
 
 Per chunk of C queries the keys and values of every query's own S slots are gathered into
-[H, C, S, D] blocks (one ``index_select`` along T of the head-major [H, T, D] copy; -1 slots
-read row 0 and are masked), scored by batched matrix-vector products (one [S, D] x [D] per query
-and head), and softmax-ed over S; the weighted sum of values is a batched product too. The work
-per query is O(S * H * D) whatever T is, and nothing per chunk is O(T): the time is linear in T.
+[C, S, H, D] blocks (one ``index_select`` of [T, H * D] rows; -1 slots read row 0 and are
+masked), scored with broadcast products reduced over D, and softmax-ed over S. The work per
+query is O(S * H * D) whatever T is, and nothing per chunk is O(T): the time is linear in T.
 C is ``chunk``, lowered so that a gathered block holds at most ``GATHER_ELEMENTS`` values.
 
 Why gather and not score a chunk against the union of its selections with matrix products:
 when neighbouring queries select different pools (an untrained indexer) the union approaches
 min(t, C * S) keys, so its work per query grows with T (measured: 7,412 union keys per chunk
-at T = 32k for S = 259). On a CPU the gather is memory-bound: gathered straight into the
-batched-product layout ([H, C, S, D], from the head-major copy), each block is written once and
-read once per product, where a broadcast multiply and a reduction over D wrote and read it twice
-more (forward and backward 1.4x faster at the demo's shape, ``benchmarks``' bench_demo_step).
+at T = 32k for S = 259). On a CPU the gather is memory-bound; ``index_select`` on contiguous
+rows and broadcast-multiply-reduce (not ``einsum``, which permutes the block into a batched
+GEMM layout first) keep it at a few passes over the block.
 
 Repeated keys: a row whose valid slots are strictly ascending (``select_tokens``' layout:
 pools ascending, then the tail pool) cannot hold a repeat and is used as is; in a chunk with
@@ -62,21 +60,6 @@ def own_keys(idx_CS):
     first = srt >= 0
     first[:, 1:] &= srt[:, 1:] != srt[:, :-1]  # a key listed twice counts once
     return idx_CS.clamp_min(0), torch.empty_like(first).scatter_(1, perm, first)
-
-
-def gather_heads(x_HTD, key_CS):
-    """x [H, T, D] (head-major) rows at key [C, S] -> [H, C, S, D] (one index_select along T)."""
-    C, S = key_CS.shape
-    return x_HTD.index_select(1, key_CS.flatten()).view(x_HTD.shape[0], C, S, x_HTD.shape[-1])
-
-
-def head_probs(q_HCD, k_HCSD, valid_CS, scale, lse_HC=None):
-    """``gathered_probs`` in the head-major layout: p [H, C, S] (0 on invalid slots) and lse
-    [H, C], the scores one [S, D] x [D] product per query and head."""
-    s_HCS = torch.matmul(k_HCSD, q_HCD[..., None]).squeeze(-1).mul_(scale).masked_fill_(~valid_CS, float("-inf"))
-    if lse_HC is None:
-        lse_HC = torch.logsumexp(s_HCS, dim=-1)
-    return torch.exp_(s_HCS.sub_(lse_HC.nan_to_num(neginf=0.0)[..., None])), lse_HC
 
 
 def gather_rows(x_TX, key_CS):
@@ -143,21 +126,24 @@ class SparseAttention(torch.autograd.Function):
         dt = compute_dtype(q_BTHD.dtype)
         B, T, H, D = q_BTHD.shape
         Dv = v_BTHD.shape[-1]
+        kc_BTHD, vc_BTHD = k_BTHD.contiguous(), v_BTHD.contiguous()  # rows gathered as [H * D] vectors
         o_BTHD = torch.empty(B, T, H, Dv, dtype=dt, device=q_BTHD.device)
         lse_BTH = torch.empty(B, T, H, dtype=dt, device=q_BTHD.device)
-        heads_major = {}  # per sequence: q, k, v [H, T, D] in dt
+        heads_major = {}  # per sequence, for dense blocks: q [H, T, D], k^T [H, D, T], v [H, T, Dv]
         for b, t0, t1, key_CS, valid_CS in _blocks(idx_BTS, chunk, H, max(D, Dv)):
-            if b not in heads_major:
-                heads_major = {b: [_head_major(x, b, dt) for x in (q_BTHD, k_BTHD, v_BTHD)]}
-            q_HTD, k_HTD, v_HTD = heads_major[b]
             if valid_CS is None:  # dense block: key_CS is the [C, t1] mask
-                p_HCK, lse_HC = dense_probs(q_HTD[:, t0:t1], k_HTD[:, :t1].transpose(1, 2), key_CS, scale)
-                o_HCD = torch.matmul(p_HCK, v_HTD[:, :t1])
-            else:
-                p_HCS, lse_HC = head_probs(q_HTD[:, t0:t1], gather_heads(k_HTD, key_CS), valid_CS, scale)
-                o_HCD = torch.matmul(p_HCS[..., None, :], gather_heads(v_HTD, key_CS)).squeeze(-2)
-            lse_BTH[b, t0:t1] = lse_HC.T
-            o_BTHD[b, t0:t1] = o_HCD.transpose(0, 1)
+                if b not in heads_major:
+                    heads_major = {b: (_head_major(q_BTHD, b, dt), _head_major(k_BTHD, b, dt).transpose(1, 2),
+                                       _head_major(v_BTHD, b, dt))}
+                q_HTD, kT_HDT, v_HTD = heads_major[b]
+                p_HCK, lse_HC = dense_probs(q_HTD[:, t0:t1], kT_HDT[..., :t1], key_CS, scale)
+                lse_BTH[b, t0:t1] = lse_HC.T
+                o_BTHD[b, t0:t1] = torch.matmul(p_HCK, v_HTD[:, :t1]).transpose(0, 1)
+                continue
+            k_CSHD = gather_rows(kc_BTHD[b], key_CS).to(dt)
+            p_CSH, lse_BTH[b, t0:t1] = gathered_probs(q_BTHD[b, t0:t1].to(dt), k_CSHD, valid_CS, scale)
+            del k_CSHD
+            o_BTHD[b, t0:t1] = (p_CSH[..., None] * gather_rows(vc_BTHD[b], key_CS).to(dt)).sum(1)
         o_BTHD = o_BTHD.to(q_BTHD.dtype)
         ctx.save_for_backward(q_BTHD, k_BTHD, v_BTHD, idx_BTS, o_BTHD, lse_BTH)
         ctx.scale, ctx.chunk = scale, chunk
@@ -187,37 +173,34 @@ def sparse_attention_backward(q_BTHD, k_BTHD, v_BTHD, idx_BTS, o_BTHD, lse_BTH, 
     B, T, H, D = q_BTHD.shape
     Dv = v_BTHD.shape[-1]
     lse_BTH = lse_BTH.to(dt)
+    kc_BTHD, vc_BTHD = k_BTHD.contiguous(), v_BTHD.contiguous()
     dq_BTHD = torch.empty(q_BTHD.shape, dtype=dt, device=q_BTHD.device)
     dk_BTX = torch.zeros(B, T, H * D, dtype=dt, device=q_BTHD.device)
     dv_BTX = torch.zeros(B, T, H * Dv, dtype=dt, device=q_BTHD.device)
-    heads_major = {}  # per sequence: inputs [H, T, D] and the dense blocks' dk, dv accumulators
+    heads_major = {}  # per sequence, for dense blocks: inputs [H, T, D] and dk, dv accumulators
     for b, t0, t1, key_CS, valid_CS in _blocks(idx_BTS, chunk, H, max(D, Dv)):
-        if b not in heads_major:
-            _flush_dense(heads_major, dk_BTX, dv_BTX)
-            heads_major = {b: [_head_major(x, b, dt) for x in (q_BTHD, k_BTHD, v_BTHD, do_BTHD)] + [None, None]}
-        q_HTD, k_HTD, v_HTD, do_HTD, dk_HTD, dv_HTD = heads_major[b]
-        q_HCD, do_HCD = q_HTD[:, t0:t1], do_HTD[:, t0:t1]
-        lse_HC, delta_HC = lse_BTH[b, t0:t1].T, delta_BTH[b, t0:t1].T
         if valid_CS is None:  # dense block over keys 0..t1-1, key_CS is the mask
-            if dk_HTD is None:
-                dk_HTD = heads_major[b][4] = q_BTHD.new_zeros(H, T, D, dtype=dt)
-                dv_HTD = heads_major[b][5] = q_BTHD.new_zeros(H, T, Dv, dtype=dt)
-            p_HCK, _ = dense_probs(q_HCD, k_HTD[:, :t1].transpose(1, 2), key_CS, scale, lse_HC)
-            ds_HCK = torch.matmul(do_HCD, v_HTD[:, :t1].transpose(1, 2)).sub_(delta_HC[..., None])
+            if b not in heads_major:
+                _flush_dense(heads_major, dk_BTX, dv_BTX)
+                heads_major = {b: [_head_major(x, b, dt) for x in (q_BTHD, k_BTHD, v_BTHD, do_BTHD)]
+                               + [q_BTHD.new_zeros(H, T, D, dtype=dt), q_BTHD.new_zeros(H, T, Dv, dtype=dt)]}
+            q_HTD, k_HTD, v_HTD, do_HTD, dk_HTD, dv_HTD = heads_major[b]
+            q_HCD, do_HCD = q_HTD[:, t0:t1], do_HTD[:, t0:t1]
+            p_HCK, _ = dense_probs(q_HCD, k_HTD[:, :t1].transpose(1, 2), key_CS, scale, lse_BTH[b, t0:t1].T)
+            ds_HCK = torch.matmul(do_HCD, v_HTD[:, :t1].transpose(1, 2)).sub_(delta_BTH[b, t0:t1].T[..., None])
             ds_HCK.mul_(p_HCK)
             dq_BTHD[b, t0:t1] = torch.matmul(ds_HCK, k_HTD[:, :t1]).transpose(0, 1).mul_(scale)
             dk_HTD[:, :t1].baddbmm_(ds_HCK.transpose(1, 2), q_HCD, alpha=scale)
             dv_HTD[:, :t1].baddbmm_(p_HCK.transpose(1, 2), do_HCD)
             continue
-        k_HCSD = gather_heads(k_HTD, key_CS)
-        p_HCS, _ = head_probs(q_HCD, k_HCSD, valid_CS, scale, lse_HC)
-        dp_HCS = torch.matmul(gather_heads(v_HTD, key_CS), do_HCD[..., None]).squeeze(-1)
-        ds_HCS = dp_HCS.sub_(delta_HC[..., None]).mul_(p_HCS)
-        dq_BTHD[b, t0:t1] = torch.matmul(ds_HCS[..., None, :], k_HCSD).squeeze(-2).transpose(0, 1).mul_(scale)
-        del k_HCSD
-        # dk, dv rows in the [T, H * D] layout, one contiguous [C * S, H * D] source each
-        q_CHD, do_CHD, rows = q_HCD.transpose(0, 1), do_HCD.transpose(0, 1), key_CS.flatten()
-        ds_CSH, p_CSH = (x.permute(1, 2, 0).contiguous() for x in (ds_HCS, p_HCS))
+        q_CHD, do_CHD = q_BTHD[b, t0:t1].to(dt), do_BTHD[b, t0:t1].to(dt)
+        rows = key_CS.flatten()
+        k_CSHD = gather_rows(kc_BTHD[b], key_CS).to(dt)
+        p_CSH, _ = gathered_probs(q_CHD, k_CSHD, valid_CS, scale, lse_BTH[b, t0:t1])
+        dp_CSH = (gather_rows(vc_BTHD[b], key_CS).to(dt) * do_CHD[:, None]).sum(-1)
+        ds_CSH = dp_CSH.sub_(delta_BTH[b, t0:t1, None]).mul_(p_CSH)
+        dq_BTHD[b, t0:t1] = (ds_CSH[..., None] * k_CSHD).sum(1).mul_(scale)
+        del k_CSHD
         dk_BTX[b].index_add_(0, rows, (ds_CSH[..., None] * q_CHD[:, None]).flatten(0, 1).flatten(1), alpha=scale)
         dv_BTX[b].index_add_(0, rows, (p_CSH[..., None] * do_CHD[:, None]).flatten(0, 1).flatten(1))
     _flush_dense(heads_major, dk_BTX, dv_BTX)
@@ -226,11 +209,8 @@ def sparse_attention_backward(q_BTHD, k_BTHD, v_BTHD, idx_BTS, o_BTHD, lse_BTH, 
 
 
 def _flush_dense(heads_major, dk_BTX, dv_BTX):
-    """Add a sequence's dense-block dk, dv ([H, T, D], None without dense blocks) into the
-    [B, T, H * D] accumulators."""
+    """Add a sequence's dense-block dk, dv ([H, T, D]) into the [B, T, H * D] accumulators."""
     for b, (*_, dk_HTD, dv_HTD) in heads_major.items():
-        if dk_HTD is None:
-            continue
         dk_BTX[b] += dk_HTD.transpose(0, 1).flatten(1)
         dv_BTX[b] += dv_HTD.transpose(0, 1).flatten(1)
 
