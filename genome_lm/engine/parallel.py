@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 from genome_lm.errors import GenomeLMError
 
+from .allocator import keep_freed_memory
+from .backend import on_gpu
 from .cpu import enable_cpu_megatron
 
 
@@ -91,6 +93,8 @@ def parallel_context(sizes: ParallelSizes = ParallelSizes()) -> Iterator["Proces
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     enable_cpu_megatron()  # no-op on a GPU machine
+    if not on_gpu():
+        keep_freed_memory()  # CPU tensors: large temporaries reuse the heap (engine.allocator)
     started_here = not dist.is_initialized()
     init_distributed()
     before = _process_groups()
