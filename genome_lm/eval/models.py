@@ -96,6 +96,8 @@ def load_model(spec: str | Path, pg: ProcessGroupCollection, *, init_of: LoadedM
         from genome_lm.data.vocab import checkpoint_token_map
 
         mapping = checkpoint_token_map(path, model.cfg.pad_token_id)
-    info = {"kind": "huggingface", "path": str(path), "step": None,
+    from genome_lm.weights import shipped_name
+
+    info = {"kind": "huggingface", "path": str(path), "step": None, "shipped": shipped_name(path),
             "model_type": json.loads((path / "config.json").read_text()).get("model_type")}
     return LoadedModel(model.eval(), info, mapping)

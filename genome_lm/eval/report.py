@@ -233,7 +233,7 @@ def _label(report: dict, name: str) -> str:
     if name == "markov":
         return f"order-{info['order']} Markov chain (training split)"
     step = f" step {info['step']}" if info.get("step") is not None else ""
-    return f"{name} ({info['kind']}{step})"
+    return f"{name} ({info.get('shipped') or info['kind']}{step})"
 
 
 def write_figure(fig, path: Path) -> None:

@@ -49,6 +49,19 @@ def folder(name: str) -> Path:
     return root
 
 
+def shipped_name(path: str | Path) -> str | None:
+    """``builtin:<name>`` when ``path`` is the folder of shipped weights, else None (for reports
+    and plots: the shipped weights by the name a user gives them, not by their install path)."""
+    try:
+        resolved = Path(path).resolve()
+    except OSError:
+        return None
+    for name in SHIPPED:
+        if resolved == ROOT / name:
+            return PREFIX + name
+    return None
+
+
 def resolve(checkpoint: str | None) -> str | None:
     """``model.checkpoint`` as a path: ``builtin:<name>`` becomes the shipped folder (verified);
     anything else is returned as it is."""
