@@ -52,8 +52,24 @@ def finetune(
         print_training(result)
 
 
+SMOOTH_STEPS = 10  # the summary's loss: the mean over this many steps at each end (a quarter of a short run)
+
+
+def loss_ends(steps) -> tuple[tuple[float, int, int], tuple[float, int, int]]:
+    """(mean LM loss, first step, last step) over the first and the last n steps, n = min(10,
+    a quarter of the run, at least 1): each step's loss is one batch's, which swing by several
+    percent from batch to batch, so single steps at the two ends can point the wrong way."""
+    n = max(1, min(SMOOTH_STEPS, len(steps) // 4))
+
+    def mean(part):
+        return sum(m.lm_loss for m in part) / len(part), part[0].step, part[-1].step
+
+    return mean(steps[:n]), mean(steps[-n:])
+
+
 def print_training(result) -> None:
-    """The run's summary: where it resumed from, first and last loss, speed, the checkpoint, MLflow."""
+    """The run's summary: where it resumed from, the loss at its start and end (means over a few
+    steps), speed, the checkpoint, MLflow."""
     steps = result.all_steps
     if result.resumed_from is not None:
         console.print(f"resumed from step {result.resumed_from.name.split('-')[-1].lstrip('0') or '0'} "
@@ -63,13 +79,19 @@ def print_training(result) -> None:
         return
     if not result.history:
         console.print(f"the run was already complete at step {result.steps_done}")
-    first, last = steps[0], steps[-1]
-    table = Table(title=f"fine-tuning in {result.out_dir}", title_justify="left")
-    for column in ("steps", "first loss (step)", "last loss (step)", "change", "tokens/s", "peak host MiB"):
+    (first, a0, a1), (last, b0, b1) = loss_ends(steps)
+    table = Table(title=f"fine-tuning in {result.out_dir}", title_justify="left",
+                  caption=None if a0 == a1 else "loss: the mean training LM loss over the steps in brackets "
+                                                 "(one batch a step; eval reports held-out loss)")
+    for column in ("steps", "first loss (steps)", "last loss (steps)", "change", "tokens/s", "peak host MiB"):
         table.add_column(column, justify="right")
-    change = (last.lm_loss - first.lm_loss) / first.lm_loss * 100
-    table.add_row(f"{result.steps_done}", f"{first.lm_loss:.4f} ({first.step})", f"{last.lm_loss:.4f} ({last.step})",
-                  f"{change:+.1f}%", f"{last.tokens_per_s:,.0f}", f"{last.peak_host_mib:,.0f}")
+
+    def span(x, y):
+        return f"{x}" if x == y else f"{x}-{y}"
+
+    change = (last - first) / first * 100
+    table.add_row(f"{result.steps_done}", f"{first:.4f} ({span(a0, a1)})", f"{last:.4f} ({span(b0, b1)})",
+                  f"{change:+.1f}%", f"{steps[-1].tokens_per_s:,.0f}", f"{steps[-1].peak_host_mib:,.0f}")
     console.print(table)
     if result.stopped_by:
         console.print(f"stopped by {result.stopped_by}; continue with --resume", highlight=False)
