@@ -11,12 +11,15 @@ next step's tensors reuse them.
 
 The cost is resident memory: what a step freed stays mapped (up to the peak it reached, as with
 a caching allocator). Linux with glibc only (``mallopt``); elsewhere nothing changes. GPU runs
-do not call it: their tensors live on the device.
+do not call it: their tensors live on the device. A process whose environment already tunes
+glibc's malloc (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``glibc.malloc`` in
+``GLIBC_TUNABLES``) keeps its own settings: a memory measurement may want freed memory returned.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 
 M_TRIM_THRESHOLD = -1  # glibc's malloc.h
@@ -29,10 +32,11 @@ _state = {"done": False}
 
 def keep_freed_memory() -> bool:
     """Set glibc's mmap and trim thresholds for this process (idempotent); returns whether they
-    are set (False where there is no glibc ``mallopt``, or it refused)."""
+    are set (False where there is no glibc ``mallopt``, it refused, or the environment sets
+    malloc's own)."""
     if _state["done"]:
         return True
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or user_tuned():
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
@@ -41,3 +45,9 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _state["done"] = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     return _state["done"]
+
+
+def user_tuned() -> bool:
+    """Whether this process's environment sets glibc malloc's thresholds itself."""
+    return (any(name in os.environ for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"))
+            or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""))

@@ -2,6 +2,7 @@
 fresh mapping whose every page faults in again (measured in a fresh process, before and after,
 once the heap has grown to the loop's peak)."""
 
+import os
 import subprocess
 import sys
 
@@ -32,3 +33,16 @@ def test_freed_tensors_are_reused_without_page_faults():
     default, kept = (int(x) for x in done.stdout.split())
     assert default > 5 * 16_000  # glibc maps each 64 MiB block afresh: 16,384 pages each time
     assert kept < default // 20, (default, kept)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux only")
+@pytest.mark.parametrize("env", [{"MALLOC_MMAP_THRESHOLD_": "65536"}, {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}])
+def test_a_process_that_tunes_malloc_itself_keeps_its_settings(env):
+    """A memory measurement that sets glibc's thresholds (tests/eval/test_prefill.py's) is left
+    alone: keep_freed_memory declines, and freed blocks still go back to the kernel."""
+    code = CODE.replace("assert keep_freed_memory() and keep_freed_memory()", "assert not keep_freed_memory()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr[-2000:]
+    default, kept = (int(x) for x in done.stdout.split())
+    assert kept > default // 2, (default, kept)
