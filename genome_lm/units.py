@@ -36,8 +36,3 @@ def parse_size_range(text: str) -> tuple[int, int]:
     if lo > hi:
         raise ValueError(f"{text!r}: the low end of a range must not exceed the high end")
     return lo, hi
-
-
-def split_names(text: str) -> tuple[str, ...]:
-    """``"chr1, chr2,"`` -> ``("chr1", "chr2")``."""
-    return tuple(name.strip() for name in text.split(",") if name.strip())

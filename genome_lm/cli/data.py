@@ -8,8 +8,9 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from genome_lm.data.regions import split_regions
 from genome_lm.data.windows import MAX_N_FRACTION
-from genome_lm.units import parse_size_range, split_names
+from genome_lm.units import parse_size_range
 
 from .base import app, console, size
 
@@ -21,9 +22,9 @@ def prepare(
         "data/prepared"
     ),
     train_chroms: Annotated[
-        str, typer.Option(help="Comma-separated chromosomes for training; chr1, 1 and NC_000001.11 all match.")
+        str, typer.Option(help="Comma-separated chromosomes or regions for training; chr1, 1 and NC_000001.11 all match; a region as samtools writes it, chr2:1-1,800,000 (1-based, inclusive, commas allowed), holds out the rest of the chromosome.")
     ] = "chr1,chr2",
-    eval_chroms: Annotated[str, typer.Option(help="Comma-separated chromosomes for evaluation ('' for none).")] = "chr22",
+    eval_chroms: Annotated[str, typer.Option(help="Comma-separated chromosomes or regions for evaluation ('' for none), e.g. chr2:1,800,001-2,333,275; train and eval regions must not overlap.")] = "chr22",
     window: Annotated[str, typer.Option(help="Window length in bases: 524288, 512k, 1M (k=1024, M=1048576).")] = "512k",
     stride: Annotated[
         Optional[str], typer.Option(help="Distance between window starts; default: the window (no overlap).")
@@ -61,7 +62,7 @@ def prepare(
                           max_n)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    request = PrepareRequest(fasta, out, split_names(train_chroms), split_names(eval_chroms), spec)
+    request = PrepareRequest(fasta, out, split_regions(train_chroms), split_regions(eval_chroms), spec)
     result = run_prepare(request, workers=workers, ray_address=ray_address, force=force, quiet=quiet)
     print_dataset_summary(result.manifest, reused=result.reused)
 

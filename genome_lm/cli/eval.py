@@ -105,7 +105,7 @@ def _print_ablation(report: dict, out: Console) -> None:
 @app.command("eval")
 def eval_command(
     model: Annotated[str, typer.Option(help="The model: a training run folder (its latest checkpoint), a checkpoint folder, a Hugging Face glm5_next folder, or builtin:tiny-long (the shipped long-context model).")],
-    chrom: Annotated[Optional[str], typer.Option(help="Chromosome to evaluate (chr22, 22 and NC_000022.11 all match); default: every window of the split.")] = None,
+    chrom: Annotated[Optional[str], typer.Option(help="Chromosome or region to evaluate (chr22, 22 and NC_000022.11 all match; a region such as chr2:1,800,001-2,333,275 takes the windows wholly inside it); default: every window of the split.")] = None,
     baseline: Annotated[Optional[str], typer.Option(help="A second model scored on the same tokens (same kinds as --model, or 'init': the run's starting weights); the report gives the relative change per bucket.")] = None,
     dataset: Annotated[Optional[Path], typer.Option(help="A prepared dataset folder; default: the run's data.dataset.")] = None,
     fasta: Annotated[Optional[Path], typer.Option(help="Evaluate straight from a genome FASTA: --chrom is prepared into OUT/prepared first.")] = None,

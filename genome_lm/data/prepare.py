@@ -36,6 +36,7 @@ from genome_lm.digest import sha256_file
 from genome_lm.data.indexed import write_index
 from genome_lm.data.manifest import MANIFEST, SCHEMA, Manifest, write_manifest
 from genome_lm.data.names import resolve
+from genome_lm.data.regions import Region, parse_region
 from genome_lm.data.shards import Task, TaskResult, run_task
 from genome_lm.data.tokenizer import TokenizerInfo
 from genome_lm.data.windows import STUDY_WINDOW, WindowSpec, plan_windows
@@ -156,6 +157,8 @@ def _build(request, key, staging, out, workers, ray_address, quiet, cache_dir) -
 def _check_splits(request: PrepareRequest) -> None:
     if not request.train_chroms and not request.eval_chroms:
         raise GenomeLMError("no chromosomes requested: give --train-chroms and/or --eval-chroms")
+    for name in (*request.train_chroms, *request.eval_chroms):
+        parse_region(name)  # a malformed region fails here, before any work
     both = set(request.train_chroms) & set(request.eval_chroms)
     if both:
         raise GenomeLMError(f"chromosome(s) {', '.join(sorted(both))} requested for both train and eval")
@@ -210,26 +213,37 @@ def _open_source(fasta: Path, staging: Path, cache_dir: Path, progress) -> Fasta
 
 @dataclass(frozen=True)
 class _Chrom:
+    """A requested chromosome or region (``regions``): its record, the record's length, and the
+    part of it to cut into windows, 0-based half-open (the whole record unless a region)."""
+
     requested: str
     record: str
     length: int
+    start: int
+    end: int
 
 
 def _resolve_splits(request: PrepareRequest, source: FastaSource) -> dict[str, list[_Chrom]]:
     names = source.names()
     display = source.handle.display
     splits: dict[str, list[_Chrom]] = {}
-    seen: dict[str, str] = {}
+    seen: list[tuple[str, Region, str]] = []  # (split, bounded region on its record, as requested)
     for split, requested in (("train", request.train_chroms), ("eval", request.eval_chroms)):
         if not requested:
             continue
         chroms = []
         for name in requested:
-            record = resolve(name, names, display)
-            if record in seen:
-                raise GenomeLMError(f"{display}: {name!r} and {seen[record]!r} are the same record {record!r}")
-            seen[record] = name
-            chroms.append(_Chrom(name, record, source.length(record)))
+            region = parse_region(name, names)
+            record = resolve(region.name, names, display)
+            part = Region(record, region.start, region.end).bounded(source.length(record), display)
+            for other_split, other, other_name in seen:
+                if other.name == record and other.overlaps(part):
+                    where = "both in " + split if other_split == split else f"{other_split} and {split}"
+                    raise GenomeLMError(f"{display}: {other_name!r} and {name!r} overlap on record {record!r} "
+                                        f"({where}): bases {max(other.start, part.start) + 1:,}-"
+                                        f"{min(other.end, part.end):,} would be in both")
+            seen.append((split, part, name))
+            chroms.append(_Chrom(name, record, source.length(record), part.start, part.end))
         splits[split] = chroms
     return splits
 
@@ -240,9 +254,11 @@ def _plan_tasks(splits: dict[str, list[_Chrom]], spec: WindowSpec) -> tuple[list
     dropped: dict[str, list] = {split: [] for split in splits}
     for split, chroms in splits.items():
         for chrom in chroms:
-            windows, tail = plan_windows(chrom.length, spec)
+            windows, tail = plan_windows(chrom.end - chrom.start, spec)
+            windows = [(chrom.start + a, chrom.start + b) for a, b in windows]
             if tail is not None:
-                dropped[split].append({"chrom": chrom.record, "start": tail[0], "end": tail[1]})
+                dropped[split].append({"chrom": chrom.record, "start": chrom.start + tail[0],
+                                       "end": chrom.start + tail[1]})
             for i in range(0, len(windows), per_task):
                 tasks.append(Task(len(tasks), split, chrom.record, tuple(windows[i : i + per_task])))
     return tasks, dropped

@@ -53,16 +53,24 @@ class EvalRequest:
 
 
 def _windows_of(split_windows, chrom: str | None, source: str) -> list[int]:
+    """The windows of ``chrom``: a chromosome (any naming convention) or a region of one
+    (``chr2:1,800,001-2,333,275``, 1-based, inclusive), whose windows must lie wholly inside it."""
     if chrom is None:
         return list(range(len(split_windows)))
     from genome_lm.data.names import canonical
+    from genome_lm.data.regions import parse_region
 
     present = sorted({w.chrom for w in split_windows})
-    exact = [c for c in present if c == chrom]
-    match = exact or [c for c in present if canonical(c) == canonical(chrom)]
+    region = parse_region(chrom, present)
+    exact = [c for c in present if c == region.name]
+    match = exact or [c for c in present if canonical(c) == canonical(region.name)]
     if len(match) != 1:
-        raise GenomeLMError(f"{source}: no evaluation windows on chromosome {chrom!r}; present: {', '.join(present)}")
-    return [i for i, w in enumerate(split_windows) if w.chrom == match[0]]
+        raise GenomeLMError(f"{source}: no evaluation windows on chromosome {region.name!r}; present: {', '.join(present)}")
+    end = float("inf") if region.end is None else region.end
+    chosen = [i for i, w in enumerate(split_windows) if w.chrom == match[0] and region.start <= w.start and w.end <= end]
+    if not chosen:
+        raise GenomeLMError(f"{source}: no evaluation window lies wholly inside {chrom}")
+    return chosen
 
 
 def _prepare_fasta(req: EvalRequest, progress: bool) -> Path:
