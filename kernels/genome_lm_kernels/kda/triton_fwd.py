@@ -49,18 +49,15 @@ def device(fn):
     """``triton.jit`` for a device function (one that kernels call). Under Triton's interpreter
     a jitted device function patches triton.language again at every call (``inspect.getmembers``
     over the language modules, about 1 ms), which the calling kernel's launch has already done
-    for the same modules: there it is called straight, after the interpreter's own rewrite of its
-    source (measured: 30% of the interpreted bf16 training step). On a GPU, and in the compile
-    check, it is the jitted function."""
+    for the same modules: there it is called straight, through the interpreter's own rewrite of
+    its source (which the interpreter caches). Measured: 3 interpreted bf16 training steps of the
+    tiny model, 48.7 -> 43.1 s. On a GPU, and in the compile check, it is the jitted function."""
     jitted = triton.jit(fn)
     if not hasattr(jitted, "rewrite"):  # a JITFunction: compiled for a device
         return jitted
-    rewritten = []
 
     def call(*args, **kwargs):
-        if not rewritten:
-            rewritten.append(jitted.rewrite())
-        return rewritten[0](*args, **kwargs)
+        return jitted.rewrite()(*args, **kwargs)
 
     call.__name__, call.__doc__ = fn.__name__, fn.__doc__
     return call
