@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cpu import native
 from .indexer import compute_dtype
 
 
@@ -122,7 +123,13 @@ class SparseAttention(torch.autograd.Function):
     """o, lse = attention of q over k, v restricted to idx; see module docstring."""
 
     @staticmethod
-    def forward(ctx, q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale: float, chunk: int):
+    def forward(ctx, q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale: float, chunk: int, use_native: bool):
+        ctx.mark_non_differentiable(idx_BTS)
+        ctx.scale, ctx.chunk, ctx.native = scale, chunk, use_native
+        if use_native:
+            o_BTHD, lse_BTH = native_forward(q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale)
+            ctx.save_for_backward(q_BTHD, k_BTHD, v_BTHD, idx_BTS, o_BTHD, lse_BTH)
+            return o_BTHD, lse_BTH
         dt = compute_dtype(q_BTHD.dtype)
         B, T, H, D = q_BTHD.shape
         Dv = v_BTHD.shape[-1]
@@ -146,16 +153,53 @@ class SparseAttention(torch.autograd.Function):
             o_BTHD[b, t0:t1] = (p_CSH[..., None] * gather_rows(vc_BTHD[b], key_CS).to(dt)).sum(1)
         o_BTHD = o_BTHD.to(q_BTHD.dtype)
         ctx.save_for_backward(q_BTHD, k_BTHD, v_BTHD, idx_BTS, o_BTHD, lse_BTH)
-        ctx.scale, ctx.chunk = scale, chunk
-        ctx.mark_non_differentiable(idx_BTS)
         return o_BTHD, lse_BTH
 
     @staticmethod
     def backward(ctx, do_BTHD, dlse_BTH):
         q_BTHD, k_BTHD, v_BTHD, idx_BTS, o_BTHD, lse_BTH = ctx.saved_tensors
-        dq, dk, dv = sparse_attention_backward(q_BTHD, k_BTHD, v_BTHD, idx_BTS, o_BTHD, lse_BTH,
-                                               do_BTHD, dlse_BTH, ctx.scale, ctx.chunk)
-        return dq, dk, dv, None, None, None
+        grads = native_backward if ctx.native else sparse_attention_backward
+        dq, dk, dv = grads(q_BTHD, k_BTHD, v_BTHD, idx_BTS, o_BTHD, lse_BTH, do_BTHD, dlse_BTH, ctx.scale, ctx.chunk)
+        return dq, dk, dv, None, None, None, None
+
+
+def _fp32(x):
+    return x.to(torch.float32).contiguous()
+
+
+def native_forward(q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale: float):
+    """The forward in C (``cpu/dsa.c``: one pass per query, threads over query rows), fp32."""
+    lib = native.library("dsa")
+    B, T, H, D = q_BTHD.shape
+    Dv, S = v_BTHD.shape[-1], idx_BTS.shape[-1]
+    q, k, v, idx = _fp32(q_BTHD), _fp32(k_BTHD), _fp32(v_BTHD), idx_BTS.to(torch.int64).contiguous()
+    o = torch.empty(B, T, H, Dv, dtype=torch.float32)
+    lse = torch.empty(B, T, H, dtype=torch.float32)
+    p = native.ptr
+    native.run_rows(lib.dsa_sparse_fwd, native.split_rows(B * T), lambda i, r0, r1: (
+        p(q), p(k), p(v), p(idx), r0, r1, T, S, H, D, Dv, scale, p(o), p(lse)))
+    return o.to(q_BTHD.dtype), lse
+
+
+def native_backward(q_BTHD, k_BTHD, v_BTHD, idx_BTS, o_BTHD, lse_BTH, do_BTHD, dlse_BTH, scale: float, chunk: int):
+    """``sparse_attention_backward`` in C; each thread adds dk, dv into its own buffer."""
+    lib = native.library("dsa")
+    B, T, H, D = q_BTHD.shape
+    Dv, S = v_BTHD.shape[-1], idx_BTS.shape[-1]
+    do = torch.zeros(o_BTHD.shape, dtype=torch.float32) if do_BTHD is None else _fp32(do_BTHD)
+    delta = (do * o_BTHD.float()).sum(-1)
+    if dlse_BTH is not None:
+        delta -= dlse_BTH.float().nan_to_num(0.0)
+    q, k, v, idx = _fp32(q_BTHD), _fp32(k_BTHD), _fp32(v_BTHD), idx_BTS.to(torch.int64).contiguous()
+    lse, delta = _fp32(lse_BTH), delta.contiguous()
+    ranges = native.split_rows(B * T)
+    dq = torch.empty(B, T, H, D, dtype=torch.float32)
+    dk = torch.zeros(len(ranges), B, T, H, D, dtype=torch.float32)
+    dv = torch.zeros(len(ranges), B, T, H, Dv, dtype=torch.float32)
+    p = native.ptr
+    native.run_rows(lib.dsa_sparse_bwd, ranges, lambda i, r0, r1: (
+        p(q), p(k), p(v), p(idx), p(lse), p(do), p(delta), r0, r1, T, S, H, D, Dv, scale, p(dq), p(dk[i]), p(dv[i])))
+    return dq.to(q_BTHD.dtype), dk.sum(0).to(k_BTHD.dtype), dv.sum(0).to(v_BTHD.dtype)
 
 
 def sparse_attention_backward(q_BTHD, k_BTHD, v_BTHD, idx_BTS, o_BTHD, lse_BTH, do_BTHD, dlse_BTH,
@@ -215,7 +259,15 @@ def _flush_dense(heads_major, dk_BTX, dv_BTX):
         dv_BTX[b] += dv_HTD.transpose(0, 1).flatten(1)
 
 
-def sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, *, scale: float, chunk: int = 64):
+def sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, *, scale: float, chunk: int = 64,
+                     use_native: bool | None = None):
     """q, k [B, T, H, Dqk], v [B, T, H, Dv], idx [B, T, S] int64 -> o [B, T, H, Dv], lse [B, T, H]
-    (fp32, fp64 for fp64 inputs; -inf and o = 0 for a query with no selected key)."""
-    return SparseAttention.apply(q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale, chunk)
+    (fp32, fp64 for fp64 inputs; -inf and o = 0 for a query with no selected key).
+
+    ``use_native``: run forward and backward in C (``cpu/dsa.c``); None = whenever the inputs
+    are CPU tensors in fp32 / bf16 / fp16 and the C kernels build here, False = the torch path."""
+    if use_native is None:
+        use_native = native.usable(q_BTHD, k_BTHD, v_BTHD) and native.library("dsa") is not None
+    elif use_native and native.library("dsa") is None:
+        raise RuntimeError("the C kernels are off or could not be built here (see the earlier warning)")
+    return SparseAttention.apply(q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale, chunk, use_native)

@@ -1,0 +1,146 @@
+"""Build, cache and call genome-lm's C kernels for the CPU path.
+
+Each op folder's torch path is a chain of tensor ops; on a CPU its time goes to the temporaries
+between them, not to arithmetic (issue 28's profile: 3.7 GFLOP/s where the core does 23-36).
+The C files here do the same arithmetic in one pass per query. They are plain C (no torch or
+Python headers), so a build takes about a second: ``cc -O3 -march=native -fopenmp-simd``,
+vectorised by the compiler, threads from Python (ctypes releases the GIL during a call).
+
+The shared library is cached under ``$GENOME_LM_CACHE`` (default ``~/.cache/genome-lm``) in
+``native/``, keyed by the source, the flags, the compiler's version and this CPU's feature flags,
+and written atomically, so concurrent processes and machines sharing a home folder are safe.
+Without a C compiler, or if the build fails (a warning says why, once), ``library`` returns None
+and the callers run their torch path. ``GENOME_LM_NATIVE=0`` turns the C kernels off (to compare,
+or to rule them out); it is the one setting genome_lm_kernels reads from the environment.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+         "-fassociative-math", "-ffp-contract=fast", "-fPIC", "-shared")
+MIN_ROWS_PER_THREAD = 32  # fewer rows than this per thread: one thread (a call costs ~20 us)
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+SIGNATURES = {  # library -> function -> argument types (every array is a pointer)
+    "dsa": {
+        "dsa_sparse_fwd": [_ptr] * 4 + [_i64] * 7 + [_f32] + [_ptr] * 2,
+        "dsa_sparse_bwd": [_ptr] * 7 + [_i64] * 7 + [_f32] + [_ptr] * 3,
+    },
+}
+
+
+def enabled() -> bool:
+    return os.environ.get("GENOME_LM_NATIVE", "1") not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("GENOME_LM_CACHE") or Path.home() / ".cache" / "genome-lm") / "native"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def build(name: str, out_dir: Path | None = None) -> Path:
+    """Compile ``name``.c into a cached shared library (if not there already) and return its
+    path. Raises RuntimeError with the compiler's message when there is no compiler or it fails."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    source = HERE / f"{name}.c"
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
+    out_dir = out_dir or cache_dir()
+    lib = out_dir / f"{name}-{key}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            first = (proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}").splitlines()[0]
+            raise RuntimeError(f"{cc} failed on {source.name}: {first}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+@functools.cache
+def _load(name: str) -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(str(build(name)))
+    except (RuntimeError, OSError) as exc:
+        warnings.warn(f"genome-lm's C kernels ({name}.c) are not available, the torch path runs instead: {exc}",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    for fn, argtypes in SIGNATURES[name].items():
+        getattr(lib, fn).argtypes = argtypes
+        getattr(lib, fn).restype = None
+    return lib
+
+
+def library(name: str) -> ctypes.CDLL | None:
+    """The loaded library, or None when the C kernels are off or cannot be built here."""
+    return _load(name) if enabled() else None
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Tensors the C kernels take: on the CPU, not fp64 (fp64 stays on the torch path, the
+    precision reference) and not requiring autograd through them (they are plain data)."""
+    return all(t.device.type == "cpu" and t.dtype != torch.float64 for t in tensors)
+
+
+@functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="genome-lm-native")
+
+
+def split_rows(rows: int) -> list[tuple[int, int]]:
+    """[r0, r1) ranges, one per thread (torch's intra-op thread count, fewer for few rows)."""
+    n = max(1, min(torch.get_num_threads(), rows // MIN_ROWS_PER_THREAD))
+    bounds = [rows * i // n for i in range(n + 1)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def run_rows(fn, ranges, args_for):
+    """Call ``fn(*args_for(i, r0, r1))`` for each range, on threads when there are several."""
+    if len(ranges) == 1:
+        fn(*args_for(0, *ranges[0]))
+        return
+    futures = [_pool(len(ranges)).submit(fn, *args_for(i, a, b)) for i, (a, b) in enumerate(ranges)]
+    for f in futures:
+        f.result()
+
+
+def ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()

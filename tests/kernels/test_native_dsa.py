@@ -1,0 +1,140 @@
+"""The C sparse attention (cpu/dsa.c) against the fp64 dense reference and the torch path: fresh
+random inputs, uneven lengths, repeated / out-of-order / empty slots, both compiled widths
+(16, and any other), rows split over threads, outputs poisoned with NaN; and its build: cached,
+rebuilt when the source changes, and a missing compiler or GENOME_LM_NATIVE=0 falls back to the
+torch path with a warning, never an error."""
+
+import importlib
+
+import pytest
+import torch
+
+from genome_lm_kernels.dsa import reference
+
+from .conftest import assert_rel_close
+
+native = importlib.import_module("genome_lm_kernels.cpu.native")
+impl = importlib.import_module("genome_lm_kernels.dsa.sparse_attention")
+
+needs_native = pytest.mark.skipif(native.library("dsa") is None, reason="no C compiler here")
+
+
+def _case(generator, B, T, S, H, D, Dv, dtype=torch.float32):
+    r = lambda *s: torch.randn(*s, generator=generator).to(dtype)  # noqa: E731
+    t = torch.arange(T)[None, :, None]
+    idx = (torch.rand(B, T, S, generator=generator) * (t + 1)).long()  # causal, random order, repeats
+    idx = idx.masked_fill(torch.rand(B, T, S, generator=generator) < 0.2, -1)
+    ascending = torch.rand(B, T, generator=generator) < 0.5  # half the rows in select_tokens' layout
+    asc = torch.where(idx >= 0, idx, T + 1).sort(-1).values
+    idx = torch.where(ascending[..., None], asc.masked_fill(asc > T, -1), idx)
+    idx[:, min(5, T - 1)] = -1  # a query with no key
+    return r(B, T, H, D), r(B, T, H, D), r(B, T, H, Dv), idx, r(B, T, H, Dv), torch.randn(B, T, H, generator=generator)
+
+
+def _grads(fn, q, k, v, do, dlse, dtype):
+    leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+    o, lse = fn(*leaves)
+    loss = (o * do.to(o.dtype)).sum() + (lse.nan_to_num(neginf=0.0) * dlse.to(lse.dtype)).sum()
+    return (o, lse, *torch.autograd.grad(loss, leaves))
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("B,T,S,H,D,Dv", [(2, 97, 11, 3, 8, 5), (1, 300, 37, 4, 16, 16), (3, 64, 259, 2, 16, 16),
+                                         (2, 1, 3, 1, 4, 4)])
+def test_native_matches_reference(generator, nan_poison, monkeypatch, threads, B, T, S, H, D, Dv):
+    monkeypatch.setattr(native, "MIN_ROWS_PER_THREAD", 1)  # split even short inputs over the threads
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, k, v, idx, do, dlse = _case(generator, B, T, S, H, D, Dv)
+        got = _grads(lambda *x: impl.sparse_attention(*x, idx, scale=0.3, use_native=True), q, k, v, do, dlse,
+                     torch.float32)
+        torch_path = _grads(lambda *x: impl.sparse_attention(*x, idx, scale=0.3, use_native=False), q, k, v, do,
+                            dlse, torch.float32)
+        ref = _grads(lambda *x: reference.sparse_attention(*x, idx, scale=0.3), q, k, v, do, dlse, torch.float64)
+    finally:
+        torch.set_num_threads(before)
+    for name, a, b, c in zip(("o", "lse", "dq", "dk", "dv"), got, ref, torch_path):
+        assert a.dtype == torch.float32, name
+        finite = torch.isfinite(b)
+        assert torch.equal(torch.isfinite(a), finite), f"{name}: -inf / NaN where the reference has none"
+        assert_rel_close(a[finite].double(), b[finite], torch.float32, f"{name} vs reference")
+        assert_rel_close(a[finite].double(), c[finite].double(), torch.float32, f"{name} vs torch path")
+    assert torch.isneginf(got[1][:, min(5, T - 1)]).all() and (got[0][:, min(5, T - 1)] == 0).all()
+
+
+@needs_native
+def test_native_bf16_inputs(generator, nan_poison):
+    """bf16 inputs are computed in fp32 (as the torch path does) and returned in bf16."""
+    q, k, v, idx, do, dlse = _case(generator, 2, 130, 17, 2, 16, 16, torch.bfloat16)
+    got = _grads(lambda *x: impl.sparse_attention(*x, idx, scale=0.25, use_native=True), q, k, v, do, dlse,
+                 torch.bfloat16)
+    want = _grads(lambda *x: impl.sparse_attention(*x, idx, scale=0.25, use_native=False), q, k, v, do, dlse,
+                  torch.bfloat16)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        assert a.dtype == b.dtype, name
+        finite = torch.isfinite(b)
+        assert_rel_close(a[finite].float(), b[finite].float(), torch.bfloat16, name)
+
+
+@needs_native
+def test_native_repeats_count_once(generator):
+    """A row listing every key twice, the first copy descending, gives the row listing it once."""
+    q, k, v, idx, do, dlse = _case(generator, 1, 80, 9, 2, 16, 16)
+    doubled = torch.cat([idx.flip(-1), idx], dim=-1)
+    once = _grads(lambda *x: impl.sparse_attention(*x, idx, scale=0.3, use_native=True), q, k, v, do, dlse,
+                  torch.float32)
+    twice = _grads(lambda *x: impl.sparse_attention(*x, doubled, scale=0.3, use_native=True), q, k, v, do, dlse,
+                   torch.float32)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), once, twice):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_auto_choice_and_fallback(monkeypatch, tmp_path):
+    """fp64 stays on the torch path; with the kernels off (GENOME_LM_NATIVE=0) or unbuildable (no
+    compiler: a warning, once) every dtype does, and use_native=True is a clear error."""
+    q = torch.randn(1, 20, 2, 8, dtype=torch.float64)
+    idx = torch.arange(20)[None, :, None].expand(1, 20, 3).contiguous()
+    seen = []
+    original = impl.SparseAttention.apply
+    monkeypatch.setattr(impl.SparseAttention, "apply", lambda *a: seen.append(a[-1]) or original(*a))
+    impl.sparse_attention(q, q, q, idx, scale=0.3)
+    assert seen == [False]
+
+    monkeypatch.setenv("GENOME_LM_NATIVE", "0")
+    impl.sparse_attention(q.float(), q.float(), q.float(), idx, scale=0.3)
+    assert seen[-1] is False
+    with pytest.raises(RuntimeError, match="C kernels are off"):
+        impl.sparse_attention(q.float(), q.float(), q.float(), idx, scale=0.3, use_native=True)
+
+    monkeypatch.delenv("GENOME_LM_NATIVE")
+    monkeypatch.setenv("GENOME_LM_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    native._load.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="torch path runs instead"):
+            assert native.library("dsa") is None
+        o, _ = impl.sparse_attention(q.float(), q.float(), q.float(), idx, scale=0.3)
+        assert seen[-1] is False and torch.isfinite(o).all()
+    finally:
+        native._load.cache_clear()
+
+
+@needs_native
+def test_build_is_cached_and_keyed_by_source(monkeypatch, tmp_path):
+    first = native.build("dsa", tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert native.build("dsa", tmp_path) == first and first.stat().st_mtime_ns == stamp  # not rebuilt
+    monkeypatch.setattr(native, "FLAGS", native.FLAGS + ("-DGENOME_LM_TEST_REBUILD",))
+    second = native.build("dsa", tmp_path)
+    assert second != first and second.exists()
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".so", ".so"]  # no temporary left behind
+
+
+def test_build_failure_names_the_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    monkeypatch.setattr(native, "_compiler", lambda: "false")
+    with pytest.raises(RuntimeError, match="false failed on dsa.c"):
+        native.build("dsa", tmp_path)
+    assert list(tmp_path.iterdir()) == []
