@@ -138,3 +138,73 @@ def test_build_failure_names_the_source(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="false failed on dsa.c"):
         native.build("dsa", tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- the dense indexer loss in C
+
+loss_impl = importlib.import_module("genome_lm_kernels.dsa.loss")
+
+
+def _loss_case(generator, B, T, H, D, Hi, Di, kpool):
+    r = lambda *s: torch.randn(*s, generator=generator)  # noqa: E731
+    return dict(q_idx_BTHD=r(B, T, Hi, Di), k_idx_BTD=r(B, T, Di), w_BTH=r(B, T, Hi), gate_BTD=r(B, T, Di),
+                ape_KD=r(kpool, Di)), (r(B, T, H, D), r(B, T, H, D))
+
+
+def _loss_and_grads(fn, leaves, dtype):
+    xs = {n: x.detach().to(dtype).requires_grad_() for n, x in leaves.items()}
+    loss = fn(xs)
+    return (loss.detach(), *torch.autograd.grad(loss * 1.7, list(xs.values())))  # a gradient other than 1
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("B,T,H,D,Hi,Di,kpool", [(2, 97, 3, 8, 2, 8, 4), (1, 300, 4, 16, 4, 16, 4),
+                                                (2, 130, 2, 16, 3, 16, 3), (3, 70, 1, 16, 9, 16, 1),
+                                                (1, 2, 2, 16, 2, 16, 4)])
+def test_native_indexer_loss_matches_reference(generator, nan_poison, monkeypatch, threads, B, T, H, D, Hi, Di,
+                                               kpool):
+    """Loss and the gradients reaching q_idx, k_idx, w, gate and ape (through the pooled keys):
+    C (fp32) against the dense reference (fp64) and the torch path (fp32). Widths 16 (the
+    vector path, up to 8 heads and past it) and others; kpool 1, 3, 4; T < kpool (no row)."""
+    monkeypatch.setattr(native, "MIN_ROWS_PER_THREAD", 1)
+    leaves, (q, k) = _loss_case(generator, B, T, H, D, Hi, Di, kpool)
+
+    def run(use_native, backend=None):
+        def fn(x):
+            args = (x["q_idx_BTHD"], x["k_idx_BTD"], x["w_BTH"], q.to(x["w_BTH"].dtype), k.to(x["w_BTH"].dtype))
+            kw = dict(gate_BTD=x["gate_BTD"], ape_KD=x["ape_KD"], kpool=kpool, scale=0.25)
+            if backend == "reference":
+                return reference.indexer_loss(*args[:3], x["gate_BTD"], x["ape_KD"], *args[3:], None, kpool=kpool,
+                                              idx_scale=Di**-0.5, scale=0.25)
+            return loss_impl.indexer_loss(*args, **kw, use_native=use_native)
+        return fn
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = _loss_and_grads(run(True), leaves, torch.float32)
+        torch_path = _loss_and_grads(run(False), leaves, torch.float32)
+    finally:
+        torch.set_num_threads(before)
+    if T < kpool:
+        assert got[0].item() == 0.0 and all((g == 0).all() for g in got[1:])
+        return
+    ref = _loss_and_grads(run(None, "reference"), leaves, torch.float64)
+    names = ("loss", *leaves)
+    for name, a, b, c in zip(names, got, ref, torch_path):
+        assert a.dtype == torch.float32, name
+        assert_rel_close(a.double().reshape(-1), b.reshape(-1), torch.float32, f"{name} vs reference")
+        assert_rel_close(a.reshape(-1), c.reshape(-1), torch.float32, f"{name} vs torch path")
+
+
+def test_native_indexer_loss_only_where_it_applies(generator):
+    """The C loss takes the dense mode of one process's heads: sparse mode, a reduce_target or
+    absorbed queries run the torch path (auto), and asking for C there is an error."""
+    leaves, (q, k) = _loss_case(generator, 1, 40, 2, 16, 2, 16, 4)
+    args = (leaves["q_idx_BTHD"], leaves["k_idx_BTD"], leaves["w_BTH"], q, k)
+    idx = torch.arange(40)[None, :, None].expand(1, 40, 3).contiguous()
+    for kw in (dict(idx_BTS=idx), dict(reduce_target=lambda p: p)):
+        with pytest.raises(RuntimeError, match="dense mode"):
+            loss_impl.indexer_loss(*args, kpool=4, scale=0.25, use_native=True, **kw)
+        assert torch.isfinite(loss_impl.indexer_loss(*args, kpool=4, scale=0.25, **kw))

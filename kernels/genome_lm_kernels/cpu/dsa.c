@@ -74,6 +74,7 @@ static inline __attribute__((always_inline)) void row_scores(const float *restri
     }
     for (int64_t h = 0; h < H; h++) {
         float m = -INFINITY;
+#pragma omp simd reduction(max : m)
         for (int64_t i = 0; i < n; i++) m = s[h * S + i] > m ? s[h * S + i] : m;
         mx[h] = m;
     }
@@ -188,4 +189,180 @@ void dsa_sparse_bwd(const float *q, const float *k, const float *v, const int64_
         sparse_bwd(q, k, v, idx, lse, dout, delta, r0, r1, T, S, H, 16, 16, scale, dq, dk, dv);
     else
         sparse_bwd(q, k, v, idx, lse, dout, delta, r0, r1, T, S, H, D, Dv, scale, dq, dk, dv);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * The indexer loss, dense mode (../dsa/loss.py's torch path, which this matches): for each query t
+ * with M = min(N, (t + 1) / kpool) complete pools visible,
+ *   p[m]  = sum over heads h of softmax_j(scale q[t,h] . k[j,h], j <= t), summed over pool m's
+ *           tokens, L1-normalised over the M pools (the incomplete tail pool is dropped);
+ *   I[m]  = sum_h w[t,h] relu(idx_scale qi[t,h] . kp[m]);
+ *   kl[t] = sum_m p[m] (log p[m] - log_softmax(I)[m])   (terms with p[m] = 0 left out),
+ * and, in the same pass, kl[t]'s gradient with respect to qi[t], w[t] and kp (dkl/dI = softmax(I)
+ * - p): the caller scales them by the loss's gradient / the number of rows, so backward
+ * recomputes nothing. Keys are laid out transposed, kT [B][H * D][T] and kpT [B][Di][N], so that
+ * the scores run along keys with the query's values broadcast (no horizontal sums); the pooled
+ * keys also as rows, kp [B][N][Di], for the gradients. Rows r0..r1-1 of the flattened [B * T];
+ * dkp [B][N][Di] is added to (one per thread).
+ */
+/* 16 floats as one value (GCC / Clang vector extension: one zmm register with AVX-512, two ymm
+ * with AVX2), so that a tile's partial sums stay in registers; loads and stores go through memcpy
+ * (unaligned). */
+typedef float f32x16 __attribute__((vector_size(64)));
+#define KEY_TILE 64 /* keys scored at a time: 4 x 16 partial sums */
+
+static inline f32x16 load16(const float *p) {
+    f32x16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* out[j] = scale * sum_d x[d] * kT[d * ld + j] for j < n (x of D values; kT rows of ld floats). */
+static inline __attribute__((always_inline)) void scores_along_keys(const float *restrict x,
+                                                                    const float *restrict kT, int64_t ld,
+                                                                    int64_t D, int64_t n, float scale,
+                                                                    float *restrict out) {
+    int64_t j0 = 0;
+    for (; j0 + KEY_TILE <= n; j0 += KEY_TILE) {
+        f32x16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int64_t d = 0; d < D; d++) {
+            const float *row = kT + d * ld + j0;
+            f32x16 xd = (f32x16){0} + x[d] * scale;
+            a0 += xd * load16(row);
+            a1 += xd * load16(row + 16);
+            a2 += xd * load16(row + 32);
+            a3 += xd * load16(row + 48);
+        }
+        memcpy(out + j0, &a0, sizeof a0);
+        memcpy(out + j0 + 16, &a1, sizeof a1);
+        memcpy(out + j0 + 32, &a2, sizeof a2);
+        memcpy(out + j0 + 48, &a3, sizeof a3);
+    }
+    for (int64_t j = j0; j < n; j++) out[j] = 0.0f;
+    for (int64_t d = 0; d < D; d++) {
+        const float *row = kT + d * ld;
+        float xd = x[d] * scale;
+#pragma omp simd
+        for (int64_t j = j0; j < n; j++) out[j] += xd * row[j];
+    }
+}
+
+static inline __attribute__((always_inline)) void indexer_loss_dense(
+    const float *q, const float *kT, const float *qi, const float *kp, const float *kpT, const float *w,
+    int64_t r0, int64_t r1, int64_t T, int64_t N, int64_t H, int64_t D, int64_t Hi, int64_t Di, int64_t kpool,
+    float scale, float idx_scale, float *kl, float *dqi, float *dw, float *dkp) {
+    float *buf = malloc(sizeof(float) * (size_t)(2 * T + (Hi + 3) * N));
+    float *attn = buf + T, *p = attn + T, *I = p + N, *dI = I + N, *s = dI + N;
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t b = r / T, t = r % T, n = t + 1, M = n / kpool < N ? n / kpool : N;
+        float *dqr = dqi + r * Hi * Di, *dwr = dw + r * Hi;
+        memset(dqr, 0, sizeof(float) * (size_t)(Hi * Di));
+        memset(dwr, 0, sizeof(float) * (size_t)Hi);
+        kl[r] = 0.0f;
+        if (M == 0) continue;
+        /* target: softmax over keys 0..t per head, summed over heads, pooled, normalised */
+        const float *kTb = kT + b * H * D * T;
+        for (int64_t j = 0; j < M * kpool; j++) attn[j] = 0.0f;
+        for (int64_t h = 0; h < H; h++) {
+            scores_along_keys(q + (r * H + h) * D, kTb + h * D * T, T, D, n, scale, buf);
+            float mx = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : mx)
+            for (int64_t j = 0; j < n; j++) mx = buf[j] > mx ? buf[j] : mx;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < n; j++) {
+                float e = exp_neg(buf[j] - mx);
+                buf[j] = e;
+                sum += e;
+            }
+            float inv = 1.0f / sum;
+#pragma omp simd
+            for (int64_t j = 0; j < M * kpool; j++) attn[j] += buf[j] * inv;
+        }
+        float total = 0.0f;
+        for (int64_t m = 0; m < M; m++) {
+            float pm = 0.0f;
+            for (int64_t i = 0; i < kpool; i++) pm += attn[m * kpool + i];
+            p[m] = pm;
+            total += pm;
+        }
+        float inv_total = 1.0f / (total > 1.17549435e-38f ? total : 1.17549435e-38f);
+        /* indexer scores I[m] = sum_h w[h] relu(s[h][m]) */
+        const float *kpTb = kpT + b * Di * N, *qir = qi + r * Hi * Di, *wr = w + r * Hi;
+        for (int64_t m = 0; m < M; m++) I[m] = 0.0f;
+        for (int64_t h = 0; h < Hi; h++) {
+            float *sh = s + h * N;
+            scores_along_keys(qir + h * Di, kpTb, N, Di, M, idx_scale, sh);
+            float wh = wr[h];
+#pragma omp simd
+            for (int64_t m = 0; m < M; m++) I[m] += wh * (sh[m] > 0.0f ? sh[m] : 0.0f);
+        }
+        float mx = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : mx)
+        for (int64_t m = 0; m < M; m++) mx = I[m] > mx ? I[m] : mx;
+        for (int64_t m = 0; m < M; m++) sum += exp_neg(I[m] - mx);
+        float lse = mx + logf(sum), acc = 0.0f;
+        for (int64_t m = 0; m < M; m++) {
+            float pm = p[m] * inv_total;
+            float logq = I[m] - lse;
+            if (pm > 0.0f) acc += pm * (logf(pm > 1.17549435e-38f ? pm : 1.17549435e-38f) - logq);
+            dI[m] = exp_neg(logq) - pm;
+        }
+        kl[r] = acc;
+        /* gradients: dw[h] = sum_m dI relu(s_h); ds_h = dI w[h] [s_h > 0] idx_scale;
+         * dqi[h] = sum_m ds_h[m] kp[m]; dkp[m] += sum_h ds_h[m] qi[h] */
+        for (int64_t h = 0; h < Hi; h++) {
+            float *sh = s + h * N, wh = wr[h] * idx_scale, g = 0.0f;
+#pragma omp simd reduction(+ : g)
+            for (int64_t m = 0; m < M; m++) {
+                float pos = sh[m] > 0.0f ? sh[m] : 0.0f;
+                g += dI[m] * pos;
+                sh[m] = sh[m] > 0.0f ? dI[m] * wh : 0.0f; /* s_h becomes ds_h */
+            }
+            dwr[h] = g;
+        }
+        const float *kpb = kp + b * N * Di;
+        float *dkpb = dkp + b * N * Di;
+        if (Di == 16 && Hi <= 8) { /* a pooled key is one vector: one pass over the pools */
+            f32x16 dq[8] = {{0}}, qv[8];
+            for (int64_t h = 0; h < Hi; h++) qv[h] = load16(qir + h * 16);
+            for (int64_t m = 0; m < M; m++) {
+                f32x16 kv = load16(kpb + m * 16), dk = load16(dkpb + m * 16);
+                for (int64_t h = 0; h < Hi; h++) {
+                    float c = s[h * N + m];
+                    dq[h] += c * kv;
+                    dk += c * qv[h];
+                }
+                memcpy(dkpb + m * 16, &dk, sizeof dk);
+            }
+            for (int64_t h = 0; h < Hi; h++) memcpy(dqr + h * 16, &dq[h], sizeof dq[h]);
+        } else {
+            for (int64_t m = 0; m < M; m++) {
+                const float *km = kpb + m * Di;
+                float *dkm = dkpb + m * Di;
+                for (int64_t h = 0; h < Hi; h++) {
+                    float c = s[h * N + m];
+                    const float *qh = qir + h * Di;
+                    float *dqh = dqr + h * Di;
+#pragma omp simd
+                    for (int64_t d = 0; d < Di; d++) {
+                        dqh[d] += c * km[d];
+                        dkm[d] += c * qh[d];
+                    }
+                }
+            }
+        }
+    }
+    free(buf);
+}
+
+void dsa_indexer_loss_dense(const float *q, const float *kT, const float *qi, const float *kp, const float *kpT,
+                            const float *w, int64_t r0, int64_t r1, int64_t T, int64_t N, int64_t H, int64_t D,
+                            int64_t Hi, int64_t Di, int64_t kpool, float scale, float idx_scale, float *kl,
+                            float *dqi, float *dw, float *dkp) {
+    if (D == 16 && Di == 16)
+        indexer_loss_dense(q, kT, qi, kp, kpT, w, r0, r1, T, N, H, 16, Hi, 16, kpool, scale, idx_scale, kl, dqi,
+                           dw, dkp);
+    else
+        indexer_loss_dense(q, kT, qi, kp, kpT, w, r0, r1, T, N, H, D, Hi, Di, kpool, scale, idx_scale, kl, dqi,
+                           dw, dkp);
 }

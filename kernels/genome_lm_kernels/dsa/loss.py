@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cpu import native
 from .indexer import compute_dtype, pool_keys, visible_pools
 from .sparse_attention import gather_rows, gathered_probs, own_keys, queries_per_block
 
@@ -208,16 +209,63 @@ def _candidate_keys(kp_BND, pools_BCM, dense: bool):
 
 def indexer_loss(q_idx_BTHD, k_idx_BTD, w_BTH, q_BTHD, k_BTHD, idx_BTS=None, *, gate_BTD=None, ape_KD=None,
                  kpool: int, idx_scale: float | None = None, scale: float, chunk: int = 64, reduce_target=None,
-                 w_uk_HED=None):
+                 w_uk_HED=None, use_native: bool | None = None):
     """Scalar KL loss; ``idx_BTS=None`` is the dense warm-up mode, else the sparse mode.
     Shapes as in ``select_tokens`` (indexer) and ``sparse_attention`` (main q, k: this rank's
     heads, summed over the ranks by ``reduce_target`` when given; k [B, T, 1, D] is one key
     head shared by every query head, as absorbed MLA's latent; then ``w_uk_HED`` [H, E, D] lets q
-    be the per-head queries [B, T, H, E], absorbed one query block at a time)."""
+    be the per-head queries [B, T, H, E], absorbed one query block at a time).
+    ``use_native``: the dense mode in C (``NativeDenseIndexerLoss``); None = whenever it applies
+    (dense mode, no reduce_target or w_uk, CPU tensors not in fp64, the C kernels built here)."""
     idx_scale = q_idx_BTHD.shape[-1] ** -0.5 if idx_scale is None else idx_scale
+    if use_native is None:
+        use_native = (idx_BTS is None and reduce_target is None and w_uk_HED is None and native.library("dsa") is not None
+                      and native.usable(q_idx_BTHD, k_idx_BTD, w_BTH, q_BTHD, k_BTHD))
+    elif use_native and (idx_BTS is not None or reduce_target is not None or w_uk_HED is not None
+                         or native.library("dsa") is None):
+        raise RuntimeError("the C indexer loss takes the dense mode on one process's heads (no idx, reduce_target "
+                           "or w_uk), and needs the C kernels built here")
     # Pool keys in fp32 (not the input dtype, as selection does): a bf16 rounding of the keys
     # flips ReLUs and makes the gradient noisy; the gradient still flows back to bf16 leaves.
     kp_BND = pool_keys(k_idx_BTD.to(compute_dtype(k_idx_BTD.dtype)), gate_BTD, ape_KD, kpool=kpool)
+    if use_native:
+        return NativeDenseIndexerLoss.apply(q_idx_BTHD, kp_BND, w_BTH, q_BTHD.detach(), k_BTHD.detach(), kpool,
+                                            idx_scale, scale)
     return IndexerLoss.apply(q_idx_BTHD, kp_BND, w_BTH, q_BTHD.detach(), k_BTHD.detach().contiguous(), idx_BTS,
                              kpool, idx_scale, scale, chunk, reduce_target,
                              None if w_uk_HED is None else w_uk_HED.detach())
+
+
+class NativeDenseIndexerLoss(torch.autograd.Function):
+    """The dense-mode loss in C (``cpu/dsa.c``): one pass per query computes its target, its KL
+    term and the term's gradient with respect to q_idx, w and the pooled keys, so backward only
+    scales what forward wrote (nothing recomputed, no target kept). fp32 throughout."""
+
+    @staticmethod
+    def forward(ctx, q_idx_BTHD, kp_BND, w_BTH, q_BTHD, k_BTHD, kpool, idx_scale, scale):
+        lib = native.library("dsa")
+        B, T, Hi, Di = q_idx_BTHD.shape
+        N, (H, D) = kp_BND.shape[1], q_BTHD.shape[2:]
+        f32 = torch.float32
+        q, qi, w = (x.to(f32).contiguous() for x in (q_BTHD, q_idx_BTHD, w_BTH))
+        kT = k_BTHD.to(f32).permute(0, 2, 3, 1).contiguous()  # [B, H, D, T]
+        kp = kp_BND.to(f32).contiguous()
+        kpT = kp.transpose(1, 2).contiguous()  # [B, Di, N]
+        ranges = native.split_rows(B * T)
+        kl = torch.empty(B * T, dtype=f32)
+        dqi, dw = torch.empty(B, T, Hi, Di, dtype=f32), torch.empty(B, T, Hi, dtype=f32)
+        dkp = torch.zeros(len(ranges), B, N, Di, dtype=f32)
+        p = native.ptr
+        native.run_rows(lib.dsa_indexer_loss_dense, ranges, lambda i, r0, r1: (
+            p(q), p(kT), p(qi), p(kp), p(kpT), p(w), r0, r1, T, N, H, D, Hi, Di, kpool, scale, idx_scale,
+            p(kl), p(dqi), p(dw), p(dkp[i])))
+        rows = max(B * max(0, T - kpool + 1) if N > 0 else 0, 1)  # queries with at least one complete pool
+        ctx.grads = (dqi / rows, dkp.sum(0) / rows, dw / rows)
+        ctx.dtypes = (q_idx_BTHD.dtype, kp_BND.dtype, w_BTH.dtype)
+        return kl.sum() / rows
+
+    @staticmethod
+    def backward(ctx, g):
+        grads, ctx.grads = ctx.grads, None
+        dq, dkp, dw = ((x * g).to(dt) for x, dt in zip(grads, ctx.dtypes))
+        return dq, dkp, dw, None, None, None, None, None
