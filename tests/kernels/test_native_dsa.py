@@ -208,3 +208,48 @@ def test_native_indexer_loss_only_where_it_applies(generator):
         with pytest.raises(RuntimeError, match="dense mode"):
             loss_impl.indexer_loss(*args, kpool=4, scale=0.25, use_native=True, **kw)
         assert torch.isfinite(loss_impl.indexer_loss(*args, kpool=4, scale=0.25, **kw))
+
+
+# ---------------------------------------------------------------- token selection in C
+
+indexer_impl = importlib.import_module("genome_lm_kernels.dsa.indexer")
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("levels", [None, 3], ids=["distinct", "many-ties"])
+@pytest.mark.parametrize("B,T,Hi,Di,kpool,topk", [(2, 97, 3, 8, 4, 16), (1, 700, 4, 16, 4, 64),
+                                                  (2, 200, 2, 16, 3, 31), (1, 90, 2, 16, 1, 5), (2, 3, 2, 16, 4, 8),
+                                                  (1, 400, 1, 16, 4, 1000)])
+def test_native_select_matches_torch_path(generator, monkeypatch, threads, levels, B, T, Hi, Di, kpool, topk):
+    """Slot for slot the torch path's selection (itself checked against the dense reference):
+    ties to the lower pool (scores quantised to a few levels make ties at the boundary common),
+    rows with fewer visible pools than topk / kpool, the tail pool, T < kpool, kpool 1."""
+    monkeypatch.setattr(native, "MIN_ROWS_PER_THREAD", 1)
+    r = lambda *s: torch.randn(*s, generator=generator)  # noqa: E731
+    q, k, w, gate, ape = r(B, T, Hi, Di), r(B, T, Di), r(B, T, Hi), r(B, T, Di), r(kpool, Di)
+    if levels:  # one head, weight 1, keys and queries on a coarse grid: many equal scores
+        q, w, gate, ape = q.sign() * 0 + 1, torch.ones(B, T, Hi), None, None
+        k = torch.randint(0, levels, (B, T, Di), generator=generator).float()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, valid = indexer_impl.select_tokens(q, k, w, gate, ape, kpool=kpool, topk=topk, use_native=True)
+    finally:
+        torch.set_num_threads(before)
+    want, _ = indexer_impl.select_tokens(q, k, w, gate, ape, kpool=kpool, topk=topk, use_native=False)
+    assert got.dtype == torch.long and torch.equal(valid, got >= 0)
+    assert torch.equal(got, want), f"{int((got != want).any(-1).sum())} rows differ"
+
+
+@needs_native
+def test_native_select_is_the_default_on_cpu(monkeypatch):
+    """fp32 CPU inputs take the C selection without being asked; fp64 and a custom score_fn do not."""
+    calls = []
+    monkeypatch.setattr(indexer_impl, "_native_select", lambda *a, **k: calls.append(1) or (None, None))
+    q, k, w = torch.randn(1, 20, 2, 8), torch.randn(1, 20, 8), torch.randn(1, 20, 2)
+    indexer_impl.select_tokens(q, k, w, kpool=4, topk=8)
+    assert calls == [1]
+    indexer_impl.select_tokens(q.double(), k.double(), w.double(), kpool=4, topk=8)
+    indexer_impl.select_tokens(q, k, w, kpool=4, topk=8, score_fn=lambda *a: indexer_impl.torch_scores(*a))
+    assert calls == [1]

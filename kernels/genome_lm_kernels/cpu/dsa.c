@@ -366,3 +366,118 @@ void dsa_indexer_loss_dense(const float *q, const float *kT, const float *qi, co
         indexer_loss_dense(q, kT, qi, kp, kpT, w, r0, r1, T, N, H, D, Hi, Di, kpool, scale, idx_scale, kl, dqi,
                            dw, dkp);
 }
+
+/* ------------------------------------------------------------------------------------------------
+ * Token selection (../dsa/indexer.py's select_tokens, which this matches slot for slot): for each
+ * query t, the indexer scores of its M = min(N, (t + 1) / kpool) complete pools,
+ *   I[m] = sum_h w[t,h] relu(scale qi[t,h] . kp[m]),
+ * the top min(topk / kpool, M) of them (ties to the lower pool), written ascending as kpool tokens
+ * each, then the query's incomplete tail pool, then -1 padding: S = topk + kpool - 1 slots.
+ */
+
+/* The k-th largest of x[0..n-1] (1 <= k <= n); reorders x. Quickselect, median-of-three pivot. */
+static float kth_largest(float *x, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1, want = k - 1; /* position in descending order */
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        float a = x[lo], b = x[mid], c = x[hi];
+        float pivot = a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));
+        int64_t i = lo, j = hi;
+        while (i <= j) { /* descending: larger values to the left */
+            while (x[i] > pivot) i++;
+            while (x[j] < pivot) j--;
+            if (i <= j) {
+                float tmp = x[i];
+                x[i++] = x[j];
+                x[j--] = tmp;
+            }
+        }
+        if (want <= j)
+            hi = j;
+        else if (want >= i)
+            lo = i;
+        else
+            return x[want]; /* between j and i: equal to the pivot */
+    }
+    return x[lo];
+}
+
+/* The pools of the k largest of I[0..M-1] (ties to the lower pool), ascending, as kpool tokens each
+ * into row; returns the slots written. Exact, without sorting the row: the k-th largest block
+ * maximum (blocks of PICK_BLOCK pools) is a lower bound of the k-th largest score (k blocks reach
+ * it), so only the blocks whose maximum reaches it hold candidates; the k-th largest candidate is
+ * the threshold. work: M + M / PICK_BLOCK + 1 floats. */
+#define PICK_BLOCK 16
+static int64_t pick_top(const float *I, int64_t M, int64_t k, int64_t kpool, float *work, int64_t *row) {
+    int64_t nb = (M + PICK_BLOCK - 1) / PICK_BLOCK;
+    float *bmax = work + M;
+    for (int64_t j = 0; j < nb; j++) {
+        int64_t a = j * PICK_BLOCK, e = a + PICK_BLOCK < M ? a + PICK_BLOCK : M;
+        float mx = -INFINITY;
+        for (int64_t m = a; m < e; m++) mx = I[m] > mx ? I[m] : mx;
+        bmax[j] = mx;
+    }
+    float bound = -INFINITY; /* fewer blocks than k: every pool is a candidate */
+    if (k <= nb) {
+        memcpy(work, bmax, sizeof(float) * (size_t)nb);
+        bound = kth_largest(work, nb, k);
+    }
+    int64_t n = 0;
+    for (int64_t j = 0; j < nb; j++) {
+        if (bmax[j] < bound) continue;
+        int64_t a = j * PICK_BLOCK, e = a + PICK_BLOCK < M ? a + PICK_BLOCK : M;
+        for (int64_t m = a; m < e; m++)
+            if (I[m] >= bound) work[n++] = I[m];
+    }
+    float thr = kth_largest(work, n, k);
+    int64_t above = 0;
+    for (int64_t j = 0; j < nb; j++) {
+        if (bmax[j] < thr) continue;
+        int64_t a = j * PICK_BLOCK, e = a + PICK_BLOCK < M ? a + PICK_BLOCK : M;
+        for (int64_t m = a; m < e; m++) above += I[m] > thr;
+    }
+    int64_t ties = k - above, slot = 0; /* pools scoring exactly thr to take, the lowest first */
+    for (int64_t j = 0; j < nb && slot < k * kpool; j++) {
+        if (bmax[j] < thr) continue;
+        int64_t a = j * PICK_BLOCK, e = a + PICK_BLOCK < M ? a + PICK_BLOCK : M;
+        for (int64_t m = a; m < e; m++)
+            if (I[m] > thr || (I[m] == thr && ties-- > 0))
+                for (int64_t i = 0; i < kpool; i++) row[slot++] = m * kpool + i;
+    }
+    return slot;
+}
+
+static inline __attribute__((always_inline)) void select_tokens(
+    const float *qi, const float *kpT, const float *w, int64_t r0, int64_t r1, int64_t T, int64_t N, int64_t Hi,
+    int64_t Di, int64_t kpool, int64_t topk, float scale, int64_t *out) {
+    int64_t S = topk + kpool - 1, n_pick = topk / kpool < N ? topk / kpool : N;
+    float *buf = malloc(sizeof(float) * (size_t)(3 * N + N / PICK_BLOCK + 2));
+    float *I = buf, *sh = I + N, *work = sh + N;
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t b = r / T, t = r % T, M = (t + 1) / kpool < N ? (t + 1) / kpool : N;
+        int64_t k = n_pick < M ? n_pick : M, *row = out + r * S, slot = 0;
+        for (int64_t s = 0; s < S; s++) row[s] = -1;
+        if (k > 0) {
+            const float *kpTb = kpT + b * Di * N, *qir = qi + r * Hi * Di, *wr = w + r * Hi;
+            for (int64_t m = 0; m < M; m++) I[m] = 0.0f;
+            for (int64_t h = 0; h < Hi; h++) {
+                scores_along_keys(qir + h * Di, kpTb, N, Di, M, scale, sh);
+                float wh = wr[h];
+#pragma omp simd
+                for (int64_t m = 0; m < M; m++) I[m] += wh * (sh[m] > 0.0f ? sh[m] : 0.0f);
+            }
+            slot = pick_top(I, M, k, kpool, work, row);
+        }
+        int64_t start = t + 1 - (t + 1) % kpool; /* the incomplete tail pool: start .. t */
+        for (int64_t i = 0; i < kpool - 1 && start + i <= t; i++) row[n_pick * kpool + i] = start + i;
+    }
+    free(buf);
+}
+
+void dsa_select_tokens(const float *qi, const float *kpT, const float *w, int64_t r0, int64_t r1, int64_t T,
+                       int64_t N, int64_t Hi, int64_t Di, int64_t kpool, int64_t topk, float scale, int64_t *out) {
+    if (Di == 16)
+        select_tokens(qi, kpT, w, r0, r1, T, N, Hi, 16, kpool, topk, scale, out);
+    else
+        select_tokens(qi, kpT, w, r0, r1, T, N, Hi, Di, kpool, topk, scale, out);
+}

@@ -40,6 +40,7 @@ SIGNATURES = {  # library -> function -> argument types (every array is a pointe
         "dsa_sparse_fwd": [_ptr] * 4 + [_i64] * 7 + [_f32] + [_ptr] * 2,
         "dsa_sparse_bwd": [_ptr] * 7 + [_i64] * 7 + [_f32] + [_ptr] * 3,
         "dsa_indexer_loss_dense": [_ptr] * 6 + [_i64] * 9 + [_f32] * 2 + [_ptr] * 4,
+        "dsa_select_tokens": [_ptr] * 3 + [_i64] * 8 + [_f32, _ptr],
     },
 }
 

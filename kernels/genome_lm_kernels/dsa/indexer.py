@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from ..cpu import native
 from .reference import slot_width
 
 ScoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float, int], torch.Tensor]
@@ -197,16 +198,26 @@ def torch_scores(q_BCHD, kp_BND, w_BCH, t0, scale, kpool):
 
 @torch.no_grad()
 def select_tokens(q_BTHD, k_BTD, w_BTH, gate_BTD=None, ape_KD=None, *, kpool: int, topk: int,
-                  scale: float | None = None, chunk: int = 64, score_fn: ScoreFn = torch_scores):
+                  scale: float | None = None, chunk: int = 64, score_fn: ScoreFn = torch_scores,
+                  use_native: bool | None = None):
     """Selected token indices [B, T, S] (int64, -1 = empty) and validity mask [B, T, S].
 
     q [B, T, Hi, D] indexer queries; k [B, T, D] indexer keys (shared by the heads);
     w [B, T, Hi] head weights (transformers: ``weights_proj(x) * Hi**-0.5``);
     gate [B, T, D] pool gate logits (``x @ index_kpool_compress_gate.T``); ape [kpool, D];
-    scale defaults to D**-0.5. S = topk + kpool - 1."""
+    scale defaults to D**-0.5. S = topk + kpool - 1.
+    ``use_native``: scores and top-k in C (``cpu/dsa.c``, fp32); None = whenever the torch
+    scores are asked for, the inputs are CPU tensors not in fp64 and the C kernels build here."""
     B, T, _, D = q_BTHD.shape
     scale = D**-0.5 if scale is None else scale
+    if use_native is None:
+        use_native = (score_fn is torch_scores and native.usable(q_BTHD, k_BTD, w_BTH)
+                      and native.library("dsa") is not None)
+    elif use_native and native.library("dsa") is None:
+        raise RuntimeError("the C kernels are off or could not be built here (see the earlier warning)")
     kp_BND = pool_keys(k_BTD, gate_BTD, ape_KD, kpool=kpool)
+    if use_native:
+        return _native_select(q_BTHD, kp_BND, w_BTH, kpool=kpool, topk=topk, scale=scale)
     n_pick = min(topk // kpool, kp_BND.shape[1])
     S = slot_width(topk, kpool)
     idx_BTS = torch.empty(B, T, S, dtype=torch.long, device=q_BTHD.device)
@@ -219,4 +230,18 @@ def select_tokens(q_BTHD, k_BTD, w_BTH, gate_BTD=None, ape_KD=None, *, kpool: in
         if pools.shape[-1] < n_pick:
             pools = torch.nn.functional.pad(pools, (0, n_pick - pools.shape[-1]), value=-1)
         idx_BTS[:, t0:t1] = expand_to_tokens(pools, t0, kpool=kpool, topk=topk)
+    return idx_BTS, idx_BTS >= 0
+
+
+def _native_select(q_BTHD, kp_BND, w_BTH, *, kpool: int, topk: int, scale: float):
+    """``select_tokens`` from the pooled keys in C, threads over query rows."""
+    lib = native.library("dsa")
+    B, T, Hi, Di = q_BTHD.shape
+    N = kp_BND.shape[1]
+    qi, w = q_BTHD.to(torch.float32).contiguous(), w_BTH.to(torch.float32).contiguous()
+    kpT = kp_BND.to(torch.float32).transpose(1, 2).contiguous()  # [B, Di, N]
+    idx_BTS = torch.empty(B, T, slot_width(topk, kpool), dtype=torch.long)
+    p = native.ptr
+    native.run_rows(lib.dsa_select_tokens, native.split_rows(B * T), lambda i, r0, r1: (
+        p(qi), p(kpT), p(w), r0, r1, T, N, Hi, Di, kpool, topk, scale, p(idx_BTS)))
     return idx_BTS, idx_BTS >= 0
