@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from genome_lm_kernels import KernelBackend, resolve_backend
+from genome_lm_kernels.cpu import native
 
 from .config import ModelConfig
 
@@ -183,7 +184,9 @@ class _Sinkhorn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, iters: int, eps: float, compiled: bool = False):
         ctx.save_for_backward(z)
-        ctx.iters, ctx.eps = iters, eps
+        ctx.iters, ctx.eps, ctx.native = iters, eps, _native_sinkhorn(z)
+        if ctx.native:  # genome_lm_kernels' C kernel, forward and backward
+            return _sinkhorn_native("mhc_sinkhorn_fwd", z, None, iters, eps)
         steps_fn, ctx.grad_fn = compiled_sinkhorn() if compiled else (_sinkhorn_steps, _sinkhorn_grad)
         # contiguous, tokens first again: a batched matmul on a tokens-last view (merge's comb^T @
         # streams) falls back to one small product per token on CPU, 15x slower
@@ -192,6 +195,8 @@ class _Sinkhorn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (z,) = ctx.saved_tensors
+        if ctx.native:
+            return _sinkhorn_native("mhc_sinkhorn_bwd", z, grad, ctx.iters, ctx.eps), None, None, None
         zt, gt = _tokens_last(z), _tokens_last(grad)
         dz = torch.empty_like(zt)
         for a in range(0, zt.shape[-1], _Sinkhorn.BLOCK):
@@ -209,6 +214,26 @@ def _sinkhorn_grad(z: torch.Tensor, g: torch.Tensor, iters: int, eps: float) -> 
         g = (g - (g * y).sum(dim, keepdim=True)) / denom
     p = torch.softmax(z, dim=1)
     return p * (g - (g * p).sum(1, keepdim=True))
+
+
+def _native_sinkhorn(z: torch.Tensor) -> bool:
+    """Whether the C Sinkhorn (``genome_lm_kernels/cpu/mhc.c``) takes z: fp32 on the CPU, and
+    the C kernels built here (``GENOME_LM_NATIVE=0`` turns them off)."""
+    return z.dtype == torch.float32 and z.device.type == "cpu" and native.library("mhc") is not None
+
+
+def _sinkhorn_native(fn: str, z: torch.Tensor, grad: torch.Tensor | None, iters: int, eps: float) -> torch.Tensor:
+    """The Sinkhorn forward (``grad`` None) or its gradient at z, in C on token-last matrices;
+    threads over tokens. Matches ``_sinkhorn_steps`` / ``_sinkhorn_grad``."""
+    n = z.shape[-1]
+    zt = _tokens_last(z)
+    args = (zt,) if grad is None else (zt, _tokens_last(grad.float()))
+    M = zt.shape[-1]
+    out = torch.empty_like(zt)
+    ptrs = [native.ptr(a) for a in args]
+    native.run_rows(getattr(native.library("mhc"), fn), native.split_rows(M), lambda i, m0, m1: (
+        *ptrs, M, n, iters, eps, m0, m1, native.ptr(out)))
+    return out.permute(2, 0, 1).reshape(z.shape).contiguous()
 
 
 _COMPILED: tuple | None = None

@@ -6,6 +6,7 @@ import torch
 
 from genome_lm.model import common
 from genome_lm.model.common import sinkhorn
+from genome_lm_kernels.cpu import native
 
 
 def _loop(z, iters, eps):
@@ -17,20 +18,31 @@ def _loop(z, iters, eps):
     return comb
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("dtype,tol,path", [(torch.float64, 1e-12, "torch"), (torch.float32, 1e-5, "torch"),
+                                            (torch.float32, 1e-5, "C")])
 @pytest.mark.parametrize("iters", [1, 2, 20])
 @pytest.mark.parametrize("n", [2, 4])
-def test_matches_autograd_through_the_loop(monkeypatch, dtype, tol, iters, n):
+def test_matches_autograd_through_the_loop(monkeypatch, dtype, tol, path, iters, n):
+    """The torch path (float64 and float32) and the C kernel (``genome_lm_kernels/cpu/mhc.c``,
+    float32; n = 4 has its own compiled loops): 5 x 29 tokens, over two threads, in uneven
+    blocks (7 tokens in torch's backward, 64 in C's)."""
+    if path == "C" and native.library("mhc") is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("GENOME_LM_NATIVE", "1" if path == "C" else "0")
+    monkeypatch.setattr(native, "MIN_ROWS_PER_THREAD", 1)
     monkeypatch.setattr(common._Sinkhorn, "BLOCK", 7)  # several uneven backward blocks
     g = torch.Generator().manual_seed(iters * 10 + n)
-    z = (3 * torch.randn(5, 13, n, n, generator=g, dtype=dtype)).requires_grad_()
-    upstream = torch.randn(5, 13, n, n, generator=g, dtype=dtype)
+    z = (3 * torch.randn(5, 29, n, n, generator=g, dtype=dtype)).requires_grad_()
+    upstream = torch.randn(5, 29, n, n, generator=g, dtype=dtype)
+    ran = []
+    monkeypatch.setattr(common, "_sinkhorn_native", lambda *a, f=common._sinkhorn_native: ran.append(a[0]) or f(*a))
     got = sinkhorn(z, iters, 1e-6)
     (dz_got,) = torch.autograd.grad(got, z, upstream)
     want = _loop(z, iters, 1e-6)
     (dz_want,) = torch.autograd.grad(want, z, upstream)
     assert (got - want).abs().max() <= tol
     assert (dz_got - dz_want).abs().max() <= tol * dz_want.abs().max()
+    assert ran == (["mhc_sinkhorn_fwd", "mhc_sinkhorn_bwd"] if path == "C" else [])
 
 
 def test_gradcheck():
@@ -46,6 +58,7 @@ def test_compiled_matches_the_loop_across_lengths(monkeypatch):
     import torch._dynamo
 
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")  # tests/conftest.py turns dynamo off; read by torch.compile
+    monkeypatch.setenv("GENOME_LM_NATIVE", "0")  # fp32 on a CPU would run the C kernel instead
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     monkeypatch.setattr(common, "_COMPILED", None)

@@ -42,6 +42,10 @@ SIGNATURES = {  # library -> function -> argument types (every array is a pointe
         "dsa_indexer_loss_dense": [_ptr] * 6 + [_i64] * 9 + [_f32] * 2 + [_ptr] * 4,
         "dsa_select_tokens": [_ptr] * 3 + [_i64] * 8 + [_f32, _ptr],
     },
+    "mhc": {
+        "mhc_sinkhorn_fwd": [_ptr, _i64, _i64, _i64, _f32, _i64, _i64, _ptr],
+        "mhc_sinkhorn_bwd": [_ptr, _ptr, _i64, _i64, _i64, _f32, _i64, _i64, _ptr],
+    },
 }
 
 
