@@ -4,7 +4,8 @@ demo genome -> prepare (chr1, chr2 train; chr22 eval) -> fine-tune the tiny mode
 shipped long-context model, ``builtin:tiny-long``; config ``demo-finetune-cpu``) -> evaluate the
 tuned against the starting model on the same chr22 windows, and against itself with its context
 cut to 256 bases. Re-running continues the demo's own run (a finished one runs no step) and reuses
-the scored windows. ``run_long_demo`` is the recipe that built the shipped model.
+the scored windows. ``run_long_demo`` is the recipe that built the shipped model; ``run_dna_demo``
+is the same study on the user's own FASTA, with held-out regions.
 """
 
 from __future__ import annotations
@@ -58,6 +59,45 @@ def run_demo(out: Path, window: int, *, config: str = DEMO_CONFIG, overrides: li
         report = evaluate(EvalRequest(model=str(out / "run"), baseline="init", chrom="chr22",
                                       out=out / "run" / "eval-chr22", max_windows=eval_windows,
                                       max_contexts=DEMO_MAX_CONTEXTS), progress=progress)
+    return DemoResult(cfg, trained, report)
+
+
+DNA_CONFIG = "dna-finetune-cpu"
+DNA_MAX_CONTEXTS = [1024]  # the ablation's cut on real DNA: 4x the DSA layer's own budget
+
+
+def run_dna_demo(out: Path, fasta: Path, train_regions: tuple[str, ...], eval_region: str, window: int, *,
+                 config: str = DNA_CONFIG, overrides: list[str] | None = None, eval_windows: int | None = None,
+                 max_contexts: list[int] | None = None, progress: bool = True, on_dataset: Callable | None = None,
+                 on_trained: Callable | None = None) -> DemoResult:
+    """The study on the user's own FASTA (``genome-lm demo --fasta``): prepare ``train_regions``
+    (chromosomes or samtools regions) for training and ``eval_region`` held out, fine-tune
+    (config ``dna-finetune-cpu``: from the shipped long-context model), then evaluate the tuned
+    model on every held-out window (or ``eval_windows`` of them) against its starting weights,
+    the Markov chain fitted on the training regions, uniform, and itself with its context cut
+    (``max_contexts``, default 1,024 bases). Re-running continues the run and reuses the scores."""
+    from genome_lm.config import load_config
+    from genome_lm.data.prepare import PrepareRequest, prepare
+    from genome_lm.data.windows import WindowSpec
+    from genome_lm.engine import quiet_megatron_import
+
+    prepared = prepare(PrepareRequest(Path(fasta), out / "dataset", tuple(train_regions), (eval_region,),
+                                      WindowSpec(window, window)), quiet=not progress)
+    if on_dataset:
+        on_dataset(prepared)
+    cfg = load_config(config, [f"data.dataset={out / 'dataset'}", f"train.out_dir={out / 'run'}", *(overrides or [])])
+    with quiet_megatron_import():
+        from genome_lm.checkpoint import existing_checkpoints
+        from genome_lm.eval.evaluate import EvalRequest, evaluate
+        from genome_lm.train.trainer import train
+
+        trained = train(cfg, progress=progress, resume=bool(existing_checkpoints(out / "run")))
+        if on_trained:
+            on_trained(trained)
+        _stop_if_stopped(trained)
+        report = evaluate(EvalRequest(model=str(out / "run"), baseline="init", chrom=eval_region,
+                                      out=out / "run" / "eval", max_windows=eval_windows,
+                                      max_contexts=max_contexts or DNA_MAX_CONTEXTS), progress=progress)
     return DemoResult(cfg, trained, report)
 
 

@@ -44,6 +44,21 @@ def _no_process_group_left():
                     "init_distributed not undone)")
 
 
+def pytest_configure(config):
+    """The C kernels (genome_lm_kernels/cpu) build once per test session, before collection (some
+    skip marks ask whether they build), into a temporary folder that child processes inherit,
+    never into the user's ~/.cache."""
+    import atexit
+    import os
+    import shutil
+    import tempfile
+
+    if "GENOME_LM_CACHE" not in os.environ:
+        folder = tempfile.mkdtemp(prefix="genome-lm-cache-")
+        os.environ["GENOME_LM_CACHE"] = folder
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path_factory, monkeypatch):
     """Index caches go to a temporary folder, never to the user's ~/.cache."""

@@ -155,3 +155,61 @@ def test_training_summary_reports_means_over_the_ends_of_the_run(tmp_path):
         print_training(SimpleNamespace(**{**vars(result), "all_steps": short, "history": short, "steps_done": 3}))
     text = " ".join(captured.get().split())
     assert "1.3000 (1)" in text and "1.4000 (3)" in text and "mean training" not in text
+
+
+DNA_FASTA = "hg38_chr2_1-2333275.fa.gz"
+FAST_DNA = ["--window", "8k", "--quiet", "--set", "train.steps=2", "--set", "data.seq_len=1024",
+            "--set", "train.indexer_dense_steps=0"]
+
+
+@pytest.mark.slow
+def test_dna_study_on_real_sequence_end_to_end(tmp_path):
+    """``demo --fasta --train --eval`` on real human sequence (hg38 chr2, soft-masked), at a small
+    scale: regions prepared apart, the shipped model fine-tuned, every held-out window scored
+    against the starting weights, the Markov chain fitted on the training region and the context
+    cut to 1,024 bases, and the summary in words (Markov verdict, where the loss changed, repeats
+    and unmasked bases apart, the far-context interval)."""
+    from tests.conftest import shared_genome
+
+    fasta = shared_genome(DNA_FASTA)
+    out = tmp_path / "dna"
+    result = runner.invoke(app, ["demo", "--fasta", str(fasta), "--out", str(out), "--train", "chr2:1,000,001-1,100,000",
+                                 "--eval", "chr2:1,100,001-1,116,384", *FAST_DNA])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "dataset" / "manifest.json").read_text())
+    chroms = {split: [(c["requested"], c["start"], c["end"]) for c in manifest["splits"][split]["chromosomes"]]
+              for split in ("train", "eval")}
+    assert chroms == {"train": [("chr2:1,000,001-1,100,000", 1_000_000, 1_100_000)],
+                      "eval": [("chr2:1,100,001-1,116,384", 1_100_000, 1_116_384)]}
+    report = json.loads((out / "run" / "eval" / "eval.json").read_text())
+    assert len(report["data"]["windows"]) == 2  # every held-out window: 16,384 bases in windows of 8k
+    assert {"model", "baseline", "markov", "uniform"} <= set(report["results"])
+    (cut,) = report["ablation"]["cuts"]
+    assert cut["max_context"] == 1024 and cut["beyond"]["from"] == 2048 and cut["beyond"]["all"]["tokens"] > 0
+    assert report["results"]["model"]["softmasked"]["tokens"] > 0 and report["results"]["model"]["unmasked"]["tokens"] > 0
+    text = " ".join(result.output.split())
+    assert "the study in short" in text and "Markov chain fitted on the training regions" in text
+    assert "against its starting weights the loss changed most at" in text
+    assert "on unmasked bases" in text and "on soft-masked (repeat) bases" in text
+    assert "with at least 2,048 bases of context" in text
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--train", "chr2:1-100,000"], "missing --eval"),
+    (["--eval", "chr2:1-100,000"], "missing --train"),
+    (["--train", "chr2:1-100,000", "--eval", "chr2:50,001-150,000"], "overlap"),
+])
+def test_dna_study_bad_arguments_are_one_line_errors(tmp_path, args, message):
+    from tests.conftest import shared_genome
+
+    fasta = shared_genome(DNA_FASTA)
+    out = tmp_path / "dna"
+    result = runner.invoke(app, ["demo", "--fasta", str(fasta), "--out", str(out), *args, *FAST_DNA])
+    assert result.exit_code == 1 and result.output.startswith("error:") and message in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (out / "run").exists()
+    assert not (out / "dataset" / "manifest.json").exists()
+
+
+def test_dna_study_needs_its_fasta(tmp_path):
+    result = runner.invoke(app, ["demo", "--fasta", str(tmp_path / "none.fa"), "--train", "chr1", "--eval", "chr2"])
+    assert result.exit_code == 1 and "none.fa: no such FASTA file" in result.output

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from genome_lm.demo import DEMO_CONFIG
+from genome_lm.demo import DEMO_CONFIG, DNA_CONFIG
 
 from .base import app, console, size
 from .data import print_dataset_summary
@@ -30,6 +30,15 @@ def demo(
                                                       "on a demo genome with dense planted copies; eval cuts the "
                                                       "context to 256 and 1,024 bases to show what the rest adds. "
                                                       "--set applies to stage 2.")] = False,
+    fasta: Annotated[Optional[Path], typer.Option(help="Run the study on your own genome instead of the demo genome "
+                                                       "(FASTA, plain, gzip or BGZF; soft-masked repeats are reported "
+                                                       "apart): needs --train and --eval. Default folder data/dna, "
+                                                       "config dna-finetune-cpu.")] = None,
+    train: Annotated[Optional[str], typer.Option(help="With --fasta: chromosomes or regions to fine-tune on, "
+                                                      "comma-separated, e.g. chr2:1-1,833,275.")] = None,
+    eval_region: Annotated[Optional[str], typer.Option("--eval", help="With --fasta: the held-out chromosome or region "
+                                                                       "to evaluate on, e.g. chr2:1,833,276-2,333,275 "
+                                                                       "(must not overlap --train).")] = None,
 ) -> None:
     """Run the study end to end on the built-in demo genome, on this CPU.
 
@@ -39,6 +48,10 @@ def demo(
 
     if long:
         _long_demo(out or Path("data/long"), quiet, set_ or [], eval_windows)
+        return
+    if fasta is not None or train is not None or eval_region is not None:
+        _dna_demo(fasta, train, eval_region, out or Path("data/dna"), size(window, "--window"), quiet,
+                  config if config != DEMO_CONFIG else DNA_CONFIG, set_ or [])
         return
     out = out or Path("data/demo")
     result = run_demo(out, size(window, "--window"), config=config, overrides=set_, eval_windows=eval_windows,
@@ -64,3 +77,24 @@ def _long_demo(out: Path, quiet: bool, overrides: list[str], eval_windows: int) 
         console.print(demo_note(result.report["planted"]), highlight=False)
     for line in describe(result.selection):
         console.print(line, highlight=False)
+
+
+def _dna_demo(fasta: Path | None, train: str | None, eval_region: str | None, out: Path, window: int, quiet: bool,
+              config: str, overrides: list[str]) -> None:
+    from genome_lm.data.regions import split_regions
+    from genome_lm.demo import run_dna_demo
+    from genome_lm.errors import GenomeLMError
+    from genome_lm.eval.report import study_summary
+
+    missing = [flag for flag, value in (("--fasta", fasta), ("--train", train), ("--eval", eval_region)) if not value]
+    if missing:
+        raise GenomeLMError(f"the study on your own genome needs --fasta, --train and --eval; missing {', '.join(missing)}")
+    if not Path(fasta).is_file():
+        raise GenomeLMError(f"{fasta}: no such FASTA file")
+    result = run_dna_demo(out, fasta, split_regions(train), eval_region, window, config=config, overrides=overrides,
+                          progress=not quiet, on_dataset=lambda p: print_dataset_summary(p.manifest, reused=p.reused),
+                          on_trained=print_training)
+    print_report(result.report, console)
+    console.print("[bold]the study in short[/bold]")
+    for line in study_summary(result.report):
+        console.print(f"- {line}", highlight=False, markup=False)

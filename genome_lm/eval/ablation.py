@@ -10,16 +10,21 @@ is needed, so it applies to any model on any genome.
 
 Report entry (``ablation`` in ``eval.json``)::
 
-    {model: "model", cuts: [{max_context: N, all, unmasked, softmasked: Delta, buckets: [Delta + {from, to}]}]}
+    {model: "model", cuts: [{max_context: N, all, unmasked, softmasked: Delta, buckets: [Delta + {from, to}],
+                            beyond: {from: 2N, all, unmasked, softmasked: Delta}}]}
     Delta = {tokens, nats (cut), delta (cut - whole), ci: [lo, hi]}
+
+``beyond`` pools the bases with at least 2N bases of context (each then loses at least N bases
+of its context to the cut), split into unmasked and soft-masked (repeat) bases: one interval for
+"does the model use the far context", and where that use lies.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .buckets import (SUBSETS, bucket_centres, difference_interval, errorbars, finite, resample_weights,
-                      subset_and_bucket_sums)
+from .buckets import (SUBSETS, WindowSums, bucket_centres, difference_interval, errorbars, finite,
+                      resample_weights, subset_and_bucket_sums)
 from .score import TokenScores
 
 
@@ -36,16 +41,48 @@ def summarize(full: TokenScores, cuts: dict[int, TokenScores], edges: list[int],
         own = subset_and_bucket_sums(scores, window_pos, len(windows), edges)
         entry: dict = {"max_context": N}
         for part, (b, o) in enumerate(zip(base, own)):
-            mean = o.means()
-            diff, lo, hi = difference_interval(b, o, weights, level)
-            stats = [{"tokens": int(o.counts[:, g].sum()), "nats": finite(mean[g]), "delta": finite(diff[g]),
-                      "ci": [finite(lo[g]), finite(hi[g])]} for g in range(len(mean))]
+            stats = _deltas(b, o, weights, level)
             if part == 0:
                 entry.update(zip(SUBSETS, stats))
             else:
                 entry["buckets"] = [{"from": edges[g], "to": edges[g + 1], **s} for g, s in enumerate(stats)]
+        far = 2 * N
+        stats = _deltas(_beyond_sums(full, window_pos, len(windows), far),
+                        _beyond_sums(scores, window_pos, len(windows), far), weights, level)
+        entry["beyond"] = {"from": far, **dict(zip(SUBSETS, stats))}
         out["cuts"].append(entry)
     return out
+
+
+def _deltas(base: WindowSums, own: WindowSums, weights, level) -> list[dict]:
+    """Per group: tokens, the cut's mean loss, cut - whole and its paired interval."""
+    mean = own.means()
+    diff, lo, hi = difference_interval(base, own, weights, level)
+    return [{"tokens": int(own.counts[:, g].sum()), "nats": finite(mean[g]), "delta": finite(diff[g]),
+             "ci": [finite(lo[g]), finite(hi[g])]} for g in range(len(mean))]
+
+
+def _beyond_sums(scores: TokenScores, window_pos: np.ndarray, n_windows: int, start: int) -> WindowSums:
+    """Per-window sums over the bases with at least ``start`` bases of context: all of them,
+    the unmasked ones and the soft-masked ones (the SUBSETS' order)."""
+    far = scores.context >= start
+    whole = WindowSums.of(scores.nll, window_pos, np.where(far, 0, -1), n_windows, 1)
+    split = WindowSums.of(scores.nll, window_pos, np.where(far, np.where(scores.softmasked, 1, 0), -1), n_windows, 2)
+    return WindowSums(np.concatenate([whole.sums, split.sums], 1), np.concatenate([whole.counts, split.counts], 1))
+
+
+def beyond_line(cut: dict) -> str | None:
+    """The cut's cost on the bases with at least 2N bases of context, unmasked and soft-masked
+    apart, each with its interval (None for a report without it, or no such base)."""
+    far = cut.get("beyond")
+    if not far or not far["all"]["tokens"] or far["all"]["delta"] is None:
+        return None
+    parts = [f"{name} {fmt_delta_ci(far[key])}" for key, name in (("unmasked", "unmasked"),
+                                                                  ("softmasked", "soft-masked (repeats)"))
+             if far[key]["tokens"] and far[key]["delta"] is not None]
+    return (f"context cut to {cut['max_context']:,}, on the {far['all']['tokens']:,} bases with at least "
+            f"{far['from']:,} bases of context: {fmt_delta_ci(far['all'])} nats/base" + (f" ({'; '.join(parts)})" if parts else "")
+            + " [95% CI; above 0: the context beyond the cut lowers the loss]")
 
 
 def fmt_delta(x: float | None) -> str:
@@ -71,6 +108,8 @@ def most_hurt(ablation: dict) -> list[str]:
             top = max(hurt, key=lambda b: b["delta"])
             lines.append(f"context cut to {N:,} costs most at {top['from']:,}-{top['to'] - 1:,} bases of context: "
                          f"{fmt_delta_ci(top)} nats/base")
+        if (line := beyond_line(cut)) is not None:
+            lines.append(line)
     return lines
 
 

@@ -115,6 +115,47 @@ def headline(report: dict) -> list[str]:
     return lines
 
 
+def _pct(change: dict) -> str:
+    lo, hi = change["ci"]
+    return f"{change['change'] * 100:+.2f}% [{lo * 100:+.2f}, {hi * 100:+.2f}]"
+
+
+def study_summary(report: dict) -> list[str]:
+    """The study's answer in plain words (``genome-lm demo --fasta``): does the model beat the
+    Markov chain; where its loss changed most and least against ``--baseline`` (by context
+    bucket), on repeats and elsewhere; and whether its context beyond each cut is used."""
+    results, models, comparison = report["results"], report["models"], report.get("comparison")
+    lines = []
+    model = results["model"]["all"]
+    markov = results.get("markov", {}).get("all")
+    if model["nats"] is not None and markov and markov["nats"] is not None:
+        lo, hi = model["bits_ci"]
+        verdict = ("beats it" if hi is not None and hi < markov["bits"] else
+                   "does not beat it" if lo is not None and lo > markov["bits"] else "is level with it (within the interval)")
+        lines.append(f"against the order-{models['markov']['order']} Markov chain fitted on the training regions "
+                     f"({markov['bits']:.4f} bits/base), the model ({model['bits']:.4f} [{lo:.4f}, {hi:.4f}]) {verdict}")
+    if comparison:
+        buckets = [b for b, r in zip(comparison["buckets"], results["model"]["buckets"])
+                   if r["tokens"] and b["change"] is not None and b["ci"][0] is not None]
+        if buckets:
+            most, least = min(buckets, key=lambda b: b["change"]), max(buckets, key=lambda b: b["change"])
+            longest = buckets[-1]
+            lines.append(f"against its starting weights the loss changed most at {most['from']:,}-{most['to'] - 1:,} "
+                         f"bases of context ({_pct(most)}), least at {least['from']:,}-{least['to'] - 1:,} "
+                         f"({_pct(least)}); at the longest, {longest['from']:,}-{longest['to'] - 1:,}: {_pct(longest)}")
+        parts = [f"{name} {_pct(comparison[key])}" for key, name in (("unmasked", "unmasked bases"),
+                                                                      ("softmasked", "soft-masked (repeat) bases"))
+                 if comparison[key]["change"] is not None and comparison[key]["ci"][0] is not None]
+        if parts:
+            lines.append("change against the starting weights on " + "; on ".join(parts))
+    from .ablation import beyond_line
+
+    for cut in (report.get("ablation") or {}).get("cuts", []):
+        if (line := beyond_line(cut)) is not None:
+            lines.append(line)
+    return lines
+
+
 def _ablation_line(cut: dict) -> str:
     """The model against itself with its context cut to N (``--max-context``): the baseline that
     asks whether the context beyond N bases is used at all."""

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from genome_lm_kernels.cpu import native
 from genome_lm_kernels.dsa import indexer as dsa_indexer
 from genome_lm_kernels.dsa.indexer import compute_dtype
 from genome_lm_kernels.dsa.reference import slot_width
@@ -160,6 +161,10 @@ class DSACache:
         B, S = q_BSHD.shape[:2]
         scale = q_BSHD.shape[-1] ** -0.5
         kp_BND = self.pooled.view() if self.pooled.data is not None else q_BSHD.new_zeros(B, 0, q_BSHD.shape[-1])
+        if backend.dsa == "torch" and native.usable(q_BSHD, w_BSH) and native.library("dsa") is not None:
+            # as the full forward's select_tokens runs on a CPU: per query, whatever the chunk
+            return dsa_indexer.native_select(q_BSHD, kp_BND, w_BSH, kpool=self.kpool, topk=self.topk, scale=scale,
+                                             n_pick=self.n_pick, t0=t0)
         idx_BSK = torch.empty(B, S, slot_width(self.topk, self.kpool), dtype=torch.long, device=q_BSHD.device)
         a0 = t0
         while a0 < t0 + S:

@@ -107,3 +107,30 @@ def test_the_headline_compares_the_model_with_itself_cut():
     assert f"({-delta:+.4f} nats/base" in cut256
     assert f"{delta / worse.nll.mean() * 100:.2f}% lower" in cut256
     assert cut64.endswith("no use of the context beyond it shown")
+
+
+def test_beyond_two_n_pools_the_far_bases_by_subset():
+    """``beyond``: the bases with context >= 2N, all / unmasked / soft-masked, each the mean of
+    its own bases (checked by hand) with an interval holding the planted shift: the cut costs
+    0.08 on far soft-masked bases and nothing on far unmasked ones."""
+    from genome_lm.eval.ablation import beyond_line
+
+    rng = np.random.default_rng(4)
+    n, windows, N = 6000, 6, 100
+    context = np.tile(np.arange(1, n // windows + 1), windows)
+    window = np.repeat(np.arange(windows), n // windows)
+    soft = rng.random(n) < 0.4
+    whole = TokenScores(rng.gamma(2.0, 0.6, n), context, window, soft)
+    shift = np.where((context >= 2 * N) & soft, 0.08, 0.0)
+    cut = TokenScores(whole.nll + shift + rng.normal(0, 0.005, n), context, window, soft)
+    (entry,) = summarize(whole, {N: cut}, [0, 100, 1000, 1001], resamples=400, seed=1)["cuts"]
+    far = entry["beyond"]
+    assert far["from"] == 2 * N
+    for key, keep in (("all", context >= 2 * N), ("unmasked", (context >= 2 * N) & ~soft),
+                      ("softmasked", (context >= 2 * N) & soft)):
+        assert far[key]["tokens"] == int(keep.sum())
+        assert far[key]["delta"] == pytest.approx(float((cut.nll - whole.nll)[keep].mean()))
+        assert far[key]["nats"] == pytest.approx(float(cut.nll[keep].mean()))
+    assert far["softmasked"]["ci"][0] > 0.07 and far["unmasked"]["ci"][0] < 0 < far["unmasked"]["ci"][1]
+    line = beyond_line(entry)
+    assert "at least 200 bases of context" in line and "soft-masked (repeats) +0.08" in line

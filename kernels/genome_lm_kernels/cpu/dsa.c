@@ -371,8 +371,12 @@ void dsa_indexer_loss_dense(const float *q, const float *kT, const float *qi, co
  * Token selection (../dsa/indexer.py's select_tokens, which this matches slot for slot): for each
  * query t, the indexer scores of its M = min(N, (t + 1) / kpool) complete pools,
  *   I[m] = sum_h w[t,h] relu(scale qi[t,h] . kp[m]),
- * the top min(topk / kpool, M) of them (ties to the lower pool), written ascending as kpool tokens
- * each, then the query's incomplete tail pool, then -1 padding: S = topk + kpool - 1 slots.
+ * the top min(n_pick, M) of them (ties to the lower pool), written ascending as kpool tokens each
+ * into n_pick pool slots, then the query's incomplete tail pool, then -1 padding: S = topk + kpool
+ * - 1 slots. Row r is query t0 + r % T of sequence r / T (t0 > 0: a chunked prefill's later
+ * chunk, whose N pools are those complete so far). Each score depends on its own row and pool
+ * only (the same sums in the same order whatever M is), so a chunk selects what the whole
+ * sequence does.
  */
 
 /* The k-th largest of x[0..n-1] (1 <= k <= n); reorders x. Quickselect, median-of-three pivot. */
@@ -403,7 +407,7 @@ static float kth_largest(float *x, int64_t n, int64_t k) {
 }
 
 /* The pools of the k largest of I[0..M-1] (ties to the lower pool), ascending, as kpool tokens each
- * into row; returns the slots written. Exact, without sorting the row: the k-th largest block
+ * into row (returns the slots written). Exact, without sorting the row: the k-th largest block
  * maximum (blocks of PICK_BLOCK pools) is a lower bound of the k-th largest score (k blocks reach
  * it), so only the blocks whose maximum reaches it hold candidates; the k-th largest candidate is
  * the threshold. work: M + M / PICK_BLOCK + 1 floats. */
@@ -449,13 +453,13 @@ static int64_t pick_top(const float *I, int64_t M, int64_t k, int64_t kpool, flo
 
 static inline __attribute__((always_inline)) void select_tokens(
     const float *qi, const float *kpT, const float *w, int64_t r0, int64_t r1, int64_t T, int64_t N, int64_t Hi,
-    int64_t Di, int64_t kpool, int64_t topk, float scale, int64_t *out) {
-    int64_t S = topk + kpool - 1, n_pick = topk / kpool < N ? topk / kpool : N;
+    int64_t Di, int64_t kpool, int64_t topk, int64_t n_pick, int64_t t0, float scale, int64_t *out) {
+    int64_t S = topk + kpool - 1;
     float *buf = malloc(sizeof(float) * (size_t)(3 * N + N / PICK_BLOCK + 2));
     float *I = buf, *sh = I + N, *work = sh + N;
     for (int64_t r = r0; r < r1; r++) {
-        int64_t b = r / T, t = r % T, M = (t + 1) / kpool < N ? (t + 1) / kpool : N;
-        int64_t k = n_pick < M ? n_pick : M, *row = out + r * S, slot = 0;
+        int64_t b = r / T, t = t0 + r % T, M = (t + 1) / kpool < N ? (t + 1) / kpool : N;
+        int64_t k = n_pick < M ? n_pick : M, *row = out + r * S;
         for (int64_t s = 0; s < S; s++) row[s] = -1;
         if (k > 0) {
             const float *kpTb = kpT + b * Di * N, *qir = qi + r * Hi * Di, *wr = w + r * Hi;
@@ -466,7 +470,7 @@ static inline __attribute__((always_inline)) void select_tokens(
 #pragma omp simd
                 for (int64_t m = 0; m < M; m++) I[m] += wh * (sh[m] > 0.0f ? sh[m] : 0.0f);
             }
-            slot = pick_top(I, M, k, kpool, work, row);
+            pick_top(I, M, k, kpool, work, row);
         }
         int64_t start = t + 1 - (t + 1) % kpool; /* the incomplete tail pool: start .. t */
         for (int64_t i = 0; i < kpool - 1 && start + i <= t; i++) row[n_pick * kpool + i] = start + i;
@@ -475,9 +479,10 @@ static inline __attribute__((always_inline)) void select_tokens(
 }
 
 void dsa_select_tokens(const float *qi, const float *kpT, const float *w, int64_t r0, int64_t r1, int64_t T,
-                       int64_t N, int64_t Hi, int64_t Di, int64_t kpool, int64_t topk, float scale, int64_t *out) {
+                       int64_t N, int64_t Hi, int64_t Di, int64_t kpool, int64_t topk, int64_t n_pick, int64_t t0,
+                       float scale, int64_t *out) {
     if (Di == 16)
-        select_tokens(qi, kpT, w, r0, r1, T, N, Hi, 16, kpool, topk, scale, out);
+        select_tokens(qi, kpT, w, r0, r1, T, N, Hi, 16, kpool, topk, n_pick, t0, scale, out);
     else
-        select_tokens(qi, kpT, w, r0, r1, T, N, Hi, Di, kpool, topk, scale, out);
+        select_tokens(qi, kpT, w, r0, r1, T, N, Hi, Di, kpool, topk, n_pick, t0, scale, out);
 }

@@ -6,8 +6,8 @@ The C files here do the same arithmetic in one pass per query. They are plain C 
 Python headers), so a build takes about a second: ``cc -O3 -march=native -fopenmp-simd``,
 vectorised by the compiler, threads from Python (ctypes releases the GIL during a call).
 
-The shared library is cached under ``$GENOME_LM_CACHE`` (default ``~/.cache/genome-lm``) in
-``native/``, keyed by the source, the flags, the compiler's version and this CPU's feature flags,
+The shared library is cached under ``$GENOME_LM_CACHE`` (default ``$XDG_CACHE_HOME/genome-lm``,
+``~/.cache/genome-lm``) in ``native/``, keyed by the source, the flags, the compiler's version and this CPU's feature flags,
 and written atomically, so concurrent processes and machines sharing a home folder are safe.
 Without a C compiler, or if the build fails (a warning says why, once), ``library`` returns None
 and the callers run their torch path. ``GENOME_LM_NATIVE=0`` turns the C kernels off (to compare,
@@ -40,7 +40,7 @@ SIGNATURES = {  # library -> function -> argument types (every array is a pointe
         "dsa_sparse_fwd": [_ptr] * 4 + [_i64] * 7 + [_f32] + [_ptr] * 2,
         "dsa_sparse_bwd": [_ptr] * 7 + [_i64] * 7 + [_f32] + [_ptr] * 3,
         "dsa_indexer_loss_dense": [_ptr] * 6 + [_i64] * 9 + [_f32] * 2 + [_ptr] * 4,
-        "dsa_select_tokens": [_ptr] * 3 + [_i64] * 8 + [_f32, _ptr],
+        "dsa_select_tokens": [_ptr] * 3 + [_i64] * 10 + [_f32, _ptr],
     },
     "mhc": {
         "mhc_sinkhorn_fwd": [_ptr, _i64, _i64, _i64, _f32, _i64, _i64, _ptr],
@@ -54,7 +54,10 @@ def enabled() -> bool:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("GENOME_LM_CACHE") or Path.home() / ".cache" / "genome-lm") / "native"
+    root = os.environ.get("GENOME_LM_CACHE")
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "genome-lm"
+    return Path(root) / "native"
 
 
 def _compiler() -> str | None:
@@ -90,10 +93,15 @@ def build(name: str, out_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            first = (proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}").splitlines()[0]
-            raise RuntimeError(f"{cc} failed on {source.name}: {first}")
+        # without -march=native when the compiler refuses it (some Clang builds for arm64 do)
+        errors = []
+        for flags in (FLAGS, tuple(f for f in FLAGS if f != "-march=native")):
+            proc = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
+            if proc.returncode == 0:
+                break
+            errors.append((proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}").splitlines()[0])
+        else:
+            raise RuntimeError(f"{cc} failed on {source.name}: {errors[0]}")
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):

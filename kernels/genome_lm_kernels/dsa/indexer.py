@@ -217,7 +217,9 @@ def select_tokens(q_BTHD, k_BTD, w_BTH, gate_BTD=None, ape_KD=None, *, kpool: in
         raise RuntimeError("the C kernels are off or could not be built here (see the earlier warning)")
     kp_BND = pool_keys(k_BTD, gate_BTD, ape_KD, kpool=kpool)
     if use_native:
-        return _native_select(q_BTHD, kp_BND, w_BTH, kpool=kpool, topk=topk, scale=scale)
+        idx_BTS = native_select(q_BTHD, kp_BND, w_BTH, kpool=kpool, topk=topk, scale=scale,
+                                n_pick=min(topk // kpool, kp_BND.shape[1]))
+        return idx_BTS, idx_BTS >= 0
     n_pick = min(topk // kpool, kp_BND.shape[1])
     S = slot_width(topk, kpool)
     idx_BTS = torch.empty(B, T, S, dtype=torch.long, device=q_BTHD.device)
@@ -233,8 +235,11 @@ def select_tokens(q_BTHD, k_BTD, w_BTH, gate_BTD=None, ape_KD=None, *, kpool: in
     return idx_BTS, idx_BTS >= 0
 
 
-def _native_select(q_BTHD, kp_BND, w_BTH, *, kpool: int, topk: int, scale: float):
-    """``select_tokens`` from the pooled keys in C, threads over query rows."""
+def native_select(q_BTHD, kp_BND, w_BTH, *, kpool: int, topk: int, scale: float, n_pick: int, t0: int = 0):
+    """Selected tokens [B, T, S] of queries t0 .. t0+T-1 from the pooled keys complete so far
+    (kp [B, N, D]), in C (``cpu/dsa.c``), threads over query rows: ``select_tokens``' layout with
+    ``n_pick`` pool slots (``min(topk // kpool, pools of the whole sequence)``). A chunked prefill
+    calls it chunk by chunk and gets the whole sequence's selection."""
     lib = native.library("dsa")
     B, T, Hi, Di = q_BTHD.shape
     N = kp_BND.shape[1]
@@ -243,5 +248,5 @@ def _native_select(q_BTHD, kp_BND, w_BTH, *, kpool: int, topk: int, scale: float
     idx_BTS = torch.empty(B, T, slot_width(topk, kpool), dtype=torch.long)
     p = native.ptr
     native.run_rows(lib.dsa_select_tokens, native.split_rows(B * T), lambda i, r0, r1: (
-        p(qi), p(kpT), p(w), r0, r1, T, N, Hi, Di, kpool, topk, scale, p(idx_BTS)))
-    return idx_BTS, idx_BTS >= 0
+        p(qi), p(kpT), p(w), r0, r1, T, N, Hi, Di, kpool, topk, n_pick, t0, scale, p(idx_BTS)))
+    return idx_BTS
