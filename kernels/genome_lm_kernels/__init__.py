@@ -3,7 +3,8 @@
 One folder per op, each with a readable reference, a CPU-efficient torch path and a Triton GPU
 path that share one signature. ``resolve_backend`` is the one place that turns a backend name
 into a ``KernelBackend``; every public op takes that resolved object (a plain name is refused),
-so no op resolves, remaps or lists names of its own, and nothing here reads a global setting.
+so no op resolves, remaps or lists names of its own, and nothing here reads a global setting
+except ``GENOME_LM_NATIVE=0``, which turns off the C kernels of the CPU path (``cpu/native.py``).
 """
 
 from __future__ import annotations
