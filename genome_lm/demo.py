@@ -34,11 +34,9 @@ def run_demo(out: Path, window: int, *, config: str = DEMO_CONFIG, overrides: li
              on_trained: Callable | None = None) -> DemoResult:
     """Run every stage into ``out``; ``on_dataset(prepare result)`` and ``on_trained(TrainResult)``
     are called as the stages finish."""
-    from genome_lm.config import load_config
     from genome_lm.data.demo_genome import write_demo_genome
     from genome_lm.data.prepare import PrepareRequest, prepare
     from genome_lm.data.windows import WindowSpec
-    from genome_lm.engine import quiet_megatron_import
 
     fasta = out / "genome.fa"
     if not fasta.exists():
@@ -46,20 +44,9 @@ def run_demo(out: Path, window: int, *, config: str = DEMO_CONFIG, overrides: li
     prepared = prepare(PrepareRequest(fasta, out / "dataset", windows=WindowSpec(window, window)), quiet=not progress)
     if on_dataset:
         on_dataset(prepared)
-    cfg = load_config(config, [f"data.dataset={out / 'dataset'}", f"train.out_dir={out / 'run'}", *(overrides or [])])
-    with quiet_megatron_import():
-        from genome_lm.eval.evaluate import EvalRequest, evaluate
-        from genome_lm.checkpoint import existing_checkpoints
-        from genome_lm.train.trainer import train
-
-        trained = train(cfg, progress=progress, resume=bool(existing_checkpoints(out / "run")))
-        if on_trained:
-            on_trained(trained)
-        _stop_if_stopped(trained)
-        report = evaluate(EvalRequest(model=str(out / "run"), baseline="init", chrom="chr22",
-                                      out=out / "run" / "eval-chr22", max_windows=eval_windows,
-                                      max_contexts=DEMO_MAX_CONTEXTS), progress=progress)
-    return DemoResult(cfg, trained, report)
+    return _finetune_and_evaluate(out, config, overrides, dict(chrom="chr22", out=out / "run" / "eval-chr22",
+                                                               max_windows=eval_windows, max_contexts=DEMO_MAX_CONTEXTS),
+                                  progress, on_trained)
 
 
 DNA_CONFIG = "dna-finetune-cpu"
@@ -76,15 +63,26 @@ def run_dna_demo(out: Path, fasta: Path, train_regions: tuple[str, ...], eval_re
     model on every held-out window (or ``eval_windows`` of them) against its starting weights,
     the Markov chain fitted on the training regions, uniform, and itself with its context cut
     (``max_contexts``, default 1,024 bases). Re-running continues the run and reuses the scores."""
-    from genome_lm.config import load_config
     from genome_lm.data.prepare import PrepareRequest, prepare
     from genome_lm.data.windows import WindowSpec
-    from genome_lm.engine import quiet_megatron_import
 
     prepared = prepare(PrepareRequest(Path(fasta), out / "dataset", tuple(train_regions), (eval_region,),
                                       WindowSpec(window, window)), quiet=not progress)
     if on_dataset:
         on_dataset(prepared)
+    return _finetune_and_evaluate(out, config, overrides, dict(chrom=eval_region, out=out / "run" / "eval",
+                                                               max_windows=eval_windows,
+                                                               max_contexts=max_contexts or DNA_MAX_CONTEXTS),
+                                  progress, on_trained)
+
+
+def _finetune_and_evaluate(out: Path, config: str, overrides: list[str] | None, evaluation: dict, progress: bool,
+                           on_trained: Callable | None) -> DemoResult:
+    """Fine-tune ``config`` on ``out``/dataset into ``out``/run (continuing a run already there),
+    then evaluate it against its starting weights (``evaluation``: the EvalRequest's other fields)."""
+    from genome_lm.config import load_config
+    from genome_lm.engine import quiet_megatron_import
+
     cfg = load_config(config, [f"data.dataset={out / 'dataset'}", f"train.out_dir={out / 'run'}", *(overrides or [])])
     with quiet_megatron_import():
         from genome_lm.checkpoint import existing_checkpoints
@@ -95,9 +93,7 @@ def run_dna_demo(out: Path, fasta: Path, train_regions: tuple[str, ...], eval_re
         if on_trained:
             on_trained(trained)
         _stop_if_stopped(trained)
-        report = evaluate(EvalRequest(model=str(out / "run"), baseline="init", chrom=eval_region,
-                                      out=out / "run" / "eval", max_windows=eval_windows,
-                                      max_contexts=max_contexts or DNA_MAX_CONTEXTS), progress=progress)
+        report = evaluate(EvalRequest(model=str(out / "run"), baseline="init", **evaluation), progress=progress)
     return DemoResult(cfg, trained, report)
 
 

@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common.h"
+
 static int cmp_i64(const void *a, const void *b) {
     int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
     return (x > y) - (x < y);
@@ -35,25 +37,6 @@ static int64_t row_keys(const int64_t *ix, int64_t S, int64_t *keys) {
     for (int64_t i = 1; i < n; i++)
         if (keys[i] != keys[m - 1]) keys[m++] = keys[i];
     return m;
-}
-
-/* exp(x) for x <= 0 (a softmax's shifted scores), to about 2 ulp, in plain arithmetic so that the
- * compiler vectorises the loops that call it (libm's expf is a scalar call per element, most of
- * the forward's time). Below -87.3 it returns exp(-87.3) = 1.2e-38, where expf is smaller still. */
-static inline float exp_neg(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    float n = __builtin_rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f;  /* ln 2 in two parts (Cody-Waite) */
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;  /* exp(r) on [-ln2/2, ln2/2]: the Cephes minimax polynomial */
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { float f; int32_t i; } scale = {.i = ((int32_t)n + 127) << 23};
-    return p * scale.f;
 }
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t D) {

@@ -13,23 +13,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define TB 64 /* tokens per block */
+#include "common.h"
 
-static inline float exp_neg(float x) { /* as in dsa.c: exp(x) for x <= 0, to about 2 ulp */
-    x = x < -87.3f ? -87.3f : x;
-    float n = __builtin_rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { float f; int32_t i; } scale = {.i = ((int32_t)n + 127) << 23};
-    return p * scale.f;
-}
+#define TB 64 /* tokens per block */
 
 /* p[i][j][t] = softmax over j of z[i][j][t] (block of nt tokens at z + t0, row stride M). */
 static inline __attribute__((always_inline)) void softmax_rows(const float *z, int64_t M, int64_t N, int64_t nt,

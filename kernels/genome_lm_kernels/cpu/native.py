@@ -84,7 +84,9 @@ def build(name: str, out_dir: Path | None = None) -> Path:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     source = HERE / f"{name}.c"
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
+    headers = [h.read_text() for h in sorted(HERE.glob("*.h"))]  # included by every source
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, *FLAGS, version, _cpu_flags()]).encode()
+                         ).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
     lib = out_dir / f"{name}-{key}.so"
     if lib.exists():
