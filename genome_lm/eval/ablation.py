@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from .buckets import (SUBSETS, WindowSums, bucket_centres, difference_interval, errorbars, finite,
-                      resample_weights, subset_and_bucket_sums)
+                      resample_weights, subset_and_bucket_sums, subset_sums)
 from .score import TokenScores
 
 
@@ -47,8 +47,8 @@ def summarize(full: TokenScores, cuts: dict[int, TokenScores], edges: list[int],
             else:
                 entry["buckets"] = [{"from": edges[g], "to": edges[g + 1], **s} for g, s in enumerate(stats)]
         far = 2 * N
-        stats = _deltas(_beyond_sums(full, window_pos, len(windows), far),
-                        _beyond_sums(scores, window_pos, len(windows), far), weights, level)
+        stats = _deltas(subset_sums(full, window_pos, len(windows), full.context >= far),
+                        subset_sums(scores, window_pos, len(windows), scores.context >= far), weights, level)
         entry["beyond"] = {"from": far, **dict(zip(SUBSETS, stats))}
         out["cuts"].append(entry)
     return out
@@ -60,15 +60,6 @@ def _deltas(base: WindowSums, own: WindowSums, weights, level) -> list[dict]:
     diff, lo, hi = difference_interval(base, own, weights, level)
     return [{"tokens": int(own.counts[:, g].sum()), "nats": finite(mean[g]), "delta": finite(diff[g]),
              "ci": [finite(lo[g]), finite(hi[g])]} for g in range(len(mean))]
-
-
-def _beyond_sums(scores: TokenScores, window_pos: np.ndarray, n_windows: int, start: int) -> WindowSums:
-    """Per-window sums over the bases with at least ``start`` bases of context: all of them,
-    the unmasked ones and the soft-masked ones (the SUBSETS' order)."""
-    far = scores.context >= start
-    whole = WindowSums.of(scores.nll, window_pos, np.where(far, 0, -1), n_windows, 1)
-    split = WindowSums.of(scores.nll, window_pos, np.where(far, np.where(scores.softmasked, 1, 0), -1), n_windows, 2)
-    return WindowSums(np.concatenate([whole.sums, split.sums], 1), np.concatenate([whole.counts, split.counts], 1))
 
 
 def beyond_line(cut: dict) -> str | None:

@@ -163,16 +163,24 @@ def finite(x) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def subset_sums(scores, window_pos: np.ndarray, n_windows: int, keep: np.ndarray | None = None) -> WindowSums:
+    """Per-window sums of ``scores`` (``score.TokenScores``) by subset (all, unmasked,
+    soft-masked), over the tokens where ``keep`` is true (all when None)."""
+    subset = np.where(scores.softmasked, 2, 1)
+    whole = np.zeros_like(subset)
+    if keep is not None:
+        subset, whole = np.where(keep, subset, -1), np.where(keep, whole, -1)
+    whole = WindowSums.of(scores.nll, window_pos, whole, n_windows, 1)
+    parts = WindowSums.of(scores.nll, window_pos, subset, n_windows, 3)
+    return WindowSums(np.concatenate([whole.sums, parts.sums[:, 1:]], 1),
+                      np.concatenate([whole.counts, parts.counts[:, 1:]], 1))
+
+
 def subset_and_bucket_sums(scores, window_pos: np.ndarray, n_windows: int, edges: list[int]):
     """Per-window sums of ``scores`` (``score.TokenScores``): by subset (all, unmasked,
     soft-masked) and by context bucket."""
-    subset = np.where(scores.softmasked, 2, 1)
-    whole = WindowSums.of(scores.nll, window_pos, np.zeros_like(subset), n_windows, 1)
-    parts = WindowSums.of(scores.nll, window_pos, subset, n_windows, 3)
-    subsets = WindowSums(np.concatenate([whole.sums, parts.sums[:, 1:]], 1),
-                         np.concatenate([whole.counts, parts.counts[:, 1:]], 1))
     buckets = WindowSums.of(scores.nll, window_pos, bucket_of(scores.context, edges), n_windows, len(edges) - 1)
-    return subsets, buckets
+    return subset_sums(scores, window_pos, n_windows), buckets
 
 
 def bucket_centres(buckets: list[dict]) -> np.ndarray:

@@ -219,7 +219,7 @@ def _sinkhorn_grad(z: torch.Tensor, g: torch.Tensor, iters: int, eps: float) -> 
 def _native_sinkhorn(z: torch.Tensor) -> bool:
     """Whether the C Sinkhorn (``genome_lm_kernels/cpu/mhc.c``) takes z: fp32 on the CPU, and
     the C kernels built here (``GENOME_LM_NATIVE=0`` turns them off)."""
-    return z.dtype == torch.float32 and z.device.type == "cpu" and native.library("mhc") is not None
+    return native.wanted("mhc", None, z.dtype == torch.float32 and z.device.type == "cpu")
 
 
 def _sinkhorn_native(fn: str, z: torch.Tensor, grad: torch.Tensor | None, iters: int, eps: float) -> torch.Tensor:

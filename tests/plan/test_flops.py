@@ -31,21 +31,8 @@ def measured_matmul_flops(run) -> int:
     ``train.step.forward_backward``, as the planner's measurement runs it), as torch counts them:
     on the torch path (the count models its products; the C kernels for the CPU do the same
     arithmetic where torch's counter cannot see it)."""
-    import os
-
-    previous = os.environ.get("GENOME_LM_NATIVE")
-    os.environ["GENOME_LM_NATIVE"] = "0"
-    try:
-        return _counted(run)
-    finally:
-        if previous is None:
-            del os.environ["GENOME_LM_NATIVE"]
-        else:
-            os.environ["GENOME_LM_NATIVE"] = previous
-
-
-def _counted(run) -> int:
-    with parallel_context() as pg:
+    with pytest.MonkeyPatch.context() as mp, parallel_context() as pg:
+        mp.setenv("GENOME_LM_NATIVE", "0")
         model = measure.build_measured(run, pg, ParallelSizes())
         micro = measure.random_batches(run, 1)
         counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.baddbmm_: _baddbmm_inplace})

@@ -46,15 +46,18 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return acc;
 }
 
-/* Scores of one row's n keys, head-major: s[h * S + i] = scale * q[h] . k[key i, h]; mx[h] their
- * maximum over i. */
-static inline __attribute__((always_inline)) void row_scores(const float *restrict qr, const float *restrict k, int64_t base, const int64_t *keys,
-                       int64_t n, int64_t S, int64_t H, int64_t D, float scale, float *restrict s,
-                       float *restrict mx) {
+/* Scores of one row's n keys, head-major: s[h * S + i] = scale * q[h] . k[key i, h]. */
+static inline __attribute__((always_inline)) void row_scores(const float *restrict qr, const float *restrict k,
+                                                             int64_t base, const int64_t *keys, int64_t n, int64_t S,
+                                                             int64_t H, int64_t D, float scale, float *restrict s) {
     for (int64_t i = 0; i < n; i++) {
         const float *kr = k + (base + keys[i]) * H * D;
         for (int64_t h = 0; h < H; h++) s[h * S + i] = scale * dot(qr + h * D, kr + h * D, D);
     }
+}
+
+/* mx[h]: the maximum over i < n of s[h * S + i] (the forward's softmax shift). */
+static void row_max(const float *restrict s, int64_t n, int64_t S, int64_t H, float *restrict mx) {
     for (int64_t h = 0; h < H; h++) {
         float m = -INFINITY;
 #pragma omp simd reduction(max : m)
@@ -93,7 +96,8 @@ static inline __attribute__((always_inline)) void sparse_fwd(
             for (int64_t h = 0; h < H; h++) lse[r * H + h] = -INFINITY;
             continue;
         }
-        row_scores(q + r * H * D, k, base, keys, n, S, H, D, scale, s, mx);
+        row_scores(q + r * H * D, k, base, keys, n, S, H, D, scale, s);
+        row_max(s, n, S, H, mx);
         row_exp(s, n, S, H, mx, sum);
         for (int64_t i = 0; i < n; i++) {
             const float *vr = v + (base + keys[i]) * H * Dv;
@@ -121,17 +125,16 @@ static inline __attribute__((always_inline)) void sparse_bwd(
     const float *q, const float *k, const float *v, const int64_t *idx, const float *lse, const float *dout,
     const float *delta, int64_t r0, int64_t r1, int64_t T, int64_t S, int64_t H, int64_t D, int64_t Dv,
     float scale, float *dq, float *dk, float *dv) {
-    float *s = malloc(sizeof(float) * (size_t)(S * H + 2 * H));
+    float *s = malloc(sizeof(float) * (size_t)(S * H));
     int64_t *keys = malloc(sizeof(int64_t) * (size_t)S);
-    float *mx = s + S * H;
     for (int64_t r = r0; r < r1; r++) {
         int64_t base = r / T * T, n = row_keys(idx + r * S, S, keys);
         const float *qr = q + r * H * D, *dor = dout + r * H * Dv;
         float *dqr = dq + r * H * D;
         memset(dqr, 0, sizeof(float) * (size_t)(H * D));
         if (n == 0) continue;
-        row_scores(qr, k, base, keys, n, S, H, D, scale, s, mx);
-        row_exp(s, n, S, H, lse + r * H, NULL);
+        row_scores(qr, k, base, keys, n, S, H, D, scale, s);
+        row_exp(s, n, S, H, lse + r * H, NULL);  /* p, shifted by the forward's lse */
         for (int64_t i = 0; i < n; i++) {
             int64_t key = base + keys[i];
             const float *kr = k + key * H * D, *vr = v + key * H * Dv;

@@ -73,7 +73,7 @@ static inline __attribute__((always_inline)) void sinkhorn_fwd(const float *z, i
         softmax_rows(z + t0, M, N, nt, c);
         for (int64_t e = 0; e < N * N; e++)
             for (int64_t t = 0; t < nt; t++) c[e * TB + t] += eps;
-        for (int64_t s = 0; s < 2 * iters - 1; s++) normalise(c, N, nt, s == 0 ? 0 : (s % 2 ? 1 : 0), eps, den);
+        for (int64_t s = 0; s < 2 * iters - 1; s++) normalise(c, N, nt, s % 2, eps, den);
         for (int64_t e = 0; e < N * N; e++) memcpy(out + e * M + t0, c + e * TB, sizeof(float) * (size_t)nt);
     }
     free(c);
@@ -93,12 +93,12 @@ static inline __attribute__((always_inline)) void sinkhorn_bwd(const float *z, c
         for (int64_t e = 0; e < NN; e++)
             for (int64_t t = 0; t < nt; t++) c[e * TB + t] = p[e * TB + t] + eps;
         for (int64_t s = 0; s < steps; s++) {
-            normalise(c, N, nt, s == 0 ? 0 : (s % 2 ? 1 : 0), eps, dens + s * N * TB);
+            normalise(c, N, nt, s % 2, eps, dens + s * N * TB);
             memcpy(ys + s * NN * TB, c, sizeof(float) * (size_t)(NN * TB));
         }
         for (int64_t e = 0; e < NN; e++) memcpy(g + e * TB, grad + e * M + t0, sizeof(float) * (size_t)nt);
         for (int64_t s = steps - 1; s >= 0; s--) {
-            int dim = s == 0 ? 0 : (s % 2 ? 1 : 0);
+            int dim = s % 2;
             const float *y = ys + s * NN * TB, *den = dens + s * N * TB;
             for (int64_t a = 0; a < N; a++) {
                 for (int64_t t = 0; t < nt; t++) acc[t] = 0.0f;

@@ -64,6 +64,11 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
+@functools.cache
+def _version(cc: str) -> str:
+    return subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -83,7 +88,7 @@ def build(name: str, out_dir: Path | None = None) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     source = HERE / f"{name}.c"
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    version = _version(cc)
     headers = [h.read_text() for h in sorted(HERE.glob("*.h"))]  # included by every source
     key = hashlib.sha256("\0".join([source.read_text(), *headers, *FLAGS, version, _cpu_flags()]).encode()
                          ).hexdigest()[:16]
@@ -131,9 +136,28 @@ def library(name: str) -> ctypes.CDLL | None:
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """Tensors the C kernels take: on the CPU, not fp64 (fp64 stays on the torch path, the
-    precision reference) and not requiring autograd through them (they are plain data)."""
+    """Tensors the C kernels take: on the CPU and not fp64 (fp64 stays on the torch path, the
+    precision reference)."""
     return all(t.device.type == "cpu" and t.dtype != torch.float64 for t in tensors)
+
+
+def wanted(name: str, requested: bool | None, applies: bool, why: str = "the C kernels do not take these inputs"
+           ) -> bool:
+    """Whether an op runs in C: ``requested`` None = when it ``applies`` (the op's inputs and
+    mode) and library ``name`` is built here; True = it must (RuntimeError when it cannot,
+    ``why`` when it does not apply); False = the torch path."""
+    if requested is None:
+        return applies and library(name) is not None
+    if requested and library(name) is None:
+        raise RuntimeError("the C kernels are off or could not be built here (see the earlier warning)")
+    if requested and not applies:
+        raise RuntimeError(why)
+    return requested
+
+
+def f32(x: torch.Tensor) -> torch.Tensor:
+    """x as contiguous fp32, the layout every C kernel reads (no copy when it already is)."""
+    return x.to(torch.float32).contiguous()
 
 
 @functools.cache

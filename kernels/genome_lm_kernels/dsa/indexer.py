@@ -210,17 +210,12 @@ def select_tokens(q_BTHD, k_BTD, w_BTH, gate_BTD=None, ape_KD=None, *, kpool: in
     scores are asked for, the inputs are CPU tensors not in fp64 and the C kernels build here."""
     B, T, _, D = q_BTHD.shape
     scale = D**-0.5 if scale is None else scale
-    if use_native is None:
-        use_native = (score_fn is torch_scores and native.usable(q_BTHD, k_BTD, w_BTH)
-                      and native.library("dsa") is not None)
-    elif use_native and native.library("dsa") is None:
-        raise RuntimeError("the C kernels are off or could not be built here (see the earlier warning)")
+    use_native = native.wanted("dsa", use_native, score_fn is torch_scores and native.usable(q_BTHD, k_BTD, w_BTH))
     kp_BND = pool_keys(k_BTD, gate_BTD, ape_KD, kpool=kpool)
-    if use_native:
-        idx_BTS = native_select(q_BTHD, kp_BND, w_BTH, kpool=kpool, topk=topk, scale=scale,
-                                n_pick=min(topk // kpool, kp_BND.shape[1]))
-        return idx_BTS, idx_BTS >= 0
     n_pick = min(topk // kpool, kp_BND.shape[1])
+    if use_native:
+        idx_BTS = native_select(q_BTHD, kp_BND, w_BTH, kpool=kpool, topk=topk, scale=scale, n_pick=n_pick)
+        return idx_BTS, idx_BTS >= 0
     S = slot_width(topk, kpool)
     idx_BTS = torch.empty(B, T, S, dtype=torch.long, device=q_BTHD.device)
     for t0 in range(0, T, chunk):
@@ -243,7 +238,7 @@ def native_select(q_BTHD, kp_BND, w_BTH, *, kpool: int, topk: int, scale: float,
     lib = native.library("dsa")
     B, T, Hi, Di = q_BTHD.shape
     N = kp_BND.shape[1]
-    qi, w = q_BTHD.to(torch.float32).contiguous(), w_BTH.to(torch.float32).contiguous()
+    qi, w = native.f32(q_BTHD), native.f32(w_BTH)
     kpT = kp_BND.to(torch.float32).transpose(1, 2).contiguous()  # [B, Di, N]
     idx_BTS = torch.empty(B, T, slot_width(topk, kpool), dtype=torch.long)
     p = native.ptr

@@ -218,13 +218,10 @@ def indexer_loss(q_idx_BTHD, k_idx_BTD, w_BTH, q_BTHD, k_BTHD, idx_BTS=None, *, 
     ``use_native``: the dense mode in C (``NativeDenseIndexerLoss``); None = whenever it applies
     (dense mode, no reduce_target or w_uk, CPU tensors not in fp64, the C kernels built here)."""
     idx_scale = q_idx_BTHD.shape[-1] ** -0.5 if idx_scale is None else idx_scale
-    if use_native is None:
-        use_native = (idx_BTS is None and reduce_target is None and w_uk_HED is None and native.library("dsa") is not None
-                      and native.usable(q_idx_BTHD, k_idx_BTD, w_BTH, q_BTHD, k_BTHD))
-    elif use_native and (idx_BTS is not None or reduce_target is not None or w_uk_HED is not None
-                         or native.library("dsa") is None):
-        raise RuntimeError("the C indexer loss takes the dense mode on one process's heads (no idx, reduce_target "
-                           "or w_uk), and needs the C kernels built here")
+    use_native = native.wanted("dsa", use_native, idx_BTS is None and reduce_target is None and w_uk_HED is None
+                               and native.usable(q_idx_BTHD, k_idx_BTD, w_BTH, q_BTHD, k_BTHD),
+                               why="the C indexer loss takes the dense mode on one process's heads (no idx, "
+                                   "reduce_target or w_uk) in fp32, bf16 or fp16 on the CPU")
     # Pool keys in fp32 (not the input dtype, as selection does): a bf16 rounding of the keys
     # flips ReLUs and makes the gradient noisy; the gradient still flows back to bf16 leaves.
     kp_BND = pool_keys(k_idx_BTD.to(compute_dtype(k_idx_BTD.dtype)), gate_BTD, ape_KD, kpool=kpool)
@@ -247,9 +244,8 @@ class NativeDenseIndexerLoss(torch.autograd.Function):
         B, T, Hi, Di = q_idx_BTHD.shape
         N, (H, D) = kp_BND.shape[1], q_BTHD.shape[2:]
         f32 = torch.float32
-        q, qi, w = (x.to(f32).contiguous() for x in (q_BTHD, q_idx_BTHD, w_BTH))
+        q, qi, w, kp = (native.f32(x) for x in (q_BTHD, q_idx_BTHD, w_BTH, kp_BND))
         kT = k_BTHD.to(f32).permute(0, 2, 3, 1).contiguous()  # [B, H, D, T]
-        kp = kp_BND.to(f32).contiguous()
         kpT = kp.transpose(1, 2).contiguous()  # [B, Di, N]
         ranges = native.split_rows(B * T)
         kl = torch.empty(B * T, dtype=f32)

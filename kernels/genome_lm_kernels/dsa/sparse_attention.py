@@ -163,16 +163,12 @@ class SparseAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def _fp32(x):
-    return x.to(torch.float32).contiguous()
-
-
 def native_forward(q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale: float):
     """The forward in C (``cpu/dsa.c``: one pass per query, threads over query rows), fp32."""
     lib = native.library("dsa")
     B, T, H, D = q_BTHD.shape
     Dv, S = v_BTHD.shape[-1], idx_BTS.shape[-1]
-    q, k, v, idx = _fp32(q_BTHD), _fp32(k_BTHD), _fp32(v_BTHD), idx_BTS.to(torch.int64).contiguous()
+    q, k, v, idx = native.f32(q_BTHD), native.f32(k_BTHD), native.f32(v_BTHD), idx_BTS.to(torch.int64).contiguous()
     o = torch.empty(B, T, H, Dv, dtype=torch.float32)
     lse = torch.empty(B, T, H, dtype=torch.float32)
     p = native.ptr
@@ -186,12 +182,12 @@ def native_backward(q_BTHD, k_BTHD, v_BTHD, idx_BTS, o_BTHD, lse_BTH, do_BTHD, d
     lib = native.library("dsa")
     B, T, H, D = q_BTHD.shape
     Dv, S = v_BTHD.shape[-1], idx_BTS.shape[-1]
-    do = torch.zeros(o_BTHD.shape, dtype=torch.float32) if do_BTHD is None else _fp32(do_BTHD)
+    do = torch.zeros(o_BTHD.shape, dtype=torch.float32) if do_BTHD is None else native.f32(do_BTHD)
     delta = (do * o_BTHD.float()).sum(-1)
     if dlse_BTH is not None:
         delta -= dlse_BTH.float().nan_to_num(0.0)
-    q, k, v, idx = _fp32(q_BTHD), _fp32(k_BTHD), _fp32(v_BTHD), idx_BTS.to(torch.int64).contiguous()
-    lse, delta = _fp32(lse_BTH), delta.contiguous()
+    q, k, v, idx = native.f32(q_BTHD), native.f32(k_BTHD), native.f32(v_BTHD), idx_BTS.to(torch.int64).contiguous()
+    lse, delta = native.f32(lse_BTH), delta.contiguous()
     ranges = native.split_rows(B * T)
     dq = torch.empty(B, T, H, D, dtype=torch.float32)
     dk = torch.zeros(len(ranges), B, T, H, D, dtype=torch.float32)
@@ -266,8 +262,5 @@ def sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, *, scale: float, chunk: in
 
     ``use_native``: run forward and backward in C (``cpu/dsa.c``); None = whenever the inputs
     are CPU tensors in fp32 / bf16 / fp16 and the C kernels build here, False = the torch path."""
-    if use_native is None:
-        use_native = native.usable(q_BTHD, k_BTHD, v_BTHD) and native.library("dsa") is not None
-    elif use_native and native.library("dsa") is None:
-        raise RuntimeError("the C kernels are off or could not be built here (see the earlier warning)")
+    use_native = native.wanted("dsa", use_native, native.usable(q_BTHD, k_BTHD, v_BTHD))
     return SparseAttention.apply(q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale, chunk, use_native)
