@@ -28,6 +28,10 @@ if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors through Triton's interpreter (slow: small shapes only).
     # Set here, before any test module imports triton (megatron-core does): triton reads it once.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# pytest-xdist's workers start with COLUMNS=80 (LINES=24), which would fix the width of the CLI's
+# rich console at import; the CLI tests set their own through CliRunner's env
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
 
 
 @pytest.fixture(autouse=True, scope="module")

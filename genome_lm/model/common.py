@@ -236,6 +236,68 @@ def _sinkhorn_native(fn: str, z: torch.Tensor, grad: torch.Tensor | None, iters:
     return out.permute(2, 0, 1).reshape(z.shape).contiguous()
 
 
+def _native_streams(*tensors: torch.Tensor) -> bool:
+    """Whether mHC's per-token products (collapse, merge) run in C (``cpu/mhc.c``): every input
+    fp32 on the CPU and the C kernels built here."""
+    return native.wanted("mhc", None, all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors))
+
+
+def _run_tokens(fn: str, tokens: int, args_for) -> None:
+    """``cpu/mhc.c``'s ``fn`` over ``tokens`` tokens, split over torch's threads; ``args_for(m0, m1)``."""
+    native.run_rows(getattr(native.library("mhc"), fn), native.split_rows(tokens), lambda i, m0, m1: args_for(m0, m1))
+
+
+class _Collapse(torch.autograd.Function):
+    """The block's input sum_n pre[n] * streams[n] in C: pre [.., N] and streams [.., N, D] fp32
+    -> [.., D]; backward in one pass per token too."""
+
+    @staticmethod
+    def forward(ctx, pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        pre, streams = native.f32(pre), native.f32(streams)
+        ctx.save_for_backward(pre, streams)
+        N, D = streams.shape[-2:]
+        x = streams.new_empty(streams.shape[:-2] + (D,))
+        _run_tokens("mhc_collapse_fwd", pre.numel() // N, lambda m0, m1: (
+            native.ptr(pre), native.ptr(streams), N, D, m0, m1, native.ptr(x)))
+        return x
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        pre, streams = ctx.saved_tensors
+        g = native.f32(g)
+        N, D = streams.shape[-2:]
+        dpre, ds = torch.empty_like(pre), torch.empty_like(streams)
+        _run_tokens("mhc_collapse_bwd", pre.numel() // N, lambda m0, m1: (
+            native.ptr(pre), native.ptr(streams), native.ptr(g), N, D, m0, m1, native.ptr(dpre), native.ptr(ds)))
+        return dpre, ds
+
+
+class _Merge(torch.autograd.Function):
+    """``HyperConnection.merge`` in C: post [.., N], comb [.., N, N], block_out [.., D] and
+    streams [.., N, D], all fp32 -> the new streams [.., N, D]; backward in one pass per token."""
+
+    @staticmethod
+    def forward(ctx, post, comb, block_out, streams):
+        post, comb, block_out, streams = (native.f32(t) for t in (post, comb, block_out, streams))
+        ctx.save_for_backward(post, comb, block_out, streams)
+        N, D = streams.shape[-2:]
+        out = torch.empty_like(streams)
+        _run_tokens("mhc_merge_fwd", post.numel() // N, lambda m0, m1: (
+            *(native.ptr(t) for t in (post, comb, block_out, streams)), N, D, m0, m1, native.ptr(out)))
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        post, comb, block_out, streams = ctx.saved_tensors
+        g = native.f32(g)
+        N, D = streams.shape[-2:]
+        grads = [torch.empty_like(t) for t in (post, comb, block_out, streams)]
+        _run_tokens("mhc_merge_bwd", post.numel() // N, lambda m0, m1: (
+            *(native.ptr(t) for t in (post, comb, block_out, streams, g)), N, D, m0, m1,
+            *(native.ptr(t) for t in grads)))
+        return tuple(grads)
+
+
 _COMPILED: tuple | None = None
 
 
@@ -291,12 +353,17 @@ class HyperConnection(nn.Module):
         post = 2 * torch.sigmoid(post_w * post_s + post_b)
         comb = sinkhorn(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), self.iters, self.eps,
                         self.compiled)
-        block_in = (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
+        if _native_streams(pre, streams):
+            block_in = _Collapse.apply(pre, streams)
+        else:
+            block_in = (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
         return post, comb, block_in
 
     @staticmethod
     def merge(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
         """New streams: post * block output + comb^T @ old streams."""
+        if _native_streams(post, comb, block_out, streams):
+            return _Merge.apply(post, comb, block_out, streams)
         dtype = streams.dtype
         return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + comb.to(dtype).transpose(-1, -2) @ streams
 

@@ -82,8 +82,18 @@ def saved_rmsnorm(width: int, s: Shard) -> float:
     return width * F32 + F32 + width * s.a
 
 
+def kda_in_c(cfg: ModelConfig, s: Shard) -> bool:
+    """Whether KDA runs as the C token recurrence (``genome_lm_kernels/kda/native.py``): the torch
+    backend on a CPU, with heads small enough and the C kernels built on this machine."""
+    if s.backend.name != "torch" or s.backend.device != "cpu":
+        return False
+    native_kda = importlib.import_module("genome_lm_kernels.kda.native")
+    return native_kda.runs_in_c(cfg.linear_head_dim, cfg.linear_head_dim)
+
+
 def saved_kda(cfg: ModelConfig, s: Shard) -> float:
-    """``model.kda.KDAAttention`` with its kernel (torch chunked on CPU, Triton on GPU)."""
+    """``model.kda.KDAAttention`` with its kernel (on a CPU the C recurrence for small heads, else
+    torch chunked; Triton on GPU)."""
     h, K, D = cfg.linear_num_heads // s.tp, cfg.linear_head_dim, cfg.hidden_size
     V = K
     W = h * K
@@ -94,6 +104,8 @@ def saved_kda(cfg: ModelConfig, s: Shard) -> float:
     l2norm = 2 * h * F32
     if s.gpu_kernels:  # the Triton function saves its inputs: l2-normalised q, k and g (v, beta shared)
         kernel = 3 * W * F32
+    elif kda_in_c(cfg, s):  # kda/native.py: l2-normalised q, k, g, a contiguous fp32 copy of v, and
+        kernel = 4 * W * F32 + h * K * V * F32 / KDA_CHUNK  # the state entering every 64 tokens
     else:  # chunked_bwd.ChunkGroup saves q, k, g, W (4K), v, U (2V), beta, M and the UT
         # transform Tinv (2 x 64 per row), and the state entering each chunk (K x V per 64 rows)
         per_head = (4 * K + 2 * V + 1 + 2 * KDA_CHUNK) * F32 + K * V * F32 / KDA_CHUNK
@@ -212,6 +224,8 @@ def backward_attention(cfg: ModelConfig, s: Shard, kda: bool) -> float:
         if s.gpu_kernels:  # the Triton backward's buffers (the kernel module's own inventory), d(conv input)
             triton = importlib.import_module("genome_lm_kernels.kda.triton")
             return h * triton.backward_bytes_per_token(K, K, exact=s.backend.exact) + 3 * W * F32
+        if kda_in_c(cfg, s):  # dq, dk, dv, dg, dbeta written directly, d(conv input)
+            return 4 * W * F32 + h * F32 + 3 * W * F32
         # dq, dk, dv, dg in the chunk layout and their padded copies, d(conv input)
         return 8 * W * F32 + 3 * W * F32
     h = cfg.num_attention_heads // s.tp
@@ -249,6 +263,8 @@ def backward_fixed(cfg: ModelConfig, s: Shard, kda: bool) -> float:
     ``GATHER_ELEMENTS`` values (keys, values and two products of that size in backward). The
     Triton kernels keep theirs in on-chip memory."""
     if s.backend.name != "torch":
+        return 0.0
+    if kda and kda_in_c(cfg, s):  # per thread one block of 64 tokens' states (78 KB at 16 x 16 heads)
         return 0.0
     if kda:
         chunked = importlib.import_module("genome_lm_kernels.kda.chunked")

@@ -4,7 +4,8 @@ One folder per op, each with a readable reference, a CPU-efficient torch path an
 path that share one signature. ``resolve_backend`` is the one place that turns a backend name
 into a ``KernelBackend``; every public op takes that resolved object (a plain name is refused),
 so no op resolves, remaps or lists names of its own, and nothing here reads a global setting
-except ``GENOME_LM_NATIVE=0``, which turns off the C kernels of the CPU path (``cpu/native.py``).
+except ``GENOME_LM_NATIVE=0``, which turns off the C kernels of the CPU path (``cpu/native.py``)
+(and Triton's own ``TRITON_INTERPRET=1``, under which ``interpreter.py`` skips repeated work).
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@ token-by-token reference, on fresh random inputs, under NaN poisoning."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -45,12 +48,47 @@ def make_inputs(B, T, H, K, V, generator, *, dtype=torch.float32, with_state=Tru
     return {n: (t.to(dtype).requires_grad_() if t is not None else None) for n, t in x.items()}
 
 
+# The torch backend's two CPU paths: the token recurrence in C (cpu/kda.c, heads of up to 64 x 64
+# floats) and the chunked torch path (GENOME_LM_NATIVE=0, and the full model's heads).
+CPU_PATHS = ("torch-C", "torch-chunked")
+
+
+@contextlib.contextmanager
+def cpu_path(name: str | None):
+    """Run the torch backend on the CPU path ``name`` (a CPU_PATHS entry without "torch-"), and
+    check that it is the one that ran; None: leave the choice alone."""
+    from genome_lm_kernels.cpu import native
+    from genome_lm_kernels.kda import native as native_kda
+
+    if name is None:
+        yield
+        return
+    if name == "C" and native.library("kda") is None:
+        pytest.skip("no C compiler here")
+    ran, apply, before = [], native_kda._KDA.apply, os.environ.get("GENOME_LM_NATIVE")
+    os.environ["GENOME_LM_NATIVE"] = "1" if name == "C" else "0"
+    native_kda._KDA.apply = lambda *a: ran.append(1) or apply(*a)
+    try:
+        yield
+    finally:
+        native_kda._KDA.apply = apply
+        if before is None:
+            os.environ.pop("GENOME_LM_NATIVE")
+        else:
+            os.environ["GENOME_LM_NATIVE"] = before
+    assert bool(ran) == (name == "C"), f"the {name} path did not run"
+
+
 def run(x, backend, use_qk_l2norm):
-    return kda(
-        x["q"], x["k"], x["v"], x["g"], x["beta"],
-        initial_state=x["initial_state"], output_final_state=True,
-        use_qk_l2norm=use_qk_l2norm, backend=backend_of(backend),
-    )
+    path = None
+    if backend in CPU_PATHS:
+        backend, path = "torch", backend.removeprefix("torch-")
+    with cpu_path(path):
+        return kda(
+            x["q"], x["k"], x["v"], x["g"], x["beta"],
+            initial_state=x["initial_state"], output_final_state=True,
+            use_qk_l2norm=use_qk_l2norm, backend=backend_of(backend),
+        )
 
 
 def check_against_reference(x, backend, use_qk_l2norm, dtype, generator, grads=True):
@@ -80,18 +118,47 @@ def variant_id(v):
     return f"{'S0' if v[0] else 'noS0'}-{'l2' if v[1] else 'nol2'}"
 
 
+@pytest.mark.parametrize("path", CPU_PATHS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
 @pytest.mark.parametrize("B,T,H", [(2, T, 3) for T in LENGTHS], ids=[f"B2-T{T}-H3" for T in LENGTHS])
-def test_torch_matches_reference_fp32(B, T, H, variant, generator, nan_poison):
+def test_torch_matches_reference_fp32(B, T, H, variant, path, generator, nan_poison):
     with_state, l2 = variant
     x = make_inputs(B, T, H, 16, 32, generator, with_state=with_state, normalised_k=not l2)
-    check_against_reference(x, "torch", l2, torch.float32, generator)
+    check_against_reference(x, path, l2, torch.float32, generator)
 
 
+@pytest.mark.parametrize("path", CPU_PATHS)
 @pytest.mark.parametrize("T", LENGTHS, ids=lambda T: f"B2-T{T}-H3")
-def test_torch_matches_reference_bf16_forward(T, generator, nan_poison):
+def test_torch_matches_reference_bf16_forward(T, path, generator, nan_poison):
     x = make_inputs(2, T, 3, 16, 32, generator, dtype=torch.bfloat16)
-    check_against_reference(x, "torch", True, torch.bfloat16, generator, grads=False)
+    check_against_reference(x, path, True, torch.bfloat16, generator, grads=False)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("K,V", [(16, 16), (8, 12), (64, 64)])
+def test_c_recurrence_other_heads_and_threads(K, V, threads, generator, nan_poison, monkeypatch):
+    """The C recurrence on the compiled 16 x 16 heads and on others (up to MAX_STATE), its (batch,
+    head) rows split over threads; 3 x 2 rows so that a thread holds several."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    x = make_inputs(3, 131, 2, K, V, generator)
+    check_against_reference(x, "torch-C", True, torch.float32, generator)
+
+
+def test_c_recurrence_only_where_it_applies(generator, monkeypatch):
+    """Heads above MAX_STATE and fp64 inputs take the chunked path; without gradients the C
+    forward keeps no block states."""
+    from genome_lm_kernels.kda import native as native_kda
+
+    calls = []
+    monkeypatch.setattr(native_kda._KDA, "apply", lambda *a, f=native_kda._KDA.apply: calls.append(a) or f(*a))
+    big = make_inputs(1, 5, 1, 128, 64, generator)
+    assert big["q"].shape[-1] * big["v"].shape[-1] > native_kda.MAX_STATE
+    run(big, "torch", True)
+    run({n: (t.double() if t is not None else None) for n, t in make_inputs(1, 5, 1, 16, 16, generator).items()},
+        "torch", True)
+    assert calls == []
+    with torch.no_grad():
+        run(make_inputs(1, 5, 1, 16, 16, generator), "torch-C", True)
 
 
 TRITON_CASES = [  # (B, T, H, K, V, initial state, l2norm): the interpreter is slow, keep it small
@@ -134,11 +201,12 @@ def test_triton_fp32_is_tighter_than_bf16(generator):
     assert err["triton-fp32"] < 1e-6 < 1e-3 < err["triton"] < 2e-2, err
 
 
-@pytest.mark.parametrize("backend,T", [("torch", 257), ("triton-fp32", 70)], ids=["torch-B2-T257-H2", "triton-fp32-B1-T70-H2"])
+@pytest.mark.parametrize("backend,T", [("torch-C", 257), ("torch-chunked", 257), ("triton-fp32", 70)],
+                         ids=["torch-C-B2-T257-H2", "torch-chunked-B2-T257-H2", "triton-fp32-B1-T70-H2"])
 def test_strong_decay_stays_finite_and_exact(backend, T, generator, nan_poison):
     """Unbounded gates (-exp(A_log) * softplus) can decay by e^-60 per token: the in-chunk
     decay products span e^-3840, which a naive e^{G_i} e^{-G_j} split would overflow."""
-    x = make_inputs(2 if backend == "torch" else 1, T, 2, 16, 16, generator, decay=60.0)
+    x = make_inputs(2 if backend.startswith("torch") else 1, T, 2, 16, 16, generator, decay=60.0)
     check_against_reference(x, backend, True, torch.float32, generator)
 
 
@@ -150,7 +218,7 @@ def test_torch_streams_groups_of_chunks(group, generator, nan_poison, monkeypatc
 
     monkeypatch.setattr(chunked, "GROUP", group * 2 * 3)
     x = make_inputs(2, 257, 3, 16, 32, generator)
-    check_against_reference(x, "torch", True, torch.float32, generator)
+    check_against_reference(x, "torch-chunked", True, torch.float32, generator)
 
 
 def test_decay_at_the_factorised_limit(generator, nan_poison):
@@ -161,11 +229,11 @@ def test_decay_at_the_factorised_limit(generator, nan_poison):
     x = make_inputs(2, 200, 2, 16, 16, generator)
     x["g"] = torch.full_like(x["g"], -0.99 * MAX_EXP / (SUB // 2)).requires_grad_()
     x["q"] = (10 * x["q"]).detach().requires_grad_()
-    check_against_reference(x, "torch", False, torch.float32, generator)
+    check_against_reference(x, "torch-chunked", False, torch.float32, generator)
 
 
-@pytest.mark.parametrize("backend,T,split", [("torch", 300, 100), ("triton-fp32", 80, 33)],
-                         ids=["torch-B2-T300-H2", "triton-fp32-B2-T80-H2"])
+@pytest.mark.parametrize("backend,T,split", [("torch-C", 300, 100), ("torch-chunked", 300, 100), ("triton-fp32", 80, 33)],
+                         ids=["torch-C-B2-T300-H2", "torch-chunked-B2-T300-H2", "triton-fp32-B2-T80-H2"])
 def test_streaming_equals_one_call(backend, T, split, generator, nan_poison):
     """Two calls, the first's final state as the second's initial state, equal one call."""
     x = make_inputs(2, T, 2, 16, 16, generator)

@@ -147,3 +147,134 @@ void mhc_sinkhorn_bwd(const float *z, const float *grad, int64_t M, int64_t N, i
     else
         sinkhorn_bwd(z, grad, M, N, iters, eps, m0, m1, dz);
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * The streams' two per-token products (HyperConnection in genome_lm/model/common.py), token-major:
+ * streams s [M][N][D], block output / input y [M][D], pre and post [M][N], comb [M][N][N].
+ *   collapse: x[d] = sum_n pre[n] s[n][d]                      (the block's input)
+ *   merge:    out[j][d] = post[j] y[d] + sum_i comb[i][j] s[i][d]  (the new streams)
+ * torch runs merge as a batched 4 x 4 by 4 x D product per token plus a broadcast product, and
+ * their backwards as several more passes over [M, N, D]; here each token is one pass, forward and
+ * backward. Tokens m0..m1-1 (each thread its own range).
+ */
+static inline __attribute__((always_inline)) void collapse_fwd(const float *pre, const float *s, int64_t N,
+                                                               int64_t D, int64_t m0, int64_t m1, float *x) {
+    for (int64_t m = m0; m < m1; m++) {
+        const float *sm = s + m * N * D, *pm = pre + m * N;
+        float *xm = x + m * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) xm[d] = pm[0] * sm[d];
+        for (int64_t n = 1; n < N; n++) {
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) xm[d] += pm[n] * sm[n * D + d];
+        }
+    }
+}
+
+/* dpre[n] = sum_d g[d] s[n][d];  ds[n][d] = pre[n] g[d] */
+static inline __attribute__((always_inline)) void collapse_bwd(const float *pre, const float *s, const float *g,
+                                                               int64_t N, int64_t D, int64_t m0, int64_t m1,
+                                                               float *dpre, float *ds) {
+    for (int64_t m = m0; m < m1; m++) {
+        const float *sm = s + m * N * D, *pm = pre + m * N, *gm = g + m * D;
+        float *dsm = ds + m * N * D;
+        for (int64_t n = 0; n < N; n++) {
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t d = 0; d < D; d++) {
+                acc += gm[d] * sm[n * D + d];
+                dsm[n * D + d] = pm[n] * gm[d];
+            }
+            dpre[m * N + n] = acc;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void merge_fwd(const float *post, const float *comb, const float *y,
+                                                            const float *s, int64_t N, int64_t D, int64_t m0,
+                                                            int64_t m1, float *out) {
+    for (int64_t m = m0; m < m1; m++) {
+        const float *sm = s + m * N * D, *ym = y + m * D, *pm = post + m * N, *cm = comb + m * N * N;
+        float *om = out + m * N * D;
+        for (int64_t j = 0; j < N; j++) {
+            float *o = om + j * D;
+            const float pj = pm[j];
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) o[d] = pj * ym[d];
+            for (int64_t i = 0; i < N; i++) {
+                const float c = cm[i * N + j];
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) o[d] += c * sm[i * D + d];
+            }
+        }
+    }
+}
+
+/* dpost[j] = sum_d g[j][d] y[d];  dy[d] = sum_j post[j] g[j][d];
+ * dcomb[i][j] = sum_d s[i][d] g[j][d];  ds[i][d] = sum_j comb[i][j] g[j][d] */
+static inline __attribute__((always_inline)) void merge_bwd(const float *post, const float *comb, const float *y,
+                                                            const float *s, const float *g, int64_t N, int64_t D,
+                                                            int64_t m0, int64_t m1, float *dpost, float *dcomb,
+                                                            float *dy, float *ds) {
+    for (int64_t m = m0; m < m1; m++) {
+        const float *sm = s + m * N * D, *ym = y + m * D, *pm = post + m * N, *cm = comb + m * N * N;
+        const float *gm = g + m * N * D;
+        float *dym = dy + m * D, *dsm = ds + m * N * D;
+        for (int64_t j = 0; j < N; j++) {
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t d = 0; d < D; d++) acc += gm[j * D + d] * ym[d];
+            dpost[m * N + j] = acc;
+        }
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) dym[d] = pm[0] * gm[d];
+        for (int64_t j = 1; j < N; j++) {
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) dym[d] += pm[j] * gm[j * D + d];
+        }
+        for (int64_t i = 0; i < N; i++) {
+            for (int64_t j = 0; j < N; j++) {
+                float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t d = 0; d < D; d++) acc += sm[i * D + d] * gm[j * D + d];
+                dcomb[m * N * N + i * N + j] = acc;
+            }
+            float *o = dsm + i * D;
+            const float c0 = cm[i * N];
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) o[d] = c0 * gm[d];
+            for (int64_t j = 1; j < N; j++) {
+                const float c = cm[i * N + j];
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) o[d] += c * gm[j * D + d];
+            }
+        }
+    }
+}
+
+/* The exported entry points: N = 4 with D = 64 (the presets') get loops compiled for them. */
+#define MHC_DISPATCH(call_fixed, call_any) \
+    if (N == 4 && D == 64)                 \
+        call_fixed;                        \
+    else                                   \
+        call_any;
+
+void mhc_collapse_fwd(const float *pre, const float *s, int64_t N, int64_t D, int64_t m0, int64_t m1, float *x) {
+    MHC_DISPATCH(collapse_fwd(pre, s, 4, 64, m0, m1, x), collapse_fwd(pre, s, N, D, m0, m1, x))
+}
+
+void mhc_collapse_bwd(const float *pre, const float *s, const float *g, int64_t N, int64_t D, int64_t m0, int64_t m1,
+                      float *dpre, float *ds) {
+    MHC_DISPATCH(collapse_bwd(pre, s, g, 4, 64, m0, m1, dpre, ds), collapse_bwd(pre, s, g, N, D, m0, m1, dpre, ds))
+}
+
+void mhc_merge_fwd(const float *post, const float *comb, const float *y, const float *s, int64_t N, int64_t D,
+                   int64_t m0, int64_t m1, float *out) {
+    MHC_DISPATCH(merge_fwd(post, comb, y, s, 4, 64, m0, m1, out), merge_fwd(post, comb, y, s, N, D, m0, m1, out))
+}
+
+void mhc_merge_bwd(const float *post, const float *comb, const float *y, const float *s, const float *g, int64_t N,
+                   int64_t D, int64_t m0, int64_t m1, float *dpost, float *dcomb, float *dy, float *ds) {
+    MHC_DISPATCH(merge_bwd(post, comb, y, s, g, 4, 64, m0, m1, dpost, dcomb, dy, ds),
+                 merge_bwd(post, comb, y, s, g, N, D, m0, m1, dpost, dcomb, dy, ds))
+}

@@ -42,9 +42,17 @@ SIGNATURES = {  # library -> function -> argument types (every array is a pointe
         "dsa_indexer_loss_dense": [_ptr] * 6 + [_i64] * 9 + [_f32] * 2 + [_ptr] * 4,
         "dsa_select_tokens": [_ptr] * 3 + [_i64] * 10 + [_f32, _ptr],
     },
+    "kda": {
+        "kda_fwd": [_ptr] * 5 + [_f32, _ptr] + [_i64] * 7 + [_ptr] * 3,
+        "kda_bwd": [_ptr] * 5 + [_f32] + [_ptr] * 3 + [_i64] * 7 + [_ptr] * 6,
+    },
     "mhc": {
         "mhc_sinkhorn_fwd": [_ptr, _i64, _i64, _i64, _f32, _i64, _i64, _ptr],
         "mhc_sinkhorn_bwd": [_ptr, _ptr, _i64, _i64, _i64, _f32, _i64, _i64, _ptr],
+        "mhc_collapse_fwd": [_ptr] * 2 + [_i64] * 4 + [_ptr],
+        "mhc_collapse_bwd": [_ptr] * 3 + [_i64] * 4 + [_ptr] * 2,
+        "mhc_merge_fwd": [_ptr] * 4 + [_i64] * 4 + [_ptr],
+        "mhc_merge_bwd": [_ptr] * 5 + [_i64] * 4 + [_ptr] * 4,
     },
 }
 
@@ -165,9 +173,10 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="genome-lm-native")
 
 
-def split_rows(rows: int) -> list[tuple[int, int]]:
-    """[r0, r1) ranges, one per thread (torch's intra-op thread count, fewer for few rows)."""
-    n = max(1, min(torch.get_num_threads(), rows // MIN_ROWS_PER_THREAD))
+def split_rows(rows: int, min_per_thread: int | None = None) -> list[tuple[int, int]]:
+    """[r0, r1) ranges, one per thread (torch's intra-op thread count, fewer for few rows: at
+    least ``min_per_thread`` each, default ``MIN_ROWS_PER_THREAD``)."""
+    n = max(1, min(torch.get_num_threads(), rows // (min_per_thread or MIN_ROWS_PER_THREAD)))
     bounds = [rows * i // n for i in range(n + 1)]
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 

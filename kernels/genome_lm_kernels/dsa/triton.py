@@ -20,7 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from genome_lm_kernels.interpreter import share_language_patches
 from genome_lm_kernels.kda.triton_fwd import mm
+
+share_language_patches()  # under Triton's interpreter only
 
 
 def _check(*xs):

@@ -21,6 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
+from genome_lm_kernels.interpreter import share_language_patches
+
+share_language_patches()  # under Triton's interpreter only
+
 from genome_lm_kernels.kda.triton_fwd import mm
 
 MAX_DIM = 512

@@ -23,6 +23,12 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def _native_applies(*tensors: torch.Tensor) -> bool:
+    from .native import applies
+
+    return applies(*tensors)
+
+
 def kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -72,11 +78,14 @@ def kda(
 
         o, state = kda_fla(q, k, v, g, beta, scale, initial_state, use_qk_l2norm=use_qk_l2norm)
         return o.to(out_dtype), (state if output_final_state else None)
+    q_in = q
     q, k = q.float(), k.float()
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     if path == "reference":
         from .reference import kda_reference as run
+    elif path == "torch" and _native_applies(q_in, v, g, beta):
+        from .native import kda_native as run  # the token recurrence in C (small heads)
     elif path == "torch":
         from .chunked import kda_chunked as run
     else:

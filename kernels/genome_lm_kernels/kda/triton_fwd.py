@@ -44,26 +44,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from genome_lm_kernels.interpreter import share_language_patches
 
-def device(fn):
-    """``triton.jit`` for a device function (one that kernels call). Under Triton's interpreter
-    a jitted device function patches triton.language again at every call (``inspect.getmembers``
-    over the language modules, about 1 ms), which the calling kernel's launch has already done
-    for the same modules: there it is called straight, through the interpreter's own rewrite of
-    its source (which the interpreter caches). Measured: 3 interpreted bf16 training steps of the
-    tiny model, 48.7 -> 43.1 s. On a GPU, and in the compile check, it is the jitted function."""
-    jitted = triton.jit(fn)
-    if not hasattr(jitted, "rewrite"):  # a JITFunction: compiled for a device
-        return jitted
-
-    def call(*args, **kwargs):
-        return jitted.rewrite()(*args, **kwargs)
-
-    call.__name__, call.__doc__ = fn.__name__, fn.__doc__
-    return call
+share_language_patches()  # under Triton's interpreter only
 
 
-@device
+@triton.jit
 def round_bf16(x):
     """fp32 x rounded to the nearest bf16 value (ties to even), kept in fp32: the GPU's conversion,
     written out for the interpreter, whose own conversion truncates (x finite)."""
@@ -72,7 +58,7 @@ def round_bf16(x):
     return ((bits >> 16) << 16).to(tl.float32, bitcast=True)
 
 
-@device
+@triton.jit
 def to_buffer(x, ptr, DOT: tl.constexpr):
     """x converted to the element type of the chunk buffer at ``ptr``, rounded to nearest (the
     emulated bf16 mode rounds first, so that the interpreter's truncating conversion is exact)."""
@@ -81,7 +67,7 @@ def to_buffer(x, ptr, DOT: tl.constexpr):
     return x.to(ptr.dtype.element_ty)
 
 
-@device
+@triton.jit
 def mm(a, b, DOT: tl.constexpr):
     """a @ b with fp32 accumulation: bf16 or fp16 operands (tensor cores) or exact fp32 (see ``DOT``)."""
     if DOT == "bf16":
@@ -94,14 +80,14 @@ def mm(a, b, DOT: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
 
-@device
+@triton.jit
 def decay_le1(x):
     """e^x for an exponent that is <= 0 wherever the result is used; the clamp keeps the
     entries that a mask drops afterwards finite (never inf * 0)."""
     return tl.exp(tl.minimum(x.to(tl.float32), 0.0))
 
 
-@device
+@triton.jit
 def token_rows(b, h, t, T, H):
     """Row index of (batch b, token t, head h) in a contiguous [B, T, H, X] tensor (int64)."""
     return (b * T + t) * H + h
@@ -172,7 +158,7 @@ def _intra_kernel(q_ptr, k_ptr, G_ptr, M_ptr, P_ptr, T, H, scale,
     tl.store(P_ptr + out, Pacc)
 
 
-@device
+@triton.jit
 def unit_lower_inverse(A, BC: tl.constexpr):
     """(I + A)^{-1} of a strictly lower [BC, BC] tile by forward substitution, in fp32."""
     r = tl.arange(0, BC)
@@ -184,7 +170,7 @@ def unit_lower_inverse(A, BC: tl.constexpr):
     return Y
 
 
-@device
+@triton.jit
 def _beta_p_block(P_ptr, beta_ptr, b, h, c, row0, a, jb, T, H, BT: tl.constexpr, BC: tl.constexpr):
     """Block (a, jb) of A = diag(beta) P, [BC, BC] fp32."""
     r = tl.arange(0, BC)
@@ -194,20 +180,20 @@ def _beta_p_block(P_ptr, beta_ptr, b, h, c, row0, a, jb, T, H, BT: tl.constexpr,
     return beta[:, None] * P
 
 
-@device
+@triton.jit
 def _solve_rows(P_ptr, beta_ptr, b, h, c, row0, a, R, T, H, BT: tl.constexpr, BC: tl.constexpr):
     """Rows of sub-chunk a of Y: (I + A_aa)^{-1} R, where R = E_a - sum_{jb<a} A_a,jb Y_jb."""
     Dinv = unit_lower_inverse(_beta_p_block(P_ptr, beta_ptr, b, h, c, row0, a, a, T, H, BT, BC), BC)
     return tl.dot(Dinv, R, input_precision="ieee")
 
 
-@device
+@triton.jit
 def _identity_rows(a, BT: tl.constexpr, BC: tl.constexpr):
     r, cols = tl.arange(0, BC), tl.arange(0, BT)
     return tl.where(cols[None, :] == (a * BC + r)[:, None], 1.0, 0.0)
 
 
-@device
+@triton.jit
 def _store_rows(out_ptr, Ya, a, X, row0, cols, m_cols, D, BC: tl.constexpr, DOT: tl.constexpr):
     """Rows of sub-chunk a of Y @ X into out [.., D] at columns ``cols``."""
     r = tl.arange(0, BC)
