@@ -18,6 +18,7 @@ import importlib
 from dataclasses import dataclass, field
 
 from genome_lm_kernels import KernelBackend, resolve_backend
+from genome_lm_kernels.cpu import native
 
 from genome_lm.model import common
 from genome_lm.model.config import ModelConfig
@@ -241,16 +242,29 @@ def backward_attention(cfg: ModelConfig, s: Shard, kda: bool) -> float:
 
 
 def backward_mlp(cfg: ModelConfig, s: Shard, moe: bool) -> float:
+    """The MLP's gradient buffers beside everything the layer saved. Dense: fc2's input gradient,
+    then the gate's and up's (the SwiGLU's saved product is freed once fc2's backward has used it,
+    so two intermediate-wide buffers net)."""
     if not moe:
-        return 3 * (cfg.intermediate_size / s.tp) * s.a
+        return 2 * (cfg.intermediate_size / s.tp) * s.a
     return 3 * (cfg.moe_intermediate_size / s.etp) * s.a * expert_copies(cfg, s)
 
 
 def backward_streams(cfg: ModelConfig, s: Shard) -> float:
-    """Gradients of the streams flowing through a layer (in, out, through the mHC merge) and the
-    mHC's fp32 flattened gradient."""
+    """Gradients of the streams flowing through a layer (in, out, and torch's product through the
+    mHC merge, which the C merge of the CPU path does not make) and the mHC's fp32 flattened
+    gradient."""
     n, D = cfg.hc_mult, cfg.hidden_size
-    return (3 * n * D * s.a + 2 * n * D * F32) * s.stream_tokens
+    copies = 2 if mhc_in_c(s) else 3
+    return (copies * n * D * s.a + 2 * n * D * F32) * s.stream_tokens
+
+
+def mhc_in_c(s: Shard) -> bool:
+    """Whether mHC's collapse and merge run in C (``model.common._Merge``): fp32 streams with the
+    torch backend on a CPU, and the C kernels built here."""
+    if s.backend.name != "torch" or s.backend.device != "cpu" or s.a != F32:
+        return False
+    return native.wanted("mhc", None, True)
 
 
 DSA_DEFAULT_CHUNK = 64  # model.dsa.DSAAttention.query_chunk unless memory.dsa_query_chunk sets it
