@@ -25,6 +25,33 @@
 
 #define BT 64 /* tokens per saved state */
 
+/* One token's write into the state: e = exp(g); S = e[:, None] * S (copied to Sd when given, the
+ * decayed state S'); u = S'^T k; d = beta (v - u); S = S' + k d^T. */
+static inline __attribute__((always_inline)) void token_write(float *S, const float *kt, const float *gt,
+                                                              const float *vt, float bt, int64_t K, int64_t V,
+                                                              float *e, float *u, float *d, float *Sd) {
+    for (int64_t i = 0; i < K; i++) e[i] = exp_neg(gt[i]);
+    for (int64_t j = 0; j < V; j++) u[j] = 0.0f;
+    for (int64_t i = 0; i < K; i++) {
+        float *Si = S + i * V;
+        const float ei = e[i], ki = kt[i];
+#pragma omp simd
+        for (int64_t j = 0; j < V; j++) {
+            Si[j] *= ei;
+            u[j] += ki * Si[j];
+        }
+        if (Sd) memcpy(Sd + i * V, Si, sizeof(float) * (size_t)V);
+    }
+#pragma omp simd
+    for (int64_t j = 0; j < V; j++) d[j] = bt * (vt[j] - u[j]);
+    for (int64_t i = 0; i < K; i++) {
+        float *Si = S + i * V;
+        const float ki = kt[i];
+#pragma omp simd
+        for (int64_t j = 0; j < V; j++) Si[j] += ki * d[j];
+    }
+}
+
 static inline __attribute__((always_inline)) void kda_fwd_rows(
     const float *q, const float *k, const float *v, const float *g, const float *beta, float scale,
     const float *S0, int64_t B, int64_t T, int64_t H, int64_t K, int64_t V, int64_t r0, int64_t r1, float *o,
@@ -43,30 +70,14 @@ static inline __attribute__((always_inline)) void kda_fwd_rows(
                 memcpy(S_blocks + (r * nblk + t / BT) * K * V, S, sizeof(float) * (size_t)(K * V));
             int64_t row = (b * T + t) * H + h;
             const float *qt = q + row * K, *kt = k + row * K, *gt = g + row * K, *vt = v + row * V;
-            const float bt = beta[row];
-            for (int64_t i = 0; i < K; i++) e[i] = exp_neg(gt[i]);
-            for (int64_t j = 0; j < V; j++) u[j] = 0.0f;
-            for (int64_t i = 0; i < K; i++) {
-                float *Si = S + i * V;
-                const float ei = e[i], ki = kt[i];
-#pragma omp simd
-                for (int64_t j = 0; j < V; j++) {
-                    Si[j] *= ei;
-                    u[j] += ki * Si[j];
-                }
-            }
-#pragma omp simd
-            for (int64_t j = 0; j < V; j++) d[j] = bt * (vt[j] - u[j]);
+            token_write(S, kt, gt, vt, beta[row], K, V, e, u, d, NULL);
             float *ot = o + row * V;
             for (int64_t j = 0; j < V; j++) ot[j] = 0.0f;
             for (int64_t i = 0; i < K; i++) {
-                float *Si = S + i * V;
-                const float ki = kt[i], qi = scale * qt[i];
+                const float *Si = S + i * V;
+                const float qi = scale * qt[i];
 #pragma omp simd
-                for (int64_t j = 0; j < V; j++) {
-                    Si[j] += ki * d[j];
-                    ot[j] += qi * Si[j];
-                }
+                for (int64_t j = 0; j < V; j++) ot[j] += qi * Si[j];
             }
         }
         if (S_final) memcpy(S_final + r * K * V, S, sizeof(float) * (size_t)(K * V));
@@ -95,27 +106,7 @@ static inline __attribute__((always_inline)) void kda_bwd_rows(
             for (int64_t t = t0; t < t1; t++) { /* the forward again, keeping S'_t, u_t, d_t */
                 int64_t row = (b * T + t) * H + h, s = t - t0;
                 const float *kt = k + row * K, *gt = g + row * K, *vt = v + row * V;
-                float *e = es + s * K, *u = us + s * V, *d = ds + s * V, *Sdt = Sd + s * K * V;
-                for (int64_t i = 0; i < K; i++) e[i] = exp_neg(gt[i]);
-                for (int64_t j = 0; j < V; j++) u[j] = 0.0f;
-                for (int64_t i = 0; i < K; i++) {
-                    float *Si = S + i * V, *Sdi = Sdt + i * V;
-                    const float ei = e[i], ki = kt[i];
-#pragma omp simd
-                    for (int64_t j = 0; j < V; j++) {
-                        Si[j] *= ei;
-                        Sdi[j] = Si[j];
-                        u[j] += ki * Si[j];
-                    }
-                }
-#pragma omp simd
-                for (int64_t j = 0; j < V; j++) d[j] = beta[row] * (vt[j] - u[j]);
-                for (int64_t i = 0; i < K; i++) {
-                    float *Si = S + i * V;
-                    const float ki = kt[i];
-#pragma omp simd
-                    for (int64_t j = 0; j < V; j++) Si[j] += ki * d[j];
-                }
+                token_write(S, kt, gt, vt, beta[row], K, V, es + s * K, us + s * V, ds + s * V, Sd + s * K * V);
             }
             for (int64_t t = t1 - 1; t >= t0; t--) {
                 int64_t row = (b * T + t) * H + h, s = t - t0;

@@ -157,18 +157,26 @@ void mhc_sinkhorn_bwd(const float *z, const float *grad, int64_t M, int64_t N, i
  * their backwards as several more passes over [M, N, D]; here each token is one pass, forward and
  * backward. Tokens m0..m1-1 (each thread its own range).
  */
-static inline __attribute__((always_inline)) void collapse_fwd(const float *pre, const float *s, int64_t N,
-                                                               int64_t D, int64_t m0, int64_t m1, float *x) {
-    for (int64_t m = m0; m < m1; m++) {
-        const float *sm = s + m * N * D, *pm = pre + m * N;
-        float *xm = x + m * D;
+/* out[d] = sum_n coef[n * stride] rows[n][d] (+ out[d] when add): the weighted row sums that every
+ * product here is made of. */
+static inline __attribute__((always_inline)) void weighted_rows(float *out, const float *coef, int64_t stride,
+                                                                const float *rows, int64_t N, int64_t D, int add) {
+    for (int64_t n = 0; n < N; n++) {
+        const float c = coef[n * stride];
+        const float *r = rows + n * D;
+        if (n == 0 && !add) {
 #pragma omp simd
-        for (int64_t d = 0; d < D; d++) xm[d] = pm[0] * sm[d];
-        for (int64_t n = 1; n < N; n++) {
+            for (int64_t d = 0; d < D; d++) out[d] = c * r[d];
+        } else {
 #pragma omp simd
-            for (int64_t d = 0; d < D; d++) xm[d] += pm[n] * sm[n * D + d];
+            for (int64_t d = 0; d < D; d++) out[d] += c * r[d];
         }
     }
+}
+
+static inline __attribute__((always_inline)) void collapse_fwd(const float *pre, const float *s, int64_t N,
+                                                               int64_t D, int64_t m0, int64_t m1, float *x) {
+    for (int64_t m = m0; m < m1; m++) weighted_rows(x + m * D, pre + m * N, 1, s + m * N * D, N, D, 0);
 }
 
 /* dpre[n] = sum_d g[d] s[n][d];  ds[n][d] = pre[n] g[d] */
@@ -197,15 +205,8 @@ static inline __attribute__((always_inline)) void merge_fwd(const float *post, c
         const float *sm = s + m * N * D, *ym = y + m * D, *pm = post + m * N, *cm = comb + m * N * N;
         float *om = out + m * N * D;
         for (int64_t j = 0; j < N; j++) {
-            float *o = om + j * D;
-            const float pj = pm[j];
-#pragma omp simd
-            for (int64_t d = 0; d < D; d++) o[d] = pj * ym[d];
-            for (int64_t i = 0; i < N; i++) {
-                const float c = cm[i * N + j];
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) o[d] += c * sm[i * D + d];
-            }
+            weighted_rows(om + j * D, pm + j, 0, ym, 1, D, 0);
+            weighted_rows(om + j * D, cm + j, N, sm, N, D, 1);
         }
     }
 }
@@ -226,12 +227,7 @@ static inline __attribute__((always_inline)) void merge_bwd(const float *post, c
             for (int64_t d = 0; d < D; d++) acc += gm[j * D + d] * ym[d];
             dpost[m * N + j] = acc;
         }
-#pragma omp simd
-        for (int64_t d = 0; d < D; d++) dym[d] = pm[0] * gm[d];
-        for (int64_t j = 1; j < N; j++) {
-#pragma omp simd
-            for (int64_t d = 0; d < D; d++) dym[d] += pm[j] * gm[j * D + d];
-        }
+        weighted_rows(dym, pm, 1, gm, N, D, 0);
         for (int64_t i = 0; i < N; i++) {
             for (int64_t j = 0; j < N; j++) {
                 float acc = 0.0f;
@@ -239,15 +235,7 @@ static inline __attribute__((always_inline)) void merge_bwd(const float *post, c
                 for (int64_t d = 0; d < D; d++) acc += sm[i * D + d] * gm[j * D + d];
                 dcomb[m * N * N + i * N + j] = acc;
             }
-            float *o = dsm + i * D;
-            const float c0 = cm[i * N];
-#pragma omp simd
-            for (int64_t d = 0; d < D; d++) o[d] = c0 * gm[d];
-            for (int64_t j = 1; j < N; j++) {
-                const float c = cm[i * N + j];
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) o[d] += c * gm[j * D + d];
-            }
+            weighted_rows(dsm + i * D, cm + i * N, 1, gm, N, D, 0);
         }
     }
 }
