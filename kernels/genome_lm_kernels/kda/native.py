@@ -19,6 +19,7 @@ from genome_lm_kernels.cpu import native
 # 15.9 against 26.0, 64 (2 heads) 16.9 against 31.1, 128 (1 head) 35.4 against 30.6: the full
 # model's 128 x 128 heads stay on the chunked path, whose matrix products batch a token's work.
 MAX_STATE = 64 * 64
+BLOCK = 64  # tokens per saved state: cpu/kda.c's BT
 
 
 def runs_in_c(K: int, V: int) -> bool:
@@ -40,9 +41,10 @@ class _KDA(torch.autograd.Function):
         S0 = None if S0 is None else native.f32(S0)
         B, T, H, K = q.shape
         V = v.shape[-1]
-        o = torch.empty(B, T, H, V)
-        S_final = torch.empty(B, H, K, V)
-        blocks = torch.empty(B * H, -(-T // 64), K, V) if any(ctx.needs_input_grad) else None
+        f32 = dict(dtype=torch.float32)
+        o = torch.empty(B, T, H, V, **f32)
+        S_final = torch.empty(B, H, K, V, **f32)
+        blocks = torch.empty(B * H, -(-T // BLOCK), K, V, **f32) if any(ctx.needs_input_grad) else None
         lib = native.library("kda")
         ptrs = [native.ptr(x) for x in (q, k, v, g, beta)]
         s0 = None if S0 is None else native.ptr(S0)
@@ -58,10 +60,10 @@ class _KDA(torch.autograd.Function):
         q, k, v, g, beta, blocks = ctx.saved_tensors
         B, T, H, K = q.shape
         V = v.shape[-1]
-        do = native.f32(do) if do is not None else torch.zeros(B, T, H, V)
+        do = native.f32(do) if do is not None else torch.zeros(B, T, H, V, dtype=torch.float32)
         dS_final = None if dS_final is None else native.f32(dS_final)
         grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
-        dS0 = torch.empty(B, H, K, V) if ctx.has_S0 else None
+        dS0 = torch.empty(B, H, K, V, dtype=torch.float32) if ctx.has_S0 else None
         lib = native.library("kda")
         ptrs = [native.ptr(x) for x in (q, k, v, g, beta)]
         native.run_rows(lib.kda_bwd, native.split_rows(B * H, 1), lambda i, r0, r1: (
