@@ -25,6 +25,14 @@
 
 #define BT 64 /* tokens per saved state */
 
+/* dst = row r's state from src ([rows][n] floats), or zeros when there is none */
+static inline void load_state(float *dst, const float *src, int64_t r, int64_t n) {
+    if (src)
+        memcpy(dst, src + r * n, sizeof(float) * (size_t)n);
+    else
+        memset(dst, 0, sizeof(float) * (size_t)n);
+}
+
 /* One token's write into the state: e = exp(g); S = e[:, None] * S (copied to Sd when given, the
  * decayed state S'); u = S'^T k; d = beta (v - u); S = S' + k d^T. */
 static inline __attribute__((always_inline)) void token_write(float *S, const float *kt, const float *gt,
@@ -61,10 +69,7 @@ static inline __attribute__((always_inline)) void kda_fwd_rows(
     float *u = S + K * V, *d = u + V, *e = d + V;
     for (int64_t r = r0; r < r1; r++) {
         int64_t b = r / H, h = r % H;
-        if (S0)
-            memcpy(S, S0 + r * K * V, sizeof(float) * (size_t)(K * V));
-        else
-            memset(S, 0, sizeof(float) * (size_t)(K * V));
+        load_state(S, S0, r, K * V);
         for (int64_t t = 0; t < T; t++) {
             if (S_blocks && t % BT == 0)
                 memcpy(S_blocks + (r * nblk + t / BT) * K * V, S, sizeof(float) * (size_t)(K * V));
@@ -96,10 +101,7 @@ static inline __attribute__((always_inline)) void kda_bwd_rows(
     float *S = es + BT * K, *dS = S + K * V, *dd = dS + K * V, *du = dd + V;
     for (int64_t r = r0; r < r1; r++) {
         int64_t b = r / H, h = r % H;
-        if (dS_final)
-            memcpy(dS, dS_final + r * K * V, sizeof(float) * (size_t)(K * V));
-        else
-            memset(dS, 0, sizeof(float) * (size_t)(K * V));
+        load_state(dS, dS_final, r, K * V);
         for (int64_t blk = nblk - 1; blk >= 0; blk--) {
             int64_t t0 = blk * BT, t1 = t0 + BT < T ? t0 + BT : T;
             memcpy(S, S_blocks + (r * nblk + blk) * K * V, sizeof(float) * (size_t)(K * V));
