@@ -172,6 +172,18 @@ def _tokens_last(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, n, n).permute(1, 2, 0).contiguous()
 
 
+def _native_mhc(*tensors: torch.Tensor) -> bool:
+    """Whether mHC's C kernels (``genome_lm_kernels/cpu/mhc.c``: the Sinkhorn, collapse, merge)
+    take these inputs: every one fp32 on the CPU, and the C kernels built here
+    (``GENOME_LM_NATIVE=0`` turns them off)."""
+    return native.wanted("mhc", None, all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors))
+
+
+def _run_tokens(fn: str, tokens: int, args_for) -> None:
+    """``cpu/mhc.c``'s ``fn`` over ``tokens`` tokens, split over torch's threads; ``args_for(m0, m1)``."""
+    native.run_rows(getattr(native.library("mhc"), fn), native.split_rows(tokens), lambda i, m0, m1: args_for(m0, m1))
+
+
 class _Sinkhorn(torch.autograd.Function):
     """The mHC Sinkhorn normalisation with a backward that recomputes the iterations: it saves
     only its input (N * N values per token) where autograd through the loop keeps every
@@ -184,7 +196,7 @@ class _Sinkhorn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, iters: int, eps: float, compiled: bool = False):
         ctx.save_for_backward(z)
-        ctx.iters, ctx.eps, ctx.native = iters, eps, _native_sinkhorn(z)
+        ctx.iters, ctx.eps, ctx.native = iters, eps, _native_mhc(z)
         if ctx.native:  # genome_lm_kernels' C kernel, forward and backward
             return _sinkhorn_native("mhc_sinkhorn_fwd", z, None, iters, eps)
         steps_fn, ctx.grad_fn = compiled_sinkhorn() if compiled else (_sinkhorn_steps, _sinkhorn_grad)
@@ -216,10 +228,6 @@ def _sinkhorn_grad(z: torch.Tensor, g: torch.Tensor, iters: int, eps: float) -> 
     return p * (g - (g * p).sum(1, keepdim=True))
 
 
-def _native_sinkhorn(z: torch.Tensor) -> bool:
-    """Whether the C Sinkhorn (``genome_lm_kernels/cpu/mhc.c``) takes z: fp32 on the CPU, and
-    the C kernels built here (``GENOME_LM_NATIVE=0`` turns them off)."""
-    return native.wanted("mhc", None, z.dtype == torch.float32 and z.device.type == "cpu")
 
 
 def _sinkhorn_native(fn: str, z: torch.Tensor, grad: torch.Tensor | None, iters: int, eps: float) -> torch.Tensor:
@@ -231,20 +239,8 @@ def _sinkhorn_native(fn: str, z: torch.Tensor, grad: torch.Tensor | None, iters:
     M = zt.shape[-1]
     out = torch.empty_like(zt)
     ptrs = [native.ptr(a) for a in args]
-    native.run_rows(getattr(native.library("mhc"), fn), native.split_rows(M), lambda i, m0, m1: (
-        *ptrs, M, n, iters, eps, m0, m1, native.ptr(out)))
+    _run_tokens(fn, M, lambda m0, m1: (*ptrs, M, n, iters, eps, m0, m1, native.ptr(out)))
     return out.permute(2, 0, 1).reshape(z.shape).contiguous()
-
-
-def _native_streams(*tensors: torch.Tensor) -> bool:
-    """Whether mHC's per-token products (collapse, merge) run in C (``cpu/mhc.c``): every input
-    fp32 on the CPU and the C kernels built here."""
-    return native.wanted("mhc", None, all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors))
-
-
-def _run_tokens(fn: str, tokens: int, args_for) -> None:
-    """``cpu/mhc.c``'s ``fn`` over ``tokens`` tokens, split over torch's threads; ``args_for(m0, m1)``."""
-    native.run_rows(getattr(native.library("mhc"), fn), native.split_rows(tokens), lambda i, m0, m1: args_for(m0, m1))
 
 
 class _Collapse(torch.autograd.Function):
@@ -353,7 +349,7 @@ class HyperConnection(nn.Module):
         post = 2 * torch.sigmoid(post_w * post_s + post_b)
         comb = sinkhorn(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), self.iters, self.eps,
                         self.compiled)
-        if _native_streams(pre, streams):
+        if _native_mhc(pre, streams):
             block_in = _Collapse.apply(pre, streams)
         else:
             block_in = (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
@@ -362,7 +358,7 @@ class HyperConnection(nn.Module):
     @staticmethod
     def merge(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
         """New streams: post * block output + comb^T @ old streams."""
-        if _native_streams(post, comb, block_out, streams):
+        if _native_mhc(post, comb, block_out, streams):
             return _Merge.apply(post, comb, block_out, streams)
         dtype = streams.dtype
         return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + comb.to(dtype).transpose(-1, -2) @ streams

@@ -51,6 +51,11 @@ class Shard:
         return 0.0 if self.a == F32 else width * F32
 
     @property
+    def torch_on_cpu(self) -> bool:
+        """The torch backend on a CPU: where the C kernels of ``genome_lm_kernels/cpu`` can run."""
+        return self.backend.name == "torch" and self.backend.device == "cpu"
+
+    @property
     def gpu_kernels(self) -> bool:
         """The Triton (or fla) kernels, and the DSA layers in absorbed MLA form."""
         return self.backend.gpu
@@ -86,7 +91,7 @@ def saved_rmsnorm(width: int, s: Shard) -> float:
 def kda_in_c(cfg: ModelConfig, s: Shard) -> bool:
     """Whether KDA runs as the C token recurrence (``genome_lm_kernels/kda/native.py``): the torch
     backend on a CPU, with heads small enough and the C kernels built on this machine."""
-    if s.backend.name != "torch" or s.backend.device != "cpu":
+    if not s.torch_on_cpu:
         return False
     native_kda = importlib.import_module("genome_lm_kernels.kda.native")
     return native_kda.runs_in_c(cfg.linear_head_dim, cfg.linear_head_dim)
@@ -262,9 +267,7 @@ def backward_streams(cfg: ModelConfig, s: Shard) -> float:
 def mhc_in_c(s: Shard) -> bool:
     """Whether mHC's collapse and merge run in C (``model.common._Merge``): fp32 streams with the
     torch backend on a CPU, and the C kernels built here."""
-    if s.backend.name != "torch" or s.backend.device != "cpu" or s.a != F32:
-        return False
-    return native.wanted("mhc", None, True)
+    return native.wanted("mhc", None, s.torch_on_cpu and s.a == F32)
 
 
 DSA_DEFAULT_CHUNK = 64  # model.dsa.DSAAttention.query_chunk unless memory.dsa_query_chunk sets it
