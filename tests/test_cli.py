@@ -182,13 +182,20 @@ def test_dna_study_on_real_sequence_end_to_end(tmp_path):
     assert chroms == {"train": [("chr2:1,000,001-1,100,000", 1_000_000, 1_100_000)],
                       "eval": [("chr2:1,100,001-1,116,384", 1_100_000, 1_116_384)]}
     report = json.loads((out / "run" / "eval" / "eval.json").read_text())
-    assert len(report["data"]["windows"]) == 2  # every held-out window: 16,384 bases in windows of 8k
+    # every held-out window: 16,384 bases in windows of 8k starting every 2,048 (a quarter window;
+    # 5 whole ones and the 6,144-base tail from 10,240), so the intervals are over the region's two
+    # blocks of 8k bases, not over its windows
+    assert len(report["data"]["windows"]) == 6
+    assert report["settings"]["bootstrap"]["unit"] == "block of 8,192 bases"
+    assert report["settings"]["bootstrap"]["units"] == 2
     assert {"model", "baseline", "markov", "uniform"} <= set(report["results"])
     (cut,) = report["ablation"]["cuts"]
     assert cut["max_context"] == 1024 and cut["beyond"]["from"] == 2048 and cut["beyond"]["all"]["tokens"] > 0
     assert report["results"]["model"]["softmasked"]["tokens"] > 0 and report["results"]["model"]["unmasked"]["tokens"] > 0
     text = " ".join(result.output.split())
     assert "the study in short" in text and "Markov chain fitted on the training regions" in text
+    assert "6 overlapping windows score each held-out base at several context lengths" in text
+    assert "the intervals are over blocks of 8,192 bases of sequence" in text
     assert "against its starting weights the loss changed most at" in text
     assert "on unmasked bases" in text and "on soft-masked (repeat) bases" in text
     assert "with at least 2,048 bases of context" in text

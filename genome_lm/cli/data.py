@@ -29,6 +29,9 @@ def prepare(
     stride: Annotated[
         Optional[str], typer.Option(help="Distance between window starts; default: the window (no overlap).")
     ] = None,
+    eval_stride: Annotated[
+        Optional[str], typer.Option(help="Distance between window starts in the evaluation split only; below the window, each held-out base is scored at several context lengths (genome-lm eval bootstraps over blocks of sequence then). Default: --stride.")
+    ] = None,
     tail: Annotated[
         str, typer.Option(help="The bases after the last full window: 'keep' as one shorter window, or 'drop'.")
     ] = "keep",
@@ -60,9 +63,10 @@ def prepare(
     try:
         spec = WindowSpec(length, size(stride, "--stride") if stride else length, tail, size(min_tail, "--min-tail"),
                           max_n)
+        request = PrepareRequest(fasta, out, split_regions(train_chroms), split_regions(eval_chroms), spec,
+                                 size(eval_stride, "--eval-stride") if eval_stride else None)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    request = PrepareRequest(fasta, out, split_regions(train_chroms), split_regions(eval_chroms), spec)
     result = run_prepare(request, workers=workers, ray_address=ray_address, force=force, quiet=quiet)
     print_dataset_summary(result.manifest, reused=result.reused)
 

@@ -36,9 +36,11 @@ def print_report(report: dict, out: Console | None = None) -> None:
     out = out or console
     results, comparison = report["results"], report.get("comparison")
     data = report["data"]
+    from genome_lm.eval.buckets import units_text
+
     table = Table(title=f"{data['chrom']} ({data['split']}): loss in nats/base by preceding context, "
                         f"{len(data['windows'])} windows of up to {data['window_length']:,}, {data['tokens']:,} tokens "
-                        "(N excluded); [95% CI over windows]", title_justify="left")
+                        f"(N excluded); [95% CI over {units_text(report)}]", title_justify="left")
     table.add_column("context", justify="right")
     table.add_column("tokens", justify="right")
     for name in results:
@@ -86,17 +88,25 @@ def print_report(report: dict, out: Console | None = None) -> None:
 
 def _print_ablation(report: dict, out: Console) -> None:
     from genome_lm.eval.ablation import fmt_delta_ci, most_hurt
+    from genome_lm.eval.buckets import units_text
 
     cuts = report["ablation"]["cuts"]
     table = Table(title="context ablation: loss(context cut to N) - loss(whole window), nats/base [95% CI over "
-                        "windows]", title_justify="left")
+                        f"{units_text(report)}]", title_justify="left")
     table.add_column("context", justify="right")
+    # (header, entry of a cut): the model's; with a baseline also the baseline's and their difference
+    columns = []
     for cut in cuts:
-        table.add_column(f"cut to {cut['max_context']:,}", justify="right")
+        N = f"{cut['max_context']:,}"
+        columns.append((f"cut to {N}", cut))
+        if cut.get("gain"):
+            columns += [(f"baseline cut to {N}", cut["baseline"]), ("model - baseline", cut["gain"])]
+    for header, _ in columns:
+        table.add_column(header, justify="right")
     for i, b in enumerate(cuts[0]["buckets"]):
         if b["tokens"]:
-            table.add_row(f"{b['from']:,}-{b['to'] - 1:,}", *(fmt_delta_ci(c["buckets"][i]) for c in cuts))
-    table.add_row("all", *(fmt_delta_ci(c["all"]) for c in cuts), style="bold")
+            table.add_row(f"{b['from']:,}-{b['to'] - 1:,}", *(fmt_delta_ci(c["buckets"][i]) for _, c in columns))
+    table.add_row("all", *(fmt_delta_ci(c["all"]) for _, c in columns), style="bold")
     out.print(table)
     for line in most_hurt(report["ablation"]):
         out.print(line, highlight=False)

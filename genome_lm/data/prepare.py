@@ -27,7 +27,7 @@ import json
 import os
 import shutil
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -55,12 +55,31 @@ class PrepareRequest:
     train_chroms: tuple[str, ...] = ("chr1", "chr2")
     eval_chroms: tuple[str, ...] = ("chr22",)
     windows: WindowSpec = field(default_factory=lambda: WindowSpec(STUDY_WINDOW, STUDY_WINDOW))
+    # the evaluation split's own stride (None: windows.stride): below the window, every held-out
+    # base is scored at several context lengths (``eval`` then bootstraps over blocks of sequence)
+    eval_stride: int | None = None
+
+    def __post_init__(self):
+        if self.eval_stride is not None and self.eval_stride < 1:
+            raise ValueError(f"eval stride must be >= 1, got {self.eval_stride}")
+
+    def split_windows(self, split: str) -> WindowSpec:
+        """The window plan of ``split``: ``windows``, with ``eval_stride`` for the eval split."""
+        if split == "eval" and self.eval_stride is not None:
+            return replace(self.windows, stride=self.eval_stride)
+        return self.windows
+
+    def windows_json(self) -> dict:
+        """The manifest's ``windows`` entry (``eval_stride`` only when set, so that older
+        requests keep their key)."""
+        extra = {} if self.eval_stride is None else {"eval_stride": self.eval_stride}
+        return {**self.windows.as_json(), **extra}
 
     def key(self) -> str:
         payload = {
             "source": quick_identity(Path(self.fasta)),
             "splits": {"train": list(self.train_chroms), "eval": list(self.eval_chroms)},
-            "windows": self.windows.as_json(),
+            "windows": self.windows_json(),
             "schema": SCHEMA,
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
@@ -127,7 +146,7 @@ def _build(request, key, staging, out, workers, ray_address, quiet, cache_dir) -
         index_dir = staging / "index" if ray_address else cache_dir
         source = _open_source(Path(request.fasta), staging, index_dir, progress)
         splits = _resolve_splits(request, source)
-        tasks, dropped = _plan_tasks(splits, request.windows)
+        tasks, dropped = _plan_tasks(splits, request)
         writer = _SplitWriter(final, staging / "done")
         todo = tasks[writer.next_task :]
         bar = progress.add_task("tokenizing", total=sum(t.bases for t in tasks), unit="bp")
@@ -147,7 +166,7 @@ def _build(request, key, staging, out, workers, ray_address, quiet, cache_dir) -
         "request_key": key,
         "source": {**source.identity, "sha256": sha256.result(), "records": [asdict(r) for r in source.records]},
         "tokenizer": TokenizerInfo().to_json(),
-        "windows": request.windows.as_json(),
+        "windows": request.windows_json(),
         "splits": split_data,
     }
     write_manifest(final, manifest)
@@ -248,11 +267,12 @@ def _resolve_splits(request: PrepareRequest, source: FastaSource) -> dict[str, l
     return splits
 
 
-def _plan_tasks(splits: dict[str, list[_Chrom]], spec: WindowSpec) -> tuple[list[Task], dict[str, list]]:
-    per_task = max(1, TASK_BASES // spec.window)
+def _plan_tasks(splits: dict[str, list[_Chrom]], request: PrepareRequest) -> tuple[list[Task], dict[str, list]]:
+    per_task = max(1, TASK_BASES // request.windows.window)
     tasks: list[Task] = []
     dropped: dict[str, list] = {split: [] for split in splits}
     for split, chroms in splits.items():
+        spec = request.split_windows(split)
         for chrom in chroms:
             windows, tail = plan_windows(chrom.end - chrom.start, spec)
             windows = [(chrom.start + a, chrom.start + b) for a, b in windows]

@@ -14,6 +14,13 @@ Report entry (``ablation`` in ``eval.json``)::
                             beyond: {from: 2N, all, unmasked, softmasked: Delta}}]}
     Delta = {tokens, nats (cut), delta (cut - whole), ci: [lo, hi]}
 
+With a baseline model (``eval --baseline``) the baseline is cut too: each cut then also has
+``baseline`` (the baseline's own Deltas, same layout) and ``gain`` (the model's delta minus the
+baseline's on the same tokens, with a paired interval; ``nats`` null): how much more the model's
+loss depends on the context beyond N than the baseline's. Unlike the change per bucket, which
+compares different bases in each bucket, it compares each base with itself: a positive gain at
+long context is fine-tuning that made the far context more useful.
+
 ``beyond`` pools the bases with at least 2N bases of context (each then loses at least N bases
 of its context to the cut), split into unmasked and soft-masked (repeat) bases: one interval for
 "does the model use the far context", and where that use lies.
@@ -24,34 +31,55 @@ from __future__ import annotations
 import numpy as np
 
 from .buckets import (SUBSETS, WindowSums, bucket_centres, difference_interval, errorbars, finite,
-                      resample_weights, subset_and_bucket_sums, subset_sums)
+                      resample_weights, subset_and_bucket_sums, subset_sums, units_text)
 from .score import TokenScores
 
 
 def summarize(full: TokenScores, cuts: dict[int, TokenScores], edges: list[int], *, resamples: int = 1000,
-              seed: int = 0, level: float = 0.95) -> dict:
-    windows, window_pos = np.unique(full.window, return_inverse=True)
-    weights = resample_weights(len(windows), resamples, seed)
-    base = subset_and_bucket_sums(full, window_pos, len(windows), edges)
+              seed: int = 0, level: float = 0.95, units: tuple[np.ndarray, int] | None = None,
+              baseline: tuple[TokenScores, dict[int, TokenScores]] | None = None) -> dict:
+    """The report entry (module docstring). ``units``: (unit [N], count) of the bootstrap
+    (``buckets.bootstrap_units``); default: windows. ``baseline``: the baseline's (whole, {N:
+    cut}) scores on the same tokens: each cut then also gives the baseline's own deltas and the
+    model's delta minus the baseline's (``gain``)."""
+    unit, n_units = units or _window_units(full)
+    weights = resample_weights(n_units, resamples, seed)
     out = {"model": "model", "cuts": []}
     for N in sorted(cuts):
-        scores = cuts[N]
-        if not (np.array_equal(scores.context, full.context) and np.array_equal(scores.window, full.window)):
-            raise ValueError(f"the context-{N} scores are not on the whole-window scores' tokens")
-        own = subset_and_bucket_sums(scores, window_pos, len(windows), edges)
-        entry: dict = {"max_context": N}
-        for part, (b, o) in enumerate(zip(base, own)):
-            stats = _deltas(b, o, weights, level)
-            if part == 0:
-                entry.update(zip(SUBSETS, stats))
-            else:
-                entry["buckets"] = [{"from": edges[g], "to": edges[g + 1], **s} for g, s in enumerate(stats)]
-        far = 2 * N
-        stats = _deltas(subset_sums(full, window_pos, len(windows), full.context >= far),
-                        subset_sums(scores, window_pos, len(windows), scores.context >= far), weights, level)
-        entry["beyond"] = {"from": far, **dict(zip(SUBSETS, stats))}
+        model_sums = _cut_sums(full, cuts[N], N, edges, unit, n_units)
+        entry = {"max_context": N, **_entry(model_sums, N, edges, weights, level)}
+        if baseline is not None:
+            base_sums = _cut_sums(baseline[0], baseline[1][N], N, edges, unit, n_units, full)
+            entry["baseline"] = _entry(base_sums, N, edges, weights, level)
+            entry["gain"] = _entry(model_sums, N, edges, weights, level, than=base_sums)
         out["cuts"].append(entry)
     return out
+
+
+def _cut_sums(whole: TokenScores, cut: TokenScores, N: int, edges, unit, n_units, tokens_of: TokenScores | None = None):
+    """[(whole, cut) per-unit sums] for the subsets, the buckets and the bases beyond 2N."""
+    for scores in (cut, whole) if tokens_of is None else (cut, whole, tokens_of):
+        if not (np.array_equal(scores.context, whole.context) and np.array_equal(scores.window, whole.window)):
+            raise ValueError(f"the context-{N} scores are not on the whole-window scores' tokens")
+    parts = list(zip(subset_and_bucket_sums(whole, unit, n_units, edges), subset_and_bucket_sums(cut, unit, n_units, edges)))
+    far = 2 * N
+    parts.append((subset_sums(whole, unit, n_units, whole.context >= far), subset_sums(cut, unit, n_units, cut.context >= far)))
+    return parts
+
+
+def _entry(sums, N: int, edges, weights, level, than=None) -> dict:
+    """Subsets, buckets and beyond of loss(cut) - loss(whole); with ``than`` (a baseline's sums on
+    the same tokens) that difference minus the baseline's, with a paired interval."""
+    stats = [_deltas(b, o, weights, level) if than is None else _gains(b, o, *other, weights, level)
+             for (b, o), other in zip(sums, than or sums)]
+    return {**dict(zip(SUBSETS, stats[0])),
+            "buckets": [{"from": edges[g], "to": edges[g + 1], **s} for g, s in enumerate(stats[1])],
+            "beyond": {"from": 2 * N, **dict(zip(SUBSETS, stats[2]))}}
+
+
+def _window_units(scores: TokenScores) -> tuple[np.ndarray, int]:
+    windows, unit = np.unique(scores.window, return_inverse=True)
+    return unit, len(windows)
 
 
 def _deltas(base: WindowSums, own: WindowSums, weights, level) -> list[dict]:
@@ -60,6 +88,15 @@ def _deltas(base: WindowSums, own: WindowSums, weights, level) -> list[dict]:
     diff, lo, hi = difference_interval(base, own, weights, level)
     return [{"tokens": int(own.counts[:, g].sum()), "nats": finite(mean[g]), "delta": finite(diff[g]),
              "ci": [finite(lo[g]), finite(hi[g])]} for g in range(len(mean))]
+
+
+def _gains(whole: WindowSums, cut: WindowSums, base_whole: WindowSums, base_cut: WindowSums, weights, level) -> list[dict]:
+    """Per group: tokens, the model's cut - whole minus the baseline's, and its paired interval."""
+    model = WindowSums(cut.sums - whole.sums, whole.counts)
+    base = WindowSums(base_cut.sums - base_whole.sums, whole.counts)
+    diff, lo, hi = difference_interval(base, model, weights, level)
+    return [{"tokens": int(whole.counts[:, g].sum()), "nats": None, "delta": finite(diff[g]),
+             "ci": [finite(lo[g]), finite(hi[g])]} for g in range(len(diff))]
 
 
 def beyond_line(cut: dict) -> str | None:
@@ -77,9 +114,12 @@ def beyond_line(cut: dict) -> str | None:
 
 
 def fmt_delta(x: float | None) -> str:
-    """A loss difference with enough digits to be read: 3.6e-05 is not "+0.0000"."""
+    """A loss difference with enough digits to be read: 3.6e-05 is not "+0.0000"; below 1e-9
+    nats/base it is rounding (sums of the same scores in another order), shown as 0."""
     if x is None:
         return "-"
+    if abs(x) < 1e-9:
+        x = 0.0
     return f"{x:+.2e}" if x != 0 and abs(x) < 1e-3 else f"{x:+.4f}"
 
 
@@ -101,7 +141,23 @@ def most_hurt(ablation: dict) -> list[str]:
                          f"{fmt_delta_ci(top)} nats/base")
         if (line := beyond_line(cut)) is not None:
             lines.append(line)
+        if (line := gain_line(cut)) is not None:
+            lines.append(line)
     return lines
+
+
+def gain_line(cut: dict, baseline: str = "the baseline") -> str | None:
+    """How much more the model's loss depends on the context beyond the cut than the baseline's,
+    on the bases with at least 2N bases of context (None without a baseline or such bases)."""
+    gain, far = cut.get("gain"), cut.get("beyond")
+    if not gain or not gain["beyond"]["all"]["tokens"] or gain["beyond"]["all"]["delta"] is None:
+        return None
+    g, own, base = gain["beyond"]["all"], far["all"], cut["baseline"]["beyond"]["all"]
+    more = "more" if g["delta"] >= 0 else "less"
+    return (f"the context beyond {cut['max_context']:,} bases is worth {fmt_delta_ci(g)} nats/base {more} to the model "
+            f"than to {baseline}, on the {g['tokens']:,} bases with at least {gain['beyond']['from']:,} of context "
+            f"(cutting it costs the model {fmt_delta(own['delta'])}, {baseline} {fmt_delta(base['delta'])}; "
+            "the same bases both ways)")
 
 
 def figure(report: dict):
@@ -119,7 +175,7 @@ def figure(report: dict):
     ax.set_xscale("log")
     ax.set_xlabel("preceding context in the window (bases)")
     ax.set_ylabel("loss(cut) - loss(whole window), nats/base")
-    ax.set_title("context ablation (95% CI over windows)")
+    ax.set_title(f"context ablation (95% CI over {units_text(report)})")
     ax.legend()
     fig.tight_layout()
     return fig
@@ -137,17 +193,31 @@ def metrics(ablation: dict) -> tuple[dict[str, float], list[tuple[str, float, in
             if b["tokens"] and b["delta"] is not None:
                 flat[f"{prefix}/delta_ctx_{b['from']}_{b['to']}"] = b["delta"]
                 series.append((f"{prefix}/delta_by_context", b["delta"], b["from"]))
+        gain = cut.get("gain")
+        if gain:
+            for subset in ("all", "unmasked", "softmasked"):
+                for name, stat in ((f"gain_{subset}", gain[subset]), (f"gain_beyond_{subset}", gain["beyond"][subset])):
+                    if stat["delta"] is not None:
+                        flat[f"{prefix}/{name}"] = stat["delta"]
+            series += [(f"{prefix}/gain_by_context", b["delta"], b["from"]) for b in gain["buckets"]
+                       if b["tokens"] and b["delta"] is not None]
     return flat, series
 
 
 def csv_rows(ablation: dict) -> list[dict]:
+    """Rows of eval.csv: per cut, the model's deltas (and with a baseline, the baseline's and the
+    model's minus the baseline's, as models "baseline" and "model - baseline")."""
     rows = []
     for cut in ablation["cuts"]:
-        parts = [(subset, None, None, cut[subset]) for subset in ("all", "unmasked", "softmasked")]
-        parts += [("bucket", b["from"], b["to"], b) for b in cut["buckets"]]
-        for subset, lo, hi, stat in parts:
-            rows.append({"model": ablation["model"], "subset": subset, "context_from": lo, "context_to": hi,
-                         "tokens": stat["tokens"], "nats": stat["nats"], "max_context": cut["max_context"],
-                         "delta_vs_whole_window": stat["delta"], "delta_ci_low": stat["ci"][0],
-                         "delta_ci_high": stat["ci"][1]})
+        for model, entry in ((ablation["model"], cut), ("baseline", cut.get("baseline")), ("model - baseline", cut.get("gain"))):
+            if entry:
+                rows += _csv_rows(model, cut["max_context"], entry)
     return rows
+
+
+def _csv_rows(model: str, N: int, cut: dict) -> list[dict]:
+    parts = [(subset, None, None, cut[subset]) for subset in ("all", "unmasked", "softmasked")]
+    parts += [("bucket", b["from"], b["to"], b) for b in cut["buckets"]]
+    return [{"model": model, "subset": subset, "context_from": lo, "context_to": hi, "tokens": stat["tokens"],
+             "nats": stat["nats"], "max_context": N, "delta_vs_whole_window": stat["delta"],
+             "delta_ci_low": stat["ci"][0], "delta_ci_high": stat["ci"][1]} for subset, lo, hi, stat in parts]

@@ -16,6 +16,11 @@ takes the token-weighted mean of the drawn windows' tokens in the bucket; the in
 2.5th and 97.5th percentile of those means. A comparison of two models on the same tokens uses
 the same resamples for both (paired), so the interval of the relative change reflects only how
 the change varies between windows.
+
+Overlapping windows (an evaluation split prepared with a stride below the window) score a base
+several times, at different context lengths, so windows are no longer independent units: the
+bootstrap then draws blocks of sequence instead (``bootstrap_units``): block b of a chromosome
+holds every score of its bases [b * block, (b + 1) * block), whichever window scored them.
 """
 
 from __future__ import annotations
@@ -99,6 +104,35 @@ class WindowSums:
         tot = self.counts.sum(0)
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(tot > 0, self.sums.sum(0) / np.maximum(tot, 1), np.nan)
+
+
+def bootstrap_units(scores, windows) -> tuple[np.ndarray, int, str]:
+    """(unit [N] in 0..U-1, U, what a unit is) for the bootstrap of ``scores``
+    (``score.TokenScores``; ``windows``: the split's windows, indexed by ``scores.window``, each
+    with ``chrom``, ``start`` and ``length``). Windows that do not overlap are the units; when any
+    two overlap, blocks of sequence are, one window length long (see the module docstring)."""
+    used = np.unique(scores.window)
+    spans = sorted((windows[i].chrom, windows[i].start, windows[i].start + windows[i].length) for i in used)
+    overlap = any(a[0] == b[0] and b[1] < a[2] for a, b in zip(spans, spans[1:]))
+    if not overlap:
+        _, unit = np.unique(scores.window, return_inverse=True)
+        return unit, len(used), "window"
+    block = max(windows[i].length for i in used)
+    chroms = {name: k for k, name in enumerate(sorted({windows[i].chrom for i in used}))}
+    first = {name: min(windows[i].start for i in used if windows[i].chrom == name) for name in chroms}
+    chrom_of = np.array([chroms.get(w.chrom, -1) for w in windows])
+    # blocks from each chromosome's first scored base: those of a plain split's windows
+    start_of = np.array([w.start - first.get(w.chrom, 0) for w in windows], dtype=np.int64)
+    position = start_of[scores.window] + scores.context
+    keys = chrom_of[scores.window].astype(np.int64) * (1 << 40) + position // block
+    uniq, unit = np.unique(keys, return_inverse=True)
+    return unit, len(uniq), f"block of {block:,} bases"
+
+
+def units_text(report: dict) -> str:
+    """What the report's intervals are over: "windows", or "blocks of 32,768 bases"."""
+    unit = report.get("settings", {}).get("bootstrap", {}).get("unit", "window")
+    return "windows" if unit == "window" else unit.replace("block", "blocks", 1)
 
 
 def resample_weights(n_windows: int, resamples: int, seed: int) -> np.ndarray:

@@ -128,7 +128,9 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict:
         total = sum(split.windows[i].length - 1 for i in windows)
         # (label, model, cut): every model whole, then the model with each --max-context cut
         jobs = [(name, name, None) for name in loaded]
-        jobs += [(f"model, context cut to {N:,}", "model", N) for N in sorted(set(req.max_contexts or []))]
+        # with a baseline, it is cut too: how much more the model uses the far context than it did
+        jobs += [(f"{name}, context cut to {N:,}", name, N) for name in ("model", "baseline") if name in loaded
+                 for N in sorted(set(req.max_contexts or []))]
         caches = {}
         for label, name, cut in jobs:
             key = score_key(loaded[name].model, loaded[name].token_map, Path(dataset), req.split, req.chunk)
@@ -152,13 +154,19 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict:
     markov = _fit_markov(manifest, Path(dataset), loaded["model"].config, note)
     with_baselines = {**scores, **baseline_scores(scores["model"], dataset, req.split, markov)}
     baseline_info = describe(markov)
-    results, comparison = rep.summarize(with_baselines, edges, resamples=req.resamples, seed=req.seed)
+    from .buckets import bootstrap_units
+
+    unit, n_units, unit_name = bootstrap_units(scores["model"], split.windows)
+    results, comparison = rep.summarize(with_baselines, edges, resamples=req.resamples, seed=req.seed,
+                                        units=(unit, n_units))
     ablation = None
     if req.max_contexts:
         from . import ablation as abl
 
-        cuts = {cut: scored[label] for label, _, cut in jobs if cut is not None}
-        ablation = abl.summarize(scores["model"], cuts, edges, resamples=req.resamples, seed=req.seed)
+        cuts = {name: {cut: scored[label] for label, who, cut in jobs if cut is not None and who == name} for name in loaded}
+        baseline = (scores["baseline"], cuts["baseline"]) if "baseline" in loaded else None
+        ablation = abl.summarize(scores["model"], cuts["model"], edges, resamples=req.resamples, seed=req.seed,
+                                 units=(unit, n_units), baseline=baseline)
     planted_path = req.planted or _planted_beside(manifest)
     planted = None
     if planted_path is not None:
@@ -176,7 +184,8 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict:
                  "window_length": window_length, "tokens": int(next(iter(scores.values())).nll.size),
                  "tokens_softmasked": int(next(iter(scores.values())).softmasked.sum())},
         "settings": {"chunk": req.chunk, "edges": edges, "max_n_fraction": req.max_n_fraction,
-                     "bootstrap": {"resamples": req.resamples, "seed": req.seed, "level": 0.95, "unit": "window"}},
+                     "bootstrap": {"resamples": req.resamples, "seed": req.seed, "level": 0.95, "unit": unit_name,
+                                   "units": n_units}},
         "models": {**{name: lm.info for name, lm in loaded.items()}, **baseline_info},
         "results": results,
         "comparison": comparison,

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .buckets import (SUBSETS, bucket_centres, change_interval, errorbars, finite, mean_interval, resample_weights,
+from .buckets import (SUBSETS, bucket_centres, units_text, change_interval, errorbars, finite, mean_interval, resample_weights,
                       subset_and_bucket_sums)
 from .score import TokenScores
 
@@ -45,18 +45,22 @@ def _stat(tokens, mean, lo, hi) -> dict:
 
 
 def summarize(scores: dict[str, TokenScores], edges: list[int], *, resamples: int = 1000, seed: int = 0,
-              level: float = 0.95) -> tuple[dict, dict | None]:
+              level: float = 0.95, units: tuple[np.ndarray, int] | None = None) -> tuple[dict, dict | None]:
     """(results, comparison) of the schema from each model's token scores (same tokens for all:
-    the first model named is compared against "baseline" when present)."""
+    the first model named is compared against "baseline" when present). ``units``: (unit [N],
+    count) of the bootstrap (``buckets.bootstrap_units``); default: the windows."""
     names = list(scores)
     first = scores[names[0]]
     for name in names[1:]:
         other = scores[name]
         if not (np.array_equal(first.context, other.context) and np.array_equal(first.window, other.window)):
             raise ValueError(f"models {names[0]} and {name} were scored on different tokens")
-    windows, window_pos = np.unique(first.window, return_inverse=True)
-    weights = resample_weights(len(windows), resamples, seed)
-    sums = {name: subset_and_bucket_sums(s, window_pos, len(windows), edges) for name, s in scores.items()}
+    if units is None:
+        windows, window_pos = np.unique(first.window, return_inverse=True)
+        units = (window_pos, len(windows))
+    window_pos, n_units = units
+    weights = resample_weights(n_units, resamples, seed)
+    sums = {name: subset_and_bucket_sums(s, window_pos, n_units, edges) for name, s in scores.items()}
     results = {}
     for name, (subsets, buckets) in sums.items():
         entry = {}
@@ -126,6 +130,9 @@ def study_summary(report: dict) -> list[str]:
     bucket), on repeats and elsewhere; and whether its context beyond each cut is used."""
     results, models, comparison = report["results"], report["models"], report.get("comparison")
     lines = []
+    if units_text(report) != "windows":
+        lines.append(f"{len(report['data']['windows'])} overlapping windows score each held-out base at several "
+                     f"context lengths; the intervals are over {units_text(report)} of sequence")
     model = results["model"]["all"]
     markov = results.get("markov", {}).get("all")
     if model["nats"] is not None and markov and markov["nats"] is not None:
@@ -148,10 +155,12 @@ def study_summary(report: dict) -> list[str]:
                  if comparison[key]["change"] is not None and comparison[key]["ci"][0] is not None]
         if parts:
             lines.append("change against the starting weights on " + "; on ".join(parts))
-    from .ablation import beyond_line
+    from .ablation import beyond_line, gain_line
 
     for cut in (report.get("ablation") or {}).get("cuts", []):
         if (line := beyond_line(cut)) is not None:
+            lines.append(line)
+        if (line := gain_line(cut, "its starting weights")) is not None:
             lines.append(line)
     return lines
 
@@ -250,7 +259,7 @@ def loss_figure(report: dict, axes=None):
     ax.set_xscale("log")
     ax.set_xlabel("preceding context in the window (bases)")
     ax.set_ylabel("loss (bits per base)")
-    ax.set_title(f"{report['data'].get('chrom') or report['data']['split']}: loss by context (95% CI over windows)")
+    ax.set_title(f"{report['data'].get('chrom') or report['data']['split']}: loss by context (95% CI over {units_text(report)})")
     ax.legend()
     if comparison and len(axes) > 1:
         ax = axes[1]

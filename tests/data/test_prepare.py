@@ -360,3 +360,37 @@ def test_memory_stays_flat_as_chromosomes_grow(tmp_path, rng):
     # 16x the sequence; a task holds at most 32 Mbp of windows, and two tasks are in flight.
     assert peaks[64] - peaks[4] < 150, peaks
     assert peaks[64] < 1500, peaks
+
+
+def test_eval_stride_overlaps_the_eval_split_only(tmp_path, rng):
+    """``eval_stride`` plans the eval split's windows at its own stride (checked against
+    plan_windows and pyfaidx), leaves the training split as the window spec says, is recorded in
+    the manifest and changes the request's key; without it the key is what it always was."""
+    fasta, records = random_genome(tmp_path, rng)
+    spec = WindowSpec(1000, 1000, "keep", 100, 1.0)
+    plain = PrepareRequest(fasta, tmp_path / "plain", ("chr1",), ("chr22",), spec)
+    strided = PrepareRequest(fasta, tmp_path / "out", ("chr1",), ("chr22",), spec, eval_stride=250)
+    assert plain.windows_json() == spec.as_json() and strided.key() != plain.key()
+    manifest = prepare(strided, workers=1, quiet=True).manifest
+    check_against_pyfaidx(manifest, fasta, tmp_path, rng)
+    spans = {split: [(w.start, w.end) for w in manifest.split(split).windows] for split in ("train", "eval")}
+    assert spans["train"] == plan_windows(len(records["chr1"]), spec)[0]
+    assert spans["eval"] == plan_windows(len(records["chr22"]), WindowSpec(1000, 250, "keep", 100, 1.0))[0]
+    assert [start for start, _ in spans["eval"]][:4] == [0, 250, 500, 750]
+    assert manifest.data["windows"] == {**spec.as_json(), "eval_stride": 250}
+    with pytest.raises(ValueError, match="eval stride must be >= 1"):
+        PrepareRequest(fasta, tmp_path / "never", ("chr1",), ("chr22",), spec, eval_stride=0)
+
+
+def test_cli_eval_stride(tmp_path, rng):
+    fasta, _ = random_genome(tmp_path, rng)
+    common = ("--fasta", str(fasta), "--train-chroms", "chr1", "--eval-chroms", "chr22", "--window", "1000",
+              "--min-tail", "100", "--quiet", "--workers", "1")
+    result = _cli("prepare", *common, "--out", str(tmp_path / "out"), "--eval-stride", "500")
+    assert result.exit_code == 0, result.output
+    manifest = Manifest.load(tmp_path / "out")
+    starts = [w.start for w in manifest.split("eval").windows]
+    assert starts[:3] == [0, 500, 1000] and manifest.data["windows"]["eval_stride"] == 500
+    result = _cli("prepare", *common, "--out", str(tmp_path / "bad"), "--eval-stride", "0")
+    assert result.exit_code == 2 and "--eval-stride" in result.output and "at least 1" in result.output
+    assert not (tmp_path / "bad").exists()

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from genome_lm.errors import GenomeLMError
-from genome_lm.eval.buckets import (WindowSums, bucket_of, change_interval, default_edges, mean_interval,
-                                    parse_edges, resample_weights)
+from genome_lm.eval.buckets import (WindowSums, bootstrap_units, bucket_of, change_interval, default_edges,
+                                    mean_interval, parse_edges, resample_weights)
 
 K = 1024
 
@@ -87,3 +87,74 @@ def test_paired_change_interval():
     wt = WindowSums.of(base * rng.uniform(0.8, 1.0, 500), window, group, 12, 1)
     change, lo, hi = change_interval(wb, wt, resample_weights(12, 200, seed=0))
     assert lo[0] < change[0] < hi[0] < 0
+
+
+def _overlapping_split(rng, stride: int, length: int = 1000):
+    """A split of windows on two chromosomes starting every ``stride`` bases (the last of each
+    shorter), and scores of every base of every window: (windows, TokenScores)."""
+    from types import SimpleNamespace
+
+    from genome_lm.eval.score import TokenScores
+
+    windows = []
+    for chrom, offset, size in (("chr2", 5_000, 3_300), ("chr7", 0, 2_100)):
+        for start in range(offset, offset + size - length // 2, stride):
+            windows.append(SimpleNamespace(chrom=chrom, start=start, length=min(length, offset + size - start)))
+    order = rng.permutation(len(windows))  # scores arrive in any window order
+    window = np.concatenate([np.full(windows[i].length - 1, i) for i in order])
+    context = np.concatenate([np.arange(1, windows[i].length) for i in order])
+    scores = TokenScores(rng.gamma(2.0, 0.6, window.size), context, window, rng.random(window.size) < 0.3)
+    return windows, scores
+
+
+def test_bootstrap_units_are_windows_when_they_do_not_overlap():
+    rng = np.random.default_rng(4)
+    windows, scores = _overlapping_split(rng, stride=1000)
+    unit, count, name = bootstrap_units(scores, windows)
+    assert name == "window" and count == len(windows)
+    np.testing.assert_array_equal(unit, np.unique(scores.window, return_inverse=True)[1])
+
+
+@pytest.mark.parametrize("stride", [250, 400, 999])
+def test_bootstrap_units_of_overlapping_windows_are_blocks_of_sequence(stride):
+    """Against a per-token loop: a score's unit is its base's block (one window length long, from
+    the chromosome's first scored base), whichever window scored it."""
+    rng = np.random.default_rng(stride)
+    windows, scores = _overlapping_split(rng, stride)
+    unit, count, name = bootstrap_units(scores, windows)
+    first = {c: min(w.start for w in windows if w.chrom == c) for c in ("chr2", "chr7")}
+    keys = [(windows[w].chrom, (windows[w].start + c - first[windows[w].chrom]) // 1000)
+            for w, c in zip(scores.window.tolist(), scores.context.tolist())]
+    names = sorted(set(keys))
+    assert name == "block of 1,000 bases" and count == len(names) >= 5
+    assert unit.tolist() == [names.index(k) for k in keys]
+
+
+def test_summaries_bootstrap_over_the_units_given():
+    """report.summarize and ablation.summarize with blocks as units: the intervals are those of a
+    bootstrap over the blocks, recomputed here by hand from the same resample counts; with the
+    windows as units, the same as without ``units``."""
+    from genome_lm.eval import ablation
+    from genome_lm.eval.report import summarize
+    from genome_lm.eval.score import TokenScores
+
+    rng = np.random.default_rng(9)
+    windows, scores = _overlapping_split(rng, stride=250)
+    unit, count, _ = bootstrap_units(scores, windows)
+    edges = [0, 100, 1000]
+    results, _ = summarize({"model": scores}, edges, resamples=200, seed=5, units=(unit, count))
+    draws = resample_weights(count, 200, seed=5)
+    sums = np.array([scores.nll[unit == u].sum() for u in range(count)])
+    tokens = np.array([(unit == u).sum() for u in range(count)])
+    lo, hi = np.percentile(draws @ sums / (draws @ tokens), [2.5, 97.5])
+    assert results["model"]["all"]["nats_ci"] == pytest.approx([lo, hi], rel=1e-12)
+    assert results["model"]["all"]["nats"] == pytest.approx(scores.nll.mean(), rel=1e-12)
+    plain_windows, plain = _overlapping_split(np.random.default_rng(9), stride=1000)
+    by_window = bootstrap_units(plain, plain_windows)
+    assert summarize({"model": plain}, edges, resamples=50, seed=1, units=by_window[:2]) == \
+        summarize({"model": plain}, edges, resamples=50, seed=1)
+    cut = TokenScores(scores.nll + 0.01 * (scores.context >= 100), scores.context, scores.window, scores.softmasked)
+    (entry,) = ablation.summarize(scores, {100: cut}, edges, resamples=200, seed=5, units=(unit, count))["cuts"]
+    cut_sums = np.array([cut.nll[unit == u].sum() for u in range(count)])
+    lo, hi = np.percentile((draws @ cut_sums - draws @ sums) / (draws @ tokens), [2.5, 97.5])
+    assert entry["all"]["ci"] == pytest.approx([lo, hi], rel=1e-9)
