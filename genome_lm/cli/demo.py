@@ -44,7 +44,7 @@ def demo(
 
     demo genome -> prepare (chr1, chr2 train; chr22 eval) -> fine-tune the tiny model (config demo-finetune-cpu: from the shipped model that the long-context recipe, --long, trained to copy from earlier in the sequence; tracked in MLflow) -> `genome-lm eval` of the tuned against the starting model on the same chr22 windows: loss by preceding-context length with 95% intervals, the same model with its context cut to 256 bases (what the rest of the window adds), and the loss on planted later copies whose first copy lies inside the window against those whose first copy lies outside it. The report goes to OUT/run/eval-chr22 and to MLflow.
 
-With --fasta FILE --train REGIONS --eval REGION the same study runs on your own genome (about 27 minutes on 2 cores for 1.8 Mbp of training): the shipped model fine-tuned on whole windows of the training regions, then every held-out window scored against its starting weights, the Markov chain fitted on the training regions and the context cut to 1,024 bases, with a summary in words. The report goes to OUT/run/eval."""
+With --fasta FILE --train REGIONS --eval REGION the same study runs on your own genome (about 28 minutes on 2 cores for 1.8 Mbp of training): the shipped model fine-tuned on whole windows of the training regions, then the held-out region scored in windows that start every quarter window (each base at four context lengths) against its starting weights, the Markov chain fitted on the training regions, and both models with their context cut to 1,024 bases, with a summary in words. The report goes to OUT/run/eval."""
     from genome_lm.demo import run_demo
     from genome_lm.eval.planted import demo_note
 

@@ -10,8 +10,10 @@
    window's scores are kept in ``<out>/.scores`` as soon as they exist (``cache``), so an
    interrupted evaluation re-run with the same arguments scores only the windows it had not.
 3. Report (``report``): overall, unmasked and soft-masked loss, per context bucket with
-   bootstrap intervals over windows, the relative change against the baseline, with
-   ``--max-context`` the model against itself with its context cut (``ablation``), and for the
+   bootstrap intervals over windows (over blocks of sequence when the windows overlap:
+   ``buckets.bootstrap_units``), the relative change against the baseline, with
+   ``--max-context`` the model against itself with its context cut (``ablation``; with a
+   baseline, the baseline cut too, and the model's delta minus the baseline's), and for the
    demo genome the planted-copies analysis (``planted``). Written as JSON, CSV and PNG into
    ``--out``, and logged to MLflow beside the training run (same store and experiment, a child
    run of it) when the model came from one.
