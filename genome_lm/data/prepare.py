@@ -111,7 +111,27 @@ def prepare(
     if not fasta.exists():
         raise GenomeLMError(f"{fasta}: no such file")
     _check_splits(request)
+    made = _missing_folders(out.resolve().parent)
     parent = _writable_parent(out)
+    try:
+        return _prepare_in(request, out, parent, workers, ray_address, force, quiet, cache_dir)
+    except GenomeLMError:
+        for folder in made:  # bad input (a region past a record's end...) leaves no empty folders behind
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """``folder`` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _prepare_in(request, out, parent, workers, ray_address, force, quiet, cache_dir) -> PrepareResult:
     key = request.key()
     with _exclusive(parent / f".{out.name}.lock"):
         if out.exists() and not force:

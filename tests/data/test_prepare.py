@@ -394,3 +394,19 @@ def test_cli_eval_stride(tmp_path, rng):
     result = _cli("prepare", *common, "--out", str(tmp_path / "bad"), "--eval-stride", "0")
     assert result.exit_code == 2 and "--eval-stride" in result.output and "at least 1" in result.output
     assert not (tmp_path / "bad").exists()
+
+
+def test_bad_region_leaves_no_new_folders(tmp_path, rng):
+    """A region past a record's end is found only once the FASTA is open, after the output's
+    parent folders were made: the error leaves none of them behind (and keeps those that were
+    there already)."""
+    fasta, records = random_genome(tmp_path, rng)
+    past = f"chr1:1-{len(records['chr1']) + 1}"
+    result = _cli("prepare", "--fasta", str(fasta), "--out", str(tmp_path / "new" / "deeper" / "out"),
+                  "--train-chroms", past, "--eval-chroms", "chr22", "--quiet", "--workers", "1")
+    assert result.exit_code == 1 and "reaches past the end of chr1" in result.output, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+    (tmp_path / "kept").mkdir()
+    result = _cli("prepare", "--fasta", str(fasta), "--out", str(tmp_path / "kept" / "out"),
+                  "--train-chroms", past, "--eval-chroms", "chr22", "--quiet", "--workers", "1")
+    assert result.exit_code == 1 and (tmp_path / "kept").is_dir() and not any((tmp_path / "kept").iterdir())
