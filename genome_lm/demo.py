@@ -53,8 +53,8 @@ DNA_CONFIG = "dna-finetune-cpu"
 DNA_MAX_CONTEXTS = [1024]  # the ablation's cut on real DNA: 4x the DSA layer's own budget
 # Held-out windows start every quarter window, so each held-out base is scored at four context
 # lengths and every context bucket draws on the whole region, not on the same few stretches at
-# the same offsets (on hg38 chr2's last 500 kbp, one 700-base GA-rich repeat 256-1,024 bases into
-# one of 16 disjoint windows decided which bucket gained most).
+# the same offsets (on hg38 chr2's last 500 kbp, a GA-rich low-complexity stretch 256-1,024 bases
+# into one of 16 disjoint windows decided which bucket gained most).
 DNA_EVAL_STRIDES = 4
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from .buckets import (SUBSETS, WindowSums, bucket_centres, difference_interval, errorbars, finite,
-                      resample_weights, subset_and_bucket_sums, subset_sums, units_text)
+                      resample_weights, subset_and_bucket_sums, subset_sums, units_text, window_units)
 from .score import TokenScores
 
 
@@ -42,7 +42,7 @@ def summarize(full: TokenScores, cuts: dict[int, TokenScores], edges: list[int],
     (``buckets.bootstrap_units``); default: windows. ``baseline``: the baseline's (whole, {N:
     cut}) scores on the same tokens: each cut then also gives the baseline's own deltas and the
     model's delta minus the baseline's (``gain``)."""
-    unit, n_units = units or _window_units(full)
+    unit, n_units = units or window_units(full)
     weights = resample_weights(n_units, resamples, seed)
     out = {"model": "model", "cuts": []}
     for N in sorted(cuts):
@@ -59,7 +59,7 @@ def summarize(full: TokenScores, cuts: dict[int, TokenScores], edges: list[int],
 def _cut_sums(whole: TokenScores, cut: TokenScores, N: int, edges, unit, n_units, tokens_of: TokenScores | None = None):
     """[(whole, cut) per-unit sums] for the subsets, the buckets and the bases beyond 2N."""
     for scores in (cut, whole) if tokens_of is None else (cut, whole, tokens_of):
-        if not (np.array_equal(scores.context, whole.context) and np.array_equal(scores.window, whole.window)):
+        if not whole.same_tokens(scores):
             raise ValueError(f"the context-{N} scores are not on the whole-window scores' tokens")
     parts = list(zip(subset_and_bucket_sums(whole, unit, n_units, edges), subset_and_bucket_sums(cut, unit, n_units, edges)))
     far = 2 * N
@@ -75,11 +75,6 @@ def _entry(sums, N: int, edges, weights, level, than=None) -> dict:
     return {**dict(zip(SUBSETS, stats[0])),
             "buckets": [{"from": edges[g], "to": edges[g + 1], **s} for g, s in enumerate(stats[1])],
             "beyond": {"from": 2 * N, **dict(zip(SUBSETS, stats[2]))}}
-
-
-def _window_units(scores: TokenScores) -> tuple[np.ndarray, int]:
-    windows, unit = np.unique(scores.window, return_inverse=True)
-    return unit, len(windows)
 
 
 def _deltas(base: WindowSums, own: WindowSums, weights, level) -> list[dict]:

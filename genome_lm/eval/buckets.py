@@ -106,6 +106,12 @@ class WindowSums:
             return np.where(tot > 0, self.sums.sum(0) / np.maximum(tot, 1), np.nan)
 
 
+def window_units(scores) -> tuple[np.ndarray, int]:
+    """(unit [N], count): each scored window one bootstrap unit, numbered in window order."""
+    windows, unit = np.unique(scores.window, return_inverse=True)
+    return unit, len(windows)
+
+
 def bootstrap_units(scores, windows) -> tuple[np.ndarray, int, str]:
     """(unit [N] in 0..U-1, U, what a unit is) for the bootstrap of ``scores``
     (``score.TokenScores``; ``windows``: the split's windows, indexed by ``scores.window``, each
@@ -115,8 +121,7 @@ def bootstrap_units(scores, windows) -> tuple[np.ndarray, int, str]:
     spans = sorted((windows[i].chrom, windows[i].start, windows[i].start + windows[i].length) for i in used)
     overlap = any(a[0] == b[0] and b[1] < a[2] for a, b in zip(spans, spans[1:]))
     if not overlap:
-        _, unit = np.unique(scores.window, return_inverse=True)
-        return unit, len(used), "window"
+        return *window_units(scores), "window"
     block = max(windows[i].length for i in used)
     chroms = {name: k for k, name in enumerate(sorted({windows[i].chrom for i in used}))}
     first = {name: min(windows[i].start for i in used if windows[i].chrom == name) for name in chroms}

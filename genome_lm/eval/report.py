@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .buckets import (SUBSETS, bucket_centres, units_text, change_interval, errorbars, finite, mean_interval, resample_weights,
-                      subset_and_bucket_sums)
+from .buckets import (SUBSETS, bucket_centres, change_interval, errorbars, finite, mean_interval, resample_weights,
+                      subset_and_bucket_sums, units_text, window_units)
 from .score import TokenScores
 
 SCHEMA = "genome-lm.eval/1"
@@ -53,12 +53,9 @@ def summarize(scores: dict[str, TokenScores], edges: list[int], *, resamples: in
     first = scores[names[0]]
     for name in names[1:]:
         other = scores[name]
-        if not (np.array_equal(first.context, other.context) and np.array_equal(first.window, other.window)):
+        if not first.same_tokens(other):
             raise ValueError(f"models {names[0]} and {name} were scored on different tokens")
-    if units is None:
-        windows, window_pos = np.unique(first.window, return_inverse=True)
-        units = (window_pos, len(windows))
-    window_pos, n_units = units
+    window_pos, n_units = units or window_units(first)
     weights = resample_weights(n_units, resamples, seed)
     sums = {name: subset_and_bucket_sums(s, window_pos, n_units, edges) for name, s in scores.items()}
     results = {}

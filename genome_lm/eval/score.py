@@ -37,6 +37,10 @@ class TokenScores:
     def mean(self) -> float:
         return float(self.nll.mean()) if self.nll.size else float("nan")
 
+    def same_tokens(self, other: "TokenScores") -> bool:
+        """Whether ``other`` scores the same tokens (windows and contexts, in the same order)."""
+        return np.array_equal(self.context, other.context) and np.array_equal(self.window, other.window)
+
     @classmethod
     def empty(cls) -> "TokenScores":
         return cls(np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))

@@ -228,8 +228,6 @@ def _sinkhorn_grad(z: torch.Tensor, g: torch.Tensor, iters: int, eps: float) -> 
     return p * (g - (g * p).sum(1, keepdim=True))
 
 
-
-
 def _sinkhorn_native(fn: str, z: torch.Tensor, grad: torch.Tensor | None, iters: int, eps: float) -> torch.Tensor:
     """The Sinkhorn forward (``grad`` None) or its gradient at z, in C on token-last matrices;
     threads over tokens. Matches ``_sinkhorn_steps`` / ``_sinkhorn_grad``."""
