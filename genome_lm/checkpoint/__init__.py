@@ -1,8 +1,11 @@
 """Checkpoints: training checkpoints (save, verify, load), what a path names, and the model a run
 configuration names with its weights.
 
-    training.py   the checkpoint format: per-rank safetensors, optimizer state and RNG, a verified
-                  meta.json, written atomically (``save_checkpoint``, ``verify``, ``load_checkpoint``)
+    training.py   the checkpoint format: weights and optimizer state in pieces, RNG and loader state,
+                  a verified meta.json, written atomically (``save_checkpoint``, ``verify``,
+                  ``load_checkpoint``, ``read_weights``)
+    sharded.py    layout-free pieces: each tensor stored once, placed in the whole tensor, read back
+                  under any parallel layout
     paths.py      run folder / checkpoint folder / Hugging Face folder (``resolve``), the run
                   folder's checkpoints, and where a resumed run starts
     huggingface.py  the Hugging Face glm5_next format: parameter <-> tensor names, load and export
@@ -14,4 +17,4 @@ from .models import build, token_map  # noqa: F401
 from .paths import (ModelPath, check_run_folder, existing_checkpoints, resolve, resume_point,  # noqa: F401
                     training_checkpoint)
 from .training import (CheckpointCorrupt, latest_checkpoint, load_checkpoint, load_weights,  # noqa: F401
-                       rng_state, save_checkpoint, set_rng_state, verify, weight_layout)
+                       read_weights, rng_state, save_checkpoint, set_rng_state, verify, weight_layout)

@@ -182,7 +182,7 @@ def _is_glu(name: str) -> bool:
     return name.endswith("linear_fc1.weight")
 
 
-def _groups(model: GLM5Model, name: str):
+def groups_of(model: GLM5Model, name: str):
     """(tensor-parallel group of this parameter, expert-parallel group or None)."""
     if ".experts.local_experts." in name:
         return model.pg.expt_tp, model.pg.ep
@@ -219,7 +219,8 @@ def load_hf_checkpoint(model: GLM5Model, path: str | Path, *, check_config: bool
     wanted: dict[str, list[str]] = {}
     owner: dict[str, list[str]] = {}  # checkpoint key -> parameters that need it
     for name in targets:
-        keys = hf_keys(name, model.cfg, ckpt.prefix, expert_offset(model.cfg.n_routed_experts, _groups(model, name)[1]))
+        first_expert = expert_offset(model.cfg.n_routed_experts, groups_of(model, name)[1])
+        keys = hf_keys(name, model.cfg, ckpt.prefix, first_expert)
         missing = [k for k in keys if not ckpt.has(k)]
         if missing:
             raise CheckpointError(f"{ckpt.path}: tensor {missing[0]} is missing (needed for {name})")
@@ -250,7 +251,7 @@ def _stage_tensors(model: GLM5Model, prefix: str):
     """(checkpoint key, full tensor) of this pipeline stage's weights, gathered over the tensor
     and expert parallel ranks (collective within the stage: every rank of it iterates)."""
     for name, param in _weights(model):
-        tp_group, ep_group = _groups(model, name)
+        tp_group, ep_group = groups_of(model, name)
         full = tp_gather(param.detach(), param, tp_group, glu=_is_glu(name))
         experts = ep_gather(full, ep_group)
         local_count = model.cfg.n_routed_experts // len(experts)
@@ -262,7 +263,7 @@ def _stage_tensors(model: GLM5Model, prefix: str):
 def _copy_into(param: torch.Tensor, name: str, tensors: list[torch.Tensor], model: GLM5Model,
                ckpt: HFCheckpoint) -> None:
     full = _full_from_hf(name, tensors)
-    tp_group, _ = _groups(model, name)
+    tp_group, _ = groups_of(model, name)
     if full.dim() != param.dim() or (tp_group.size() == 1 and full.shape != param.shape):
         raise CheckpointError(f"{ckpt.path}: {hf_keys(name, model.cfg, ckpt.prefix)[0]} has shape "
                               f"{tuple(full.shape)}, which does not fit {name} {tuple(param.shape)}")
@@ -273,59 +274,86 @@ def _copy_into(param: torch.Tensor, name: str, tensors: list[torch.Tensor], mode
     param.copy_(local)
 
 
-@torch.no_grad()
-def export_hf_checkpoint(model: GLM5Model, out: str | Path, *, dtype: torch.dtype | None = None,
-                         like: str | Path | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write the model's weights as a glm5_next safetensors checkpoint (collective: call on every
-    rank; rank 0 writes). Each tensor keeps the dtype it has in ``like`` (a checkpoint folder),
-    else ``dtype``, else the parameter's dtype. ``config.json`` comes from ``like`` when given."""
-    from safetensors.torch import save_file
+class HFWriter:
+    """Writes (checkpoint key, tensor) pairs as a glm5_next safetensors folder: shards of at most
+    ``max_shard_bytes``, then the index and ``config.json``. Each tensor keeps the dtype it has in
+    ``like`` (a checkpoint folder), else ``dtype``, else its own; ``config.json`` comes from
+    ``like`` when given, else from ``cfg``. Memory: at most one shard's tensors at a time."""
 
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    out = Path(out)
-    source = HFCheckpoint(like) if like is not None else None
-    prefix = source.prefix if source is not None else "model.language_model."
-    if rank0:
-        out.mkdir(parents=True, exist_ok=True)
-    pending: dict[str, torch.Tensor] = {}
-    pending_bytes, files, weight_map = 0, [], {}
+    def __init__(self, out: str | Path, cfg: ModelConfig, *, dtype: torch.dtype | None = None,
+                 like: str | Path | None = None, max_shard_bytes: int = 5 * 2**30):
+        self.out, self.cfg, self.dtype, self.like, self.max_shard_bytes = Path(out), cfg, dtype, like, max_shard_bytes
+        self.source = HFCheckpoint(like) if like is not None else None
+        self.prefix = self.source.prefix if self.source is not None else "model.language_model."
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes, self.files, self.weight_map = 0, [], {}
 
-    def flush():
-        nonlocal pending, pending_bytes
-        if pending:
-            file = f"model-{len(files) + 1:05d}.safetensors"
-            save_file(pending, str(out / file), metadata={"format": "pt"})
-            files.append(file)
-            weight_map.update({k: file for k in pending})
-            pending, pending_bytes = {}, 0
-
-    def add(key, t):
-        nonlocal pending_bytes
-        want = source.dtype_of(key) if source is not None and source.has(key) else (dtype or t.dtype)
+    def add(self, key: str, t: torch.Tensor) -> None:
+        source = self.source
+        want = source.dtype_of(key) if source is not None and source.has(key) else (self.dtype or t.dtype)
         t = t.to(want).contiguous().clone()
-        if pending and pending_bytes + t.numel() * t.element_size() > max_shard_bytes:
-            flush()
-        pending[key] = t
-        pending_bytes += t.numel() * t.element_size()
+        if self.pending and self.pending_bytes + t.numel() * t.element_size() > self.max_shard_bytes:
+            self._flush()
+        self.pending[key] = t
+        self.pending_bytes += t.numel() * t.element_size()
 
-    for key, tensor in to_rank0(_stage_tensors(model, prefix), model.pg.pp):
-        add(key, tensor)
-    if rank0:
-        flush()
-        total = len(files)
-        renamed = {}
-        for i, file in enumerate(files, start=1):
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if self.pending:
+            file = f"model-{len(self.files) + 1:05d}.safetensors"
+            self.out.mkdir(parents=True, exist_ok=True)
+            save_file(self.pending, str(self.out / file), metadata={"format": "pt"})
+            self.files.append(file)
+            self.weight_map.update({k: file for k in self.pending})
+            self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        self._flush()
+        out, total, renamed = self.out, len(self.files), {}
+        out.mkdir(parents=True, exist_ok=True)
+        for i, file in enumerate(self.files, start=1):
             final = f"model-{i:05d}-of-{total:05d}.safetensors"
             (out / file).rename(out / final)
             renamed[file] = final
         index = {"metadata": {"format": "genome-lm export"},
-                 "weight_map": {k: renamed[f] for k, f in sorted(weight_map.items())}}
+                 "weight_map": {k: renamed[f] for k, f in sorted(self.weight_map.items())}}
         (out / INDEX).write_text(json.dumps(index, indent=2))
-        if like is not None and (Path(like) / "config.json").exists():
-            config = json.loads((Path(like) / "config.json").read_text())
+        if self.like is not None and (Path(self.like) / "config.json").exists():
+            config = json.loads((Path(self.like) / "config.json").read_text())
         else:
             config = {"model_type": "glm5_next", "architectures": ["Glm5NextForConditionalGeneration"],
-                      "text_config": model.cfg.to_hf()}
+                      "text_config": self.cfg.to_hf()}
         (out / "config.json").write_text(json.dumps(config, indent=2))
-    if source is not None:
-        source.close()
+        if self.source is not None:
+            self.source.close()
+
+
+@torch.no_grad()
+def export_hf_checkpoint(model: GLM5Model, out: str | Path, *, dtype: torch.dtype | None = None,
+                         like: str | Path | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write the model's weights as a glm5_next safetensors checkpoint (collective: call on every
+    rank; rank 0 writes). Dtypes and ``config.json`` as ``HFWriter``'s."""
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    writer = HFWriter(out, model.cfg, dtype=dtype, like=like, max_shard_bytes=max_shard_bytes) if rank0 else None
+    prefix = writer.prefix if writer is not None else "model.language_model."
+    if like is not None and writer is None:
+        prefix = HFCheckpoint(like).prefix
+    for key, tensor in to_rank0(_stage_tensors(model, prefix), model.pg.pp):
+        writer.add(key, tensor)
+    if writer is not None:
+        writer.finish()
+
+
+@torch.no_grad()
+def export_full_tensors(tensors, cfg: ModelConfig, out: str | Path, *, dtype: torch.dtype | None = None,
+                        like: str | Path | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write (name, whole tensor) pairs named as a one-process model's parameters (experts by
+    their global index), e.g. ``checkpoint.sharded.full_model_tensors``, as a glm5_next folder.
+    One process, no model: memory holds one tensor and one output shard at a time."""
+    writer = HFWriter(out, cfg, dtype=dtype, like=like, max_shard_bytes=max_shard_bytes)
+    for name, tensor in tensors:
+        for key, part in zip(hf_keys(name, cfg, writer.prefix), _full_to_hf(name, tensor)):
+            writer.add(key, part)
+        del tensor
+    writer.finish()

@@ -30,8 +30,8 @@ def build(cfg: RunConfig, pg: ProcessGroupCollection, sizes: ParallelSizes) -> G
     ``model.checkpoint`` may name a Hugging Face glm5_next folder, a genome-lm training checkpoint
     (a folder with ``meta.json``) or a training run folder (its ``checkpoints/latest``). From a
     genome-lm checkpoint only the weights are taken (verified first; the caller starts a new run:
-    fresh optimizer, step 0); the architecture is the one it recorded, and its model preset and
-    parallel layout must match this run's. The random generators are left as a random
+    fresh optimizer, step 0), under this run's parallel layout whatever layout wrote them; the
+    architecture is the one it recorded, and its model preset must match this run's. The random generators are left as a random
     initialisation would leave them: the new run's seeding is its own."""
     from genome_lm.model import get_preset
     from genome_lm.checkpoint.huggingface import HFCheckpoint, load_hf_checkpoint
@@ -64,10 +64,11 @@ def build(cfg: RunConfig, pg: ProcessGroupCollection, sizes: ParallelSizes) -> G
 
 def _check_start_checkpoint(folder: Path, cfg: RunConfig, sizes: ParallelSizes):
     """Verify a genome-lm checkpoint (every file against its checksum) and check that this run can
-    load its weights: the same model preset and parallel layout. Returns its model config."""
+    load its weights: the same model preset (and, for the earlier per-rank format written by
+    several ranks, the same parallel layout). Returns its model config."""
     from genome_lm.model.config import ModelConfig
 
-    from .training import verify, weight_layout
+    from .training import reshards, verify, weight_layout
 
     meta = verify(folder)
     recorded = meta.get("config", {}).get("model", {})
@@ -77,17 +78,19 @@ def _check_start_checkpoint(folder: Path, cfg: RunConfig, sizes: ParallelSizes):
     if recorded["preset"] != cfg.model.preset:
         raise GenomeLMError(f"{folder}: trained with model preset {recorded['preset']!r}, this run has "
                             f"{cfg.model.preset!r} (set model.preset to {recorded['preset']!r})")
-    ours = weight_layout(vars(sizes))
-    theirs = {k: meta["layout"].get(k) for k in ours}
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if theirs != ours or meta.get("world_size") != world:
-        def show(layout, n):
-            return " ".join(f"{k}={v}" for k, v in layout.items()) + f" on {n} rank(s)"
+    if not reshards(meta):
+        ours = weight_layout(vars(sizes))
+        theirs = {k: meta["layout"].get(k) for k in ours}
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if theirs != ours or meta.get("world_size") != world:
+            def show(layout, n):
+                return " ".join(f"{k}={v}" for k, v in layout.items()) + f" on {n} rank(s)"
 
-        raise GenomeLMError(f"{folder}: written with parallel layout {show(theirs, meta.get('world_size'))}, this run "
-                            f"has {show(ours, world)}; export it to Hugging Face format first (genome-lm export "
-                            f"--run {folder.parent.parent} --checkpoint {folder.name} --out DIR), which loads "
-                            "under any layout, and start from that")
+            raise GenomeLMError(f"{folder}: written in genome-lm's earlier per-rank format with parallel layout "
+                                f"{show(theirs, meta.get('world_size'))}, this run has {show(ours, world)}; resume "
+                                "it once with its own layout (its next checkpoint loads under any layout) or export "
+                                f"it (genome-lm export --run {folder.parent.parent} --checkpoint {folder.name} "
+                                "--out DIR) and start from that")
     try:
         return ModelConfig.from_hf(meta["model_config"])
     except (ValueError, TypeError) as exc:

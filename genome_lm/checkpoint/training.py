@@ -1,13 +1,26 @@
-"""Training checkpoints: atomic, verifiable, resumable, and never unpickling arbitrary objects.
+"""Training checkpoints: atomic, verifiable, resumable under any parallel layout, and never
+unpickling anything beyond tensors and numbers.
 
-A checkpoint is a folder ``<out>/checkpoints/step-000020/`` with, per rank r:
-    model-r00000.safetensors   the rank's parameters (its tensor/expert-parallel shards)
-    optim-r00000.pt            optimizer state (tensors and numbers only; read with weights_only=True)
-    state-r00000.json          RNG states, data-loader position, anything else the trainer keeps
-and ``meta.json`` (step, layout, config, the size and SHA-256 of every file). It is written into
-``step-000020.partial/`` and renamed when every rank has finished, then ``latest`` is replaced
-atomically. A crash at any moment leaves the previous checkpoint and ``latest`` intact; a file
-that is truncated or altered fails its checksum with an error naming it.
+A checkpoint is a folder ``<out>/checkpoints/step-000020/`` with
+    model-r00000.safetensors   the pieces of the weights rank 0 writes (``sharded``: each tensor's
+                               pieces are written once, by the lowest rank holding them, each
+                               placed in the whole tensor)
+    optim-r00000.safetensors   the same for the optimizer's per-parameter state (torch's AdamW on
+                               the CPU path); megatron-core's distributed optimizer (GPU path)
+                               keeps its per-rank ``optim-r00000.pt`` (tensors and numbers only,
+                               read with weights_only=True), which resumes under its own layout
+    state-r00000.json          RNG states, data-loader position, the optimizer's group settings
+and ``meta.json`` (format 2: step, layout, config, the index of every tensor's pieces, the size
+and SHA-256 of every file). Weights and the CPU optimizer's state load under any layout and world
+size (``sharded``): resume on another split, evaluate or export in one process. A rank whose index
+has no state file of its own (a run on more ranks than wrote it) takes rank 0's RNG state; the
+data loader's position is global.
+
+It is written into ``step-000020.partial/`` and renamed when every rank has finished, then
+``latest`` is replaced atomically. A crash at any moment leaves the previous checkpoint and
+``latest`` intact; a file that is truncated or altered fails its checksum with an error naming it.
+Checkpoints of format 1 (one ``model-r*.safetensors`` per rank with its own tensors) still load:
+under their own layout, or under any layout when one rank wrote them.
 """
 
 from __future__ import annotations
@@ -24,11 +37,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from genome_lm.digest import sha256_file
 from genome_lm.engine.backend import on_gpu
 from genome_lm.errors import GenomeLMError
+
+from . import sharded
 
 if TYPE_CHECKING:
     from genome_lm.model.model import GLM5Model
@@ -74,10 +89,14 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8))
 
 
-def _model_tensors(model: GLM5Model) -> dict[str, torch.Tensor]:
-    tensors = {n: p.detach().contiguous() for n, p in model.named_parameters()}
-    tensors.update({n: b.detach().contiguous() for n, b in model.named_buffers() if n.endswith("expert_bias")})
-    return tensors
+def per_parameter(optimizer) -> torch.optim.Optimizer | None:
+    """The torch optimizer behind ``optimizer`` when its state is per parameter (torch's AdamW, or
+    genome-lm's CPU optimizer around it), so it can be stored in pieces; None for megatron-core's
+    distributed optimizer, whose state is flat buffers of this rank's data-parallel shard."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    inner = getattr(optimizer, "torch_optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else None
 
 
 def save_checkpoint(out: str | Path, step: int, model: GLM5Model, optimizer, state: dict,
@@ -91,14 +110,23 @@ def save_checkpoint(out: str | Path, step: int, model: GLM5Model, optimizer, sta
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier()
-    save_file(_model_tensors(model), str(partial / f"model-r{rank:05d}.safetensors"))
-    torch.save(optimizer.state_dict(), partial / f"optim-r{rank:05d}.pt")
-    (partial / f"state-r{rank:05d}.json").write_text(json.dumps({**state, "rng": rng_state()}))
+    entries = [(t, box) for t, box in sharded.model_boxes(model).values()]
+    torch_opt = per_parameter(optimizer) if optimizer is not None else None
+    own_state = dict(state)
+    if torch_opt is not None:
+        entries += sharded.optimizer_boxes(model, torch_opt)
+        own_state["optimizer_groups"] = sharded.optimizer_groups(torch_opt)
+    index = sharded.write_pieces(partial, rank, entries)
+    if optimizer is not None and torch_opt is None:
+        torch.save(optimizer.state_dict(), partial / f"optim-r{rank:05d}.pt")
+    (partial / f"state-r{rank:05d}.json").write_text(json.dumps({**own_state, "rng": rng_state()}))
     _barrier()
     if rank == 0:
         files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(partial.iterdir())}
-        (partial / "meta.json").write_text(json.dumps({"step": step, "world_size": world, "files": files,
-                                                       **(meta or {})}, indent=1))
+        optim = "none" if optimizer is None else "pieces" if torch_opt is not None else "per-rank"
+        (partial / "meta.json").write_text(json.dumps({"step": step, "world_size": world, "format": sharded.FORMAT,
+                                                       "optimizer": optim, "files": files, **(meta or {}),
+                                                       "tensors": index}, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
@@ -142,42 +170,129 @@ def weight_layout(layout: dict) -> dict:
     return {k: v for k, v in layout.items() if k != "sequence_parallel"}
 
 
+def checkpoint_format(meta: dict) -> int:
+    return int(meta.get("format", 1))
+
+
+def reshards(meta: dict) -> bool:
+    """Whether the checkpoint's weights load under any layout: format 2, or one rank wrote it."""
+    return checkpoint_format(meta) >= sharded.FORMAT or meta.get("world_size", 1) == 1
+
+
+def piece_reader(folder: Path, meta: dict) -> sharded.PieceReader:
+    """A reader of the checkpoint's weights (format 2, or a one-rank checkpoint of format 1)."""
+    if checkpoint_format(meta) >= sharded.FORMAT:
+        if "tensors" not in meta:
+            raise CheckpointCorrupt(f"{folder / 'meta.json'}: format {meta['format']} without a tensor index")
+        return sharded.PieceReader(folder, meta["tensors"])
+    if meta.get("world_size", 1) != 1:
+        raise GenomeLMError(f"{folder}: written by {meta['world_size']} ranks in genome-lm's earlier per-rank format, "
+                            "which loads only under the layout that wrote it; resume it there once (its next "
+                            "checkpoint loads under any layout), or export it with that layout")
+    return sharded.PieceReader(folder, sharded.legacy_index(folder, meta["files"]))
+
+
+def _legacy_layout_check(folder: Path, meta: dict, layout: dict | None, world: int) -> None:
+    why = "(a checkpoint of genome-lm's earlier per-rank format: resume with the layout that wrote it)"
+    if meta["world_size"] != world:
+        raise GenomeLMError(f"{folder}: written by {meta['world_size']} ranks, this run has {world} {why}")
+    if layout is not None and "layout" in meta and weight_layout(meta["layout"]) != weight_layout(layout):
+        raise GenomeLMError(f"{folder}: written with parallel layout {meta['layout']}, this run has {layout} {why}")
+
+
 def load_checkpoint(folder: str | Path, model: GLM5Model, optimizer=None, layout: dict | None = None) -> dict:
     """Restore model, optimizer (unless None: weights only) and RNG states; returns the trainer's
-    saved state dict. ``layout``: this run's parallel sizes, which must be the checkpoint's."""
+    saved state dict. ``layout``: this run's parallel sizes. Weights and a per-parameter
+    optimizer's state load under any layout; megatron-core's distributed optimizer state and
+    checkpoints of the earlier format written by several ranks need the layout that wrote them."""
     folder = Path(folder)
     meta = verify(folder)
     rank, world = _rank_world()
-    if meta["world_size"] != world:
-        raise GenomeLMError(f"{folder}: written by {meta['world_size']} ranks, this run has {world} "
-                            "(resume with the same layout, or export to Hugging Face format and start from that)")
-    if layout is not None and "layout" in meta and weight_layout(meta["layout"]) != weight_layout(layout):
-        raise GenomeLMError(f"{folder}: written with parallel layout {meta['layout']}, this run has {layout} "
-                            "(resume with the same layout, or export to Hugging Face format and start from that)")
-    load_weights(folder, model)
-    if optimizer is not None:
+    same_layout = (meta.get("world_size") == world and
+                   (layout is None or "layout" not in meta or weight_layout(meta["layout"]) == weight_layout(layout)))
+    if checkpoint_format(meta) < sharded.FORMAT and meta.get("world_size", 1) != 1:
+        _legacy_layout_check(folder, meta, layout, world)
+    reader = piece_reader(folder, meta) if reshards(meta) else None
+    try:
+        if reader is None:
+            _load_legacy_rank(folder, model, rank)
+        else:
+            sharded.load_model_pieces(reader, model)
+        if optimizer is not None:
+            _load_optimizer(folder, meta, reader, model, optimizer, same_layout, rank)
+    finally:
+        if reader is not None:
+            reader.close()
+    own = folder / f"state-r{rank:05d}.json"
+    state = json.loads((own if own.exists() else folder / "state-r00000.json").read_text())
+    set_rng_state(state.pop("rng"))
+    state.pop("optimizer_groups", None)
+    return state
+
+
+def _load_optimizer(folder: Path, meta: dict, reader: sharded.PieceReader, model, optimizer, same_layout: bool,
+                    rank: int) -> None:
+    torch_opt = per_parameter(optimizer)
+    kept = meta.get("optimizer", "per-rank" if checkpoint_format(meta) < sharded.FORMAT else "none")
+    if kept == "pieces" and torch_opt is not None:
+        sharded.load_optimizer_pieces(reader, model, torch_opt)
+        groups = json.loads((folder / "state-r00000.json").read_text()).get("optimizer_groups")
+        if groups is not None:
+            sharded.set_optimizer_groups(torch_opt, groups, folder)
+        return
+    if kept == "per-rank" and same_layout:
         # to host memory first: a GPU rank's tensors are tagged with the device they were saved
         # from (cuda:<local rank> under torchrun, cuda:0 in a Ray actor), which need not exist
         # now; the optimizer copies them into its own tensors
         optimizer.load_state_dict(torch.load(folder / f"optim-r{rank:05d}.pt", weights_only=True,
                                              map_location="cpu"))
-    state = json.loads((folder / f"state-r{rank:05d}.json").read_text())
-    set_rng_state(state.pop("rng"))
-    return state
+        return
+    if kept == "per-rank":
+        raise GenomeLMError(f"{folder}: its optimizer state (kept per rank) resumes only "
+                            f"under the layout that wrote it ({meta.get('layout')} on {meta.get('world_size')} ranks); "
+                            "its weights load under any layout: start a new run from it with "
+                            f"--set model.checkpoint={folder}")
+    raise GenomeLMError(f"{folder}: holds optimizer state {kept!r}, which this run's optimizer cannot take "
+                        f"({type(optimizer).__name__})")
 
 
 def load_weights(folder: str | Path, model: GLM5Model) -> None:
-    """Copy this rank's saved parameters (and MoE expert biases) into ``model``: weights only, no
-    optimizer, trainer state or RNG. The caller verifies the folder and checks its layout first."""
+    """Copy the checkpoint's parameters (and MoE expert biases) into ``model`` under its own
+    layout: weights only, no optimizer, trainer state or RNG. The caller verifies the folder."""
     folder = Path(folder)
-    rank, _ = _rank_world()
+    meta = json.loads((folder / "meta.json").read_text())
+    if not reshards(meta):
+        _load_legacy_rank(folder, model, _rank_world()[0])
+        return
+    reader = piece_reader(folder, meta)
+    try:
+        sharded.load_model_pieces(reader, model)
+    finally:
+        reader.close()
+
+
+def _load_legacy_rank(folder: Path, model: GLM5Model, rank: int) -> None:
+    """This rank's file of a format-1 checkpoint written by several ranks (the same layout)."""
     tensors = load_file(str(folder / f"model-r{rank:05d}.safetensors"))
-    own = _model_tensors(model)
+    own = dict(sharded.model_tensors(model))
     if tensors.keys() != own.keys():
         missing = sorted(own.keys() - tensors.keys())[:3]
         raise GenomeLMError(f"{folder}: parameters do not match the model (missing e.g. {missing})")
     with torch.no_grad():
-        params = dict(model.named_parameters())
-        buffers = dict(model.named_buffers())
         for name, value in tensors.items():
-            (params.get(name) if name in params else buffers[name]).copy_(value)
+            own[name].copy_(value)
+
+
+def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every weight of a checkpoint at full size, by the name a one-process model gives it (layers
+    and experts numbered as in the whole model): the flat state dict, whatever layout wrote it.
+    Verifies the folder first. Holds the whole model in memory: for small models and tests
+    (``genome-lm export`` streams instead)."""
+    folder = Path(folder)
+    meta = verify(folder)
+    reader = piece_reader(folder, meta)
+    try:
+        return dict(sharded.full_model_tensors(reader))
+    finally:
+        reader.close()
+

@@ -9,7 +9,8 @@
 - ``preset:NAME``: a model preset with fresh weights seeded by ``seed`` (checks and tests);
 - ``builtin:NAME``: weights shipped with genome-lm (``genome_lm.weights``), a Hugging Face folder.
 
-Checkpoints are verified (sizes and checksums) before their weights are read.
+Checkpoints are verified (sizes and checksums) before their weights are read; one written by
+many ranks loads into this process's layout (``checkpoint.sharded``).
 """
 
 from __future__ import annotations
@@ -76,11 +77,8 @@ def load_model(spec: str | Path, pg: ProcessGroupCollection, *, init_of: LoadedM
         meta = verify(folder)
         cfg = RunConfig.model_validate(meta["config"], strict=False)
         cfg._source = meta.get("config_source")  # the YAML it was read from, for names
-        if meta.get("world_size", 1) != 1:
-            raise GenomeLMError(f"{folder}: written by {meta['world_size']} ranks; export it "
-                                "(`genome-lm export`) and evaluate the Hugging Face folder")
         model = build(cfg, pg, ParallelSizes())
-        state = load_checkpoint(folder, model, None)
+        state = load_checkpoint(folder, model, None)  # any layout it was written with (checkpoint.sharded)
         info = {"kind": "checkpoint", "path": str(folder), "step": int(meta.get("step", state.get("step", 0))),
                 "preset": cfg.model.preset, "checkpoint": cfg.model.checkpoint}
         return LoadedModel(model.eval(), info, token_map(cfg, model), run_dir, state.get("run_id"), cfg)

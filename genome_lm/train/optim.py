@@ -107,6 +107,12 @@ class CPUAdamW:
         self.optimizer.step()
         return True, norm
 
+    @property
+    def torch_optimizer(self) -> torch.optim.Optimizer:
+        """The per-parameter optimizer inside: checkpoints store its state in pieces that any
+        parallel layout can load (``checkpoint.sharded``)."""
+        return self.optimizer
+
     def state_dict(self):
         return self.optimizer.state_dict()
 

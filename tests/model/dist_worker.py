@@ -23,7 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 from genome_lm.engine.context_parallel import zigzag_merge, zigzag_split  # noqa: E402
 from genome_lm.engine.parallel import ParallelSizes, init_distributed, parallel_context  # noqa: E402
 from genome_lm.engine.layout import ep_gather, tp_gather  # noqa: E402
-from genome_lm.checkpoint.huggingface import HFCheckpoint, _groups, export_hf_checkpoint, load_hf_checkpoint  # noqa: E402
+from genome_lm.checkpoint.huggingface import HFCheckpoint, groups_of, export_hf_checkpoint, load_hf_checkpoint  # noqa: E402
 from genome_lm.model.model import build_model  # noqa: E402
 from genome_lm.train.optim import allreduce_sequence_parallel_grads  # noqa: E402
 
@@ -37,7 +37,7 @@ def full_grads(model):
         g = p.grad if p.grad is not None else torch.zeros_like(p)
         if ".experts.local_experts." in name and expt_dp.size() > 1:
             torch.distributed.all_reduce(g, group=expt_dp)
-        tp_group, ep_group = _groups(model, name)
+        tp_group, ep_group = groups_of(model, name)
         g = tp_gather(g, p, tp_group, glu=name.endswith("linear_fc1.weight"))
         if ep_group is not None and ep_group.size() > 1:
             parts = ep_gather(g, ep_group)

@@ -44,11 +44,11 @@ def test_truncated_or_altered_files_are_named_and_the_previous_checkpoint_stays(
     with pytest.raises(CheckpointCorrupt, match="model-r00000.safetensors: .* bytes, expected"):
         load_checkpoint(second, model, opt)
     third = save_checkpoint(tmp_path, 3, model, opt, {})
-    optim = third / "optim-r00000.pt"
+    optim = third / "optim-r00000.safetensors"
     data = bytearray(optim.read_bytes())
     data[-20] ^= 0xFF
     optim.write_bytes(bytes(data))
-    with pytest.raises(CheckpointCorrupt, match="optim-r00000.pt: checksum mismatch"):
+    with pytest.raises(CheckpointCorrupt, match="optim-r00000.safetensors: checksum mismatch"):
         load_checkpoint(third, model, opt)
     weights.write_bytes(original)
     (second / "state-r00000.json").unlink()
@@ -65,17 +65,38 @@ def test_interrupted_save_leaves_latest_alone(tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ckpt.torch, "save", crash)
+    monkeypatch.setattr(ckpt.sharded, "write_pieces", crash)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path, 2, model, opt, {})
     assert latest_checkpoint(tmp_path).name == "step-000001"
     assert not (tmp_path / "checkpoints" / "step-000002").exists()
 
 
+def _legacy_checkpoint(folder, model, opt, world: int, layout: dict | None = None):
+    """A checkpoint as genome-lm wrote them before format 2: the rank's own tensors under its own
+    names, the optimizer's torch state dict, no piece index."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(folder / "model-r00000.safetensors"))
+    torch.save(opt.state_dict(), folder / "optim-r00000.pt")
+    from genome_lm.checkpoint import rng_state
+
+    (folder / "state-r00000.json").write_text(json.dumps({"step": 4, "rng": rng_state()}))
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+             for p in sorted(folder.iterdir())}
+    meta = {"step": 4, "world_size": world, "files": files, **({"layout": layout} if layout else {})}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
 def test_optimizer_state_is_loaded_without_unpickling_objects(tmp_path):
-    """A .pt file carrying an arbitrary object is refused (weights_only=True)."""
+    """A .pt file (the per-rank optimizer state of megatron-core's distributed optimizer, or of an
+    earlier checkpoint) carrying an arbitrary object is refused (weights_only=True)."""
     model, opt = _model_and_opt(0)
-    folder = save_checkpoint(tmp_path, 3, model, opt, {})
+    folder = _legacy_checkpoint(tmp_path / "legacy", model, opt, 1)
 
     class Evil:
         def __reduce__(self):
@@ -92,24 +113,56 @@ def test_optimizer_state_is_loaded_without_unpickling_objects(tmp_path):
         load_checkpoint(folder, model, opt)
 
 
-def test_layout_mismatch_is_explained(tmp_path):
+def test_the_new_format_unpickles_nothing(tmp_path):
+    """Weights and AdamW's state are safetensors pieces, the rest JSON: no .pt file at all."""
     model, opt = _model_and_opt(0)
-    folder = save_checkpoint(tmp_path, 4, model, opt, {})
-    meta = json.loads((folder / "meta.json").read_text())
-    meta["world_size"] = 8
-    (folder / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(GenomeLMError, match="written by 8 ranks"):
+    folder = save_checkpoint(tmp_path, 3, model, opt, {})
+    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "model-r00000.safetensors",
+                                                        "optim-r00000.safetensors", "state-r00000.json"]
+    assert json.loads((folder / "meta.json").read_text())["optimizer"] == "pieces"
+
+
+def test_earlier_format_one_rank_still_loads(tmp_path):
+    """A format-1 checkpoint written by one process: weights and optimizer state load as before."""
+    model, opt = _model_and_opt(0)
+    folder = _legacy_checkpoint(tmp_path / "legacy", model, opt, 1)
+    other, other_opt = _model_and_opt(1)
+    assert load_checkpoint(folder, other, other_opt) == {"step": 4}
+    for a, b in zip(model.parameters(), other.parameters()):
+        assert torch.equal(a, b)
+    for key, value in opt.state_dict()["state"].items():
+        assert torch.equal(value["exp_avg"], other_opt.state_dict()["state"][key]["exp_avg"])
+
+
+def test_earlier_format_from_several_ranks_needs_its_layout(tmp_path):
+    model, opt = _model_and_opt(0)
+    folder = _legacy_checkpoint(tmp_path / "legacy", model, opt, 8)
+    with pytest.raises(GenomeLMError, match="written by 8 ranks, this run has 1 .*earlier per-rank format"):
         load_checkpoint(folder, model, opt)
-
-
-def test_same_world_other_layout_is_explained(tmp_path):
-    """Two ranks as TP 2 or as two pipeline stages: same world size, other shards in each file."""
-    model, opt = _model_and_opt(0)
     saved = {"tp": 2, "cp": 1, "ep": 1, "etp": 1, "pp": 1, "sequence_parallel": False}
-    folder = save_checkpoint(tmp_path, 4, model, opt, {}, {"layout": saved})
-    with pytest.raises(GenomeLMError, match="written with parallel layout .*'tp': 2.* this run has .*'pp': 2"):
+    folder = _legacy_checkpoint(tmp_path / "legacy2", model, opt, 1, saved)
+    with pytest.raises(GenomeLMError, match="optimizer state .* resumes only under the layout that wrote it .*'tp': 2"):
         load_checkpoint(folder, model, opt, layout={**saved, "tp": 1, "pp": 2})
-    assert load_checkpoint(folder, model, opt, layout=dict(saved)) == {}
+    assert load_checkpoint(folder, model, opt, layout=dict(saved)) == {"step": 4}
+    assert load_checkpoint(folder, model, None, layout={**saved, "tp": 1, "pp": 2}) == {"step": 4}  # weights only
+
+
+def test_per_rank_optimizer_state_needs_its_layout_and_weights_do_not(tmp_path):
+    """megatron-core's distributed optimizer keeps its state per rank: another layout is refused
+    with what to do instead, and the weights of the same checkpoint load alone."""
+    from genome_lm.train.optim import MegatronOptimizer
+
+    model, _ = _model_and_opt(0)
+    saved = {"tp": 2, "cp": 1, "ep": 1, "etp": 1, "pp": 1, "sequence_parallel": False}
+    optim = MegatronOptimizer(_Chained([_ShardedAdam(list(model.parameters()), 1)]))
+    folder = save_checkpoint(tmp_path, 4, model, optim, {}, {"layout": saved})
+    assert json.loads((folder / "meta.json").read_text())["optimizer"] == "per-rank"
+    with pytest.raises(GenomeLMError, match="optimizer state .* resumes only under the layout that wrote it"):
+        load_checkpoint(folder, model, optim, layout={**saved, "tp": 1, "pp": 2})
+    other, _ = _model_and_opt(1)
+    assert load_checkpoint(folder, other, None, layout={**saved, "tp": 1, "pp": 2}) == {}
+    for a, b in zip(model.parameters(), other.parameters()):
+        assert torch.equal(a, b)
 
 
 class _ShardedAdam:

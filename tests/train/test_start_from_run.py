@@ -8,11 +8,10 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from genome_lm.config import load_config
 from genome_lm.errors import GenomeLMError
-from genome_lm.checkpoint import CheckpointCorrupt, rng_state
+from genome_lm.checkpoint import CheckpointCorrupt, read_weights, rng_state
 from genome_lm.checkpoint import build
 from genome_lm.train.trainer import train
 
@@ -67,7 +66,7 @@ def test_build_loads_exactly_the_saved_weights_and_keeps_its_own_seeding(first_r
     # seed 1: the checkpoint's saved generators (a seed-0 run's) differ from this run's
     tensors, rng, _ = _build(_config(small_dataset, tmp_path / "new", f"model.checkpoint={source}",
                                      "train.seed=1"))
-    saved = load_file(str(folder / WEIGHTS))
+    saved = read_weights(folder)
     assert tensors.keys() == saved.keys()
     different = [name for name in saved if not torch.equal(tensors[name], saved[name])]
     assert not different, different[:5]
@@ -89,7 +88,7 @@ def test_new_run_starts_at_step_0_with_the_saved_weights_loss(first_run, small_d
         """The saved weights (copied in from the checkpoint's file) and their weighted cross-entropy on
         the new run's first global batch (two micro-batches of the loader ``train`` makes, dense
         indexer step)."""
-        saved = load_file(str(first_run / "checkpoints" / "step-000002" / WEIGHTS))
+        saved = read_weights(first_run / "checkpoints" / "step-000002")
         own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         with torch.no_grad():
             for name, value in saved.items():
@@ -126,14 +125,15 @@ def test_a_different_model_preset_is_refused(first_run, small_dataset, tmp_path)
 
 
 @pytest.mark.parametrize("change", ["tp", "world_size"])
-def test_a_different_parallel_layout_is_refused(first_run, small_dataset, tmp_path, change):
+def test_an_earlier_format_checkpoint_of_another_layout_is_refused(first_run, small_dataset, tmp_path, change):
+    """Format 1 (each rank's own tensors) written by two ranks: only its own layout can read it."""
     folder = tmp_path / "run" / "checkpoints" / "step-000002"
     shutil.copytree(first_run / "checkpoints" / "step-000002", folder)
     meta = json.loads((folder / "meta.json").read_text())
+    del meta["format"], meta["tensors"]
+    meta["world_size"] = 2
     if change == "tp":
         meta["layout"]["tp"] = 2
-    else:
-        meta["world_size"] = 2
     (folder / "meta.json").write_text(json.dumps(meta))  # meta.json itself carries no checksum
     with pytest.raises(GenomeLMError) as excinfo:
         _build(_config(small_dataset, tmp_path / "new", f"model.checkpoint={folder}"))

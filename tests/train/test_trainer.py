@@ -130,9 +130,9 @@ def _poison_steps(monkeypatch, bad_steps):
 
 
 def _weights(out, step):
-    from safetensors.torch import load_file
+    from genome_lm.checkpoint import read_weights
 
-    tensors = load_file(str(out / "checkpoints" / f"step-{step:06d}" / "model-r00000.safetensors"))
+    tensors = read_weights(out / "checkpoints" / f"step-{step:06d}")
     return {k: v for k, v in tensors.items() if not k.endswith("expert_bias")}  # parameters only
 
 
@@ -216,7 +216,7 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step(small_dataset, tmp_p
     folder = latest_checkpoint(out)
     assert folder.name == f"step-{steps:06d}"
     meta = verify(folder)  # every file of both ranks present, with its recorded size and checksum
-    assert meta["world_size"] == 2 and {"model-r00000.safetensors", "model-r00001.safetensors"} <= set(meta["files"])
+    assert meta["world_size"] == 2 and {"state-r00000.json", "state-r00001.json"} <= set(meta["files"])
 
 
 @pytest.mark.parametrize("override,message", [("train.global_batch_size=3", "multiple of micro_batch_size"),
@@ -232,7 +232,6 @@ def test_bad_settings_are_errors(small_dataset, tmp_path, override, message):
 @pytest.mark.slow
 def test_export_writes_the_trained_weights_as_hugging_face(small_dataset, tmp_path):
     import torch
-    from safetensors.torch import load_file
 
     from genome_lm.model import get_preset
     from genome_lm.checkpoint.huggingface import HFCheckpoint, hf_keys
@@ -242,7 +241,9 @@ def test_export_writes_the_trained_weights_as_hugging_face(small_dataset, tmp_pa
     export_run(tmp_path / "run", tmp_path / "hf")
     ckpt = HFCheckpoint(tmp_path / "hf")
     assert ckpt.config() == get_preset("tiny")
-    trained = load_file(str(result.checkpoint / "model-r00000.safetensors"))
+    from genome_lm.checkpoint import read_weights
+
+    trained = read_weights(result.checkpoint)
     name = "layers.3.self_attention.q_b_proj.weight"
     assert torch.equal(ckpt.get(hf_keys(name, ckpt.config(), ckpt.prefix)[0]), trained[name])
     name = "layers.1.mlp.experts.local_experts.5.linear_fc2.weight"

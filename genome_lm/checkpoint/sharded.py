@@ -1,0 +1,347 @@
+"""Layout-free tensors for training checkpoints: each tensor stored once, as the pieces the ranks
+hold, each placed in the whole tensor, so that any parallel layout and world size can read it.
+
+A tensor of a checkpoint (a parameter, a router's expert bias, an Adam moment) has a **key**, its
+name in the whole model (``model/layers.7.mlp.experts.local_experts.130.linear_fc1.weight``: layers
+numbered as in the whole model, experts by their global index), and a **global shape**. A rank
+holds one **box** of it (an offset and a size per dimension):
+
+- tensor parallel cuts ``param.partition_dim`` into equal contiguous parts (the rule of
+  ``engine.layout.tp_slice``); a GLU ``linear_fc1`` (``[gate; up]``, split as ``[gate_r; up_r]``)
+  is seen as ``[2, F, H]``, in which a rank's part is the box at ``(0, r * F / tp, 0)``;
+- expert parallel: a rank's local expert ``j`` is global expert ``ep_rank * local + j``;
+- pipeline parallel: a stage's layer ``i`` is the model's ``layer_offset + i``;
+- everything else (norms, mHC, routers; every tensor of a plain ``nn.Module``) is whole.
+
+**Saving** (collective): the ranks agree on one writer per distinct box, the lowest rank that holds
+it (data- and context-parallel replicas, and tensor-parallel ranks of an unsplit tensor, hold the
+same box), and each writes its boxes into its own safetensors files as ``<key>@<offset>``. The
+index of every piece (file, name, offset, size) is gathered into ``meta.json``.
+
+**Loading**: each rank asks for the box of each of its tensors under its own layout and reads the
+pieces that meet it through memory-mapped slices (``safe_open(...).get_slice``): only those bytes,
+never the whole model. A box that the pieces do not cover, a key the checkpoint lacks or a global
+shape that differs is a one-line error naming the checkpoint.
+
+Why not megatron-core's ``dist_checkpointing`` or torch's DCP, which do the same placement: both
+read their ``.metadata`` with ``pickle.load``, and genome-lm's checkpoints promise that loading
+one unpickles nothing beyond tensors and numbers. safetensors files and a JSON index keep that
+promise, and the placement rules are the ones the Hugging Face loader already uses.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from genome_lm.errors import GenomeLMError
+
+FORMAT = 2  # meta.json "format": 1 (or absent) is the per-rank format of earlier genome-lm versions
+MODEL, OPTIM = "model/", "optim/"
+_LOCAL_EXPERT = re.compile(r"local_experts\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Box:
+    """Where a rank's tensor sits in the whole: ``key``, the global ``shape``, this rank's
+    ``offset`` and ``size`` (the local tensor viewed as ``size``)."""
+
+    key: str
+    shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    size: tuple[int, ...]
+
+    @property
+    def whole(self) -> bool:
+        return self.size == self.shape
+
+
+def is_glu(name: str) -> bool:
+    """A GLU ``linear_fc1`` weight: ``[gate; up]`` stacked along dimension 0."""
+    return name.endswith("linear_fc1.weight")
+
+
+def _layout_of(model):
+    """(tensor-parallel group, expert-parallel group or None) of a parameter, or None for a
+    model without process groups (a plain module: every tensor whole)."""
+    pg = getattr(model, "pg", None)
+    if pg is None:
+        return None
+    from .huggingface import groups_of
+
+    return lambda name: groups_of(model, name)
+
+
+def box_of(model, name: str, tensor: torch.Tensor, *, groups=None) -> Box:
+    """The box of ``model``'s tensor ``name`` on this rank (see the module docstring)."""
+    size = tuple(tensor.shape)
+    key = getattr(model, "global_name", lambda n: n)(name)
+    glu = is_glu(name) and len(size) >= 1
+    if glu:
+        size = (2, size[0] // 2, *size[1:])
+    shape, offset = list(size), [0] * len(size)
+    if groups is not None:
+        tp_group, ep_group = groups(name)
+        if ep_group is not None and ep_group.size() > 1 and (m := _LOCAL_EXPERT.search(key)):
+            from genome_lm.engine.layout import expert_offset
+
+            first = expert_offset(model.cfg.n_routed_experts, ep_group)
+            key = key[:m.start()] + f"local_experts.{first + int(m.group(1))}." + key[m.end():]
+        if getattr(tensor, "tensor_model_parallel", False) and tp_group is not None and tp_group.size() > 1:
+            dim = tensor.partition_dim
+            if glu:
+                if dim != 0:
+                    raise ValueError(f"{name}: a GLU weight split along dimension {dim}, not 0")
+                dim = 1
+            shape[dim] = size[dim] * tp_group.size()
+            offset[dim] = size[dim] * tp_group.rank()
+    return Box(MODEL + key, tuple(shape), tuple(offset), size)
+
+
+def model_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(local name, tensor) of everything a checkpoint keeps of a model on this rank: its
+    parameters and the MoE routers' expert biases (a buffer that training updates)."""
+    for name, param in model.named_parameters():
+        yield name, param
+    for name, buf in model.named_buffers():
+        if name.endswith("expert_bias"):
+            yield name, buf
+
+
+def model_boxes(model) -> dict[str, tuple[torch.Tensor, Box]]:
+    """Local name -> (tensor, box) for ``model_tensors``."""
+    groups = _layout_of(model)
+    return {name: (t, box_of(model, name, t, groups=groups)) for name, t in model_tensors(model)}
+
+
+def optimizer_boxes(model, optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, Box]]:
+    """(tensor, box) of a per-parameter optimizer's state (torch's Adam/AdamW): a moment has its
+    parameter's box under ``optim/<state name>/``; a scalar (Adam's ``step``) is whole."""
+    boxes = {id(t): box for t, box in model_boxes(model).values()}
+    out = []
+    for param, state in optimizer.state.items():
+        if id(param) not in boxes:
+            raise ValueError("the optimizer holds a parameter the model does not")
+        box = boxes[id(param)]
+        name = box.key[len(MODEL):]
+        for what, value in sorted(state.items()):
+            if not torch.is_tensor(value):
+                raise GenomeLMError(f"optimizer state {what!r} of {name} is not a tensor ({type(value).__name__})")
+            key = f"{OPTIM}{what}/{name}"
+            if value.dim() == 0:
+                out.append((value, Box(key, (), (), ())))
+            elif value.numel() == param.numel():
+                out.append((value, Box(key, box.shape, box.offset, box.size)))
+            else:
+                raise GenomeLMError(f"optimizer state {what!r} of {name} has shape {tuple(value.shape)}, neither "
+                                    f"a scalar nor the parameter's {tuple(param.shape)}")
+    return out
+
+
+def _gather_objects(obj) -> list:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def write_pieces(folder: Path, rank: int, entries: list[tuple[torch.Tensor, Box]]) -> dict:
+    """Collective. Write this rank's share of ``entries``: each distinct box once, by the lowest
+    rank that holds it. Returns the index of every rank's pieces (on every rank):
+    ``{key: {"shape", "dtype", "pieces": [{"file", "name", "offset", "size"}]}}``."""
+    from safetensors.torch import save_file
+
+    held = [(box.key, box.offset) for _, box in entries]
+    everyone = _gather_objects(held)
+    writer: dict[tuple, int] = {}
+    for r, boxes in enumerate(everyone):
+        for key, offset in boxes:
+            writer.setdefault((key, tuple(offset)), r)
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    mine = []
+    for tensor, box in entries:
+        if writer[(box.key, box.offset)] != rank:
+            continue
+        file = f"{box.key.split('/', 1)[0]}-r{rank:05d}.safetensors"
+        name = f"{box.key}@{','.join(map(str, box.offset))}"
+        files.setdefault(file, {})[name] = tensor.detach().reshape(box.size).contiguous()
+        mine.append({"key": box.key, "shape": list(box.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
+                     "file": file, "name": name, "offset": list(box.offset), "size": list(box.size)})
+    for file, tensors in files.items():
+        save_file(tensors, str(folder / file), metadata={"format": "genome-lm pieces"})
+    index: dict[str, dict] = {}
+    for pieces in _gather_objects(mine):
+        for p in pieces:
+            entry = index.setdefault(p["key"], {"shape": p["shape"], "dtype": p["dtype"], "pieces": []})
+            entry["pieces"].append({k: p[k] for k in ("file", "name", "offset", "size")})
+    return dict(sorted(index.items()))
+
+
+class PieceReader:
+    """Reads boxes of a checkpoint's tensors from its pieces (``meta["tensors"]``), one
+    memory-mapped file at a time as needed; ``close`` unmaps them."""
+
+    def __init__(self, folder: str | Path, index: dict):
+        self.folder, self.index = Path(folder), index
+        self._handles: dict[str, object] = {}
+
+    def keys(self, prefix: str = MODEL) -> list[str]:
+        return [k for k in self.index if k.startswith(prefix)]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._entry(key)["shape"])
+
+    def _entry(self, key: str) -> dict:
+        if key not in self.index:
+            raise GenomeLMError(f"{self.folder}: holds no tensor {key.split('/', 1)[1]} (a checkpoint of another "
+                                "model or configuration?)")
+        return self.index[key]
+
+    def _file(self, file: str):
+        if file not in self._handles:
+            from safetensors import safe_open
+
+            path = self.folder / file
+            if not path.exists():
+                raise GenomeLMError(f"{path}: missing (a piece of the checkpoint)")
+            self._handles[file] = safe_open(path, "pt")
+        return self._handles[file]
+
+    def read(self, box: Box) -> torch.Tensor:
+        """The tensor in ``box`` (``box.size``, in the stored dtype), assembled from the pieces."""
+        entry = self._entry(box.key)
+        name = box.key.split("/", 1)[1]
+        if tuple(entry["shape"]) != box.shape:
+            raise GenomeLMError(f"{self.folder}: {name} has shape {tuple(entry['shape'])} in the checkpoint, the "
+                                f"model's is {box.shape} (a checkpoint of another model or configuration?)")
+        out = torch.empty(box.size, dtype=getattr(torch, entry["dtype"]))
+        covered = 0
+        for piece in entry["pieces"]:
+            lo = [max(a, b) for a, b in zip(piece["offset"], box.offset)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(piece["offset"], piece["size"], box.offset, box.size)]
+            if any(h <= low for low, h in zip(lo, hi)):
+                continue
+            handle = self._file(piece["file"])
+            if not box.size:  # a scalar
+                out.copy_(handle.get_tensor(piece["name"]))
+                covered = 1
+                break
+            src = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, piece["offset"]))
+            dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, box.offset))
+            if piece.get("reshape"):  # stored in another shape (an earlier format's GLU weight)
+                out[dst] = handle.get_tensor(piece["name"]).reshape(piece["size"])[src]
+            else:
+                out[dst] = handle.get_slice(piece["name"])[src]
+            covered += math.prod(h - low for low, h in zip(lo, hi))
+        if covered != math.prod(box.size):
+            raise GenomeLMError(f"{self.folder}: the pieces of {name} cover {covered} of the {math.prod(box.size)} "
+                                f"values this rank needs (offset {box.offset}, size {box.size}): a piece is missing")
+        return out
+
+    def full(self, key: str) -> torch.Tensor:
+        """The whole tensor ``key`` (a GLU weight as stored, ``[2, F, H]``)."""
+        shape = self.shape(key)
+        return self.read(Box(key, shape, (0,) * len(shape), shape))
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def full_model_tensors(reader: PieceReader) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) of every weight, one at a time, in the index's order; a GLU weight in
+    its parameter's shape ``[2 F, H]``."""
+    for key in reader.keys(MODEL):
+        tensor = reader.full(key)
+        name = key[len(MODEL):]
+        yield name, tensor.reshape(-1, *tensor.shape[2:]) if is_glu(name) else tensor
+
+
+@torch.no_grad()
+def load_model_pieces(reader: PieceReader, model) -> None:
+    """Copy the checkpoint's weights into ``model`` under its own layout. The model's tensors must
+    be exactly the checkpoint's (checked over all ranks: a key neither side lacks)."""
+    boxes = model_boxes(model)
+    wanted = set()
+    for keys in _gather_objects(sorted(box.key for _, box in boxes.values())):
+        wanted.update(keys)
+    stored = set(reader.keys(MODEL))
+    if wanted != stored:
+        extra, missing = sorted(stored - wanted), sorted(wanted - stored)
+        what = (f"the model has no {extra[0][len(MODEL):]}" if extra else
+                f"it holds no {missing[0][len(MODEL):]}")
+        raise GenomeLMError(f"{reader.folder}: its weights are not this model's ({what}; "
+                            f"{len(missing)} missing, {len(extra)} extra): a checkpoint of another model or configuration?")
+    for name, (tensor, box) in boxes.items():
+        tensor.copy_(reader.read(box).reshape(tensor.shape))
+
+
+def load_optimizer_pieces(reader: PieceReader, model, optimizer: torch.optim.Optimizer) -> None:
+    """Restore a per-parameter optimizer's state (the keys ``optim/<state>/<name>``) for every
+    parameter the optimizer steps."""
+    boxes = {id(t): box for t, box in model_boxes(model).values()}
+    kinds = sorted({k[len(OPTIM):].split("/", 1)[0] for k in reader.keys(OPTIM)})
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            box = boxes[id(param)]
+            name = box.key[len(MODEL):]
+            state = {}
+            for what in kinds:
+                key = f"{OPTIM}{what}/{name}"
+                if key not in reader.index:
+                    continue
+                if not reader.index[key]["shape"]:
+                    state[what] = reader.read(Box(key, (), (), ()))
+                else:
+                    moment = reader.read(Box(key, box.shape, box.offset, box.size))
+                    state[what] = moment.reshape(param.shape).to(param.device)
+            if state:
+                optimizer.state[param] = state
+
+
+def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The numbers of each parameter group (learning rate, betas, weight decay, ...): JSON."""
+    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
+            for group in optimizer.param_groups]
+
+
+def set_optimizer_groups(optimizer: torch.optim.Optimizer, groups: list[dict], where: Path) -> None:
+    if len(groups) != len(optimizer.param_groups):
+        raise GenomeLMError(f"{where}: the optimizer had {len(groups)} parameter groups, this one has "
+                            f"{len(optimizer.param_groups)}")
+    for group, saved in zip(optimizer.param_groups, groups):
+        for k, v in saved.items():
+            group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+
+
+def legacy_index(folder: Path, files: dict) -> dict:
+    """The piece index of a one-rank checkpoint in the earlier format (``model-r00000.safetensors``
+    with the model's own names): every tensor whole, so it loads under any layout too."""
+    from safetensors import safe_open
+
+    name = "model-r00000.safetensors"
+    if name not in files:
+        raise GenomeLMError(f"{folder}: no {name}")
+    index = {}
+    with safe_open(folder / name, "pt") as f:
+        for key in f.keys():
+            sl = f.get_slice(key)
+            shape = list(sl.get_shape())
+            piece = {"file": name, "name": key}
+            if is_glu(key) and shape:
+                shape = [2, shape[0] // 2, *shape[1:]]
+                piece["reshape"] = True
+            piece.update(offset=[0] * len(shape), size=shape)
+            index[MODEL + key] = {"shape": shape, "dtype": _dtype_name(sl.get_dtype()), "pieces": [piece]}
+    return index
+
+
+def _dtype_name(safetensors_dtype: str) -> str:
+    return {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+            "I32": "int32", "U8": "uint8", "BOOL": "bool"}[safetensors_dtype]
