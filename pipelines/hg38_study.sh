@@ -15,5 +15,6 @@ genome-lm prepare --fasta "$FASTA" --out "$OUT/prepared" --train-chroms chr1,chr
 genome-lm finetune --config "$CONFIG" --set data.dataset="$OUT/prepared" --set train.out_dir="$OUT/run" \
   --ray-address "${RAY_ADDRESS:-auto}" --workers 64 --cpus-per-worker 8
 
-# Exporting the tuned weights (genome-lm export) must run with the training layout (64 ranks,
-# e.g. torchrun on the 8 nodes); a single-process export of a sharded checkpoint is not built yet.
+# The tuned weights as a Hugging Face glm5_next folder: one process on the head node, streamed
+# tensor by tensor from the 64 ranks' checkpoint pieces (no GPU, no model built).
+genome-lm export --run "$OUT/run" --out "$OUT/export"

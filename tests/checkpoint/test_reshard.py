@@ -102,3 +102,27 @@ def test_the_pieces_tile_each_tensor_once_and_read_back_whole(reference):
         parts = [ref.get(k) for k in keys]
         whole = torch.stack([t.squeeze(1) for t in parts]) if name.endswith("conv_weight") else torch.cat(parts)
         assert torch.equal(tensor, whole), (name, is_glu(name))
+
+
+def test_one_process_export_of_a_split_checkpoint_matches_transformers(reference, tmp_path):
+    """`genome-lm export` of a checkpoint written by EP 2 ranks, in one process with no model:
+    the folder holds the reference weights, and `genome-lm parity` holds within 1e-4."""
+    import os
+    import re
+
+    from genome_lm.checkpoint.huggingface import HFCheckpoint
+    from genome_lm.train.export import export_run
+
+    root, hf, expected, _ = reference
+    folder, _ = _save(root, hf, {"ep": 2}, "export-ep2")
+    out = export_run(folder, tmp_path / "hf", max_shard_bytes=64 * 1024)
+    assert not (tmp_path / "hf.partial").exists()
+    got, want = HFCheckpoint(out), HFCheckpoint(expected["weights"])
+    assert sorted(got.weight_map) == sorted(want.weight_map) and len(set(got.weight_map.values())) > 1
+    for key in want.weight_map:
+        assert torch.equal(got.get(key), want.get(key)), key
+    env = {**{k: v for k, v in os.environ.items() if k != "COLUMNS"}, "COLUMNS": "150"}
+    result = subprocess.run([sys.executable, "-m", "genome_lm", "parity", "--hf", str(out), "--lengths", "1,65,300",
+                             "--tol", "1e-4"], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert len(re.findall(r"T=[\d,]+: max \|d logit\|", result.stdout)) == 3
