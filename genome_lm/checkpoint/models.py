@@ -31,8 +31,9 @@ def build(cfg: RunConfig, pg: ProcessGroupCollection, sizes: ParallelSizes) -> G
     (a folder with ``meta.json``) or a training run folder (its ``checkpoints/latest``). From a
     genome-lm checkpoint only the weights are taken (verified first; the caller starts a new run:
     fresh optimizer, step 0), under this run's parallel layout whatever layout wrote them; the
-    architecture is the one it recorded, and its model preset must match this run's. The random generators are left as a random
-    initialisation would leave them: the new run's seeding is its own."""
+    architecture is the one it recorded, and its model preset must match this run's. The random
+    generators are left as a random initialisation would leave them: the new run's seeding is its
+    own."""
     from genome_lm.model import get_preset
     from genome_lm.checkpoint.huggingface import HFCheckpoint, load_hf_checkpoint
     from genome_lm.model.model import build_model

@@ -254,12 +254,18 @@ class PieceReader:
         self._handles.clear()
 
 
-def full_model_tensors(reader: PieceReader) -> Iterator[tuple[str, torch.Tensor]]:
+def full_model_tensors(reader: PieceReader, *, unmap_every: int = 64 * 2**20) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) of every weight, one at a time, in the index's order; a GLU weight in
-    its parameter's shape ``[2 F, H]``."""
+    its parameter's shape ``[2 F, H]``. The files are unmapped after every ``unmap_every`` bytes
+    read: mapped pages that were read count in the process's resident memory until then."""
+    read = 0
     for key in reader.keys(MODEL):
         tensor = reader.full(key)
         name = key[len(MODEL):]
+        read += tensor.numel() * tensor.element_size()
+        if read >= unmap_every:
+            reader.close()
+            read = 0
         yield name, tensor.reshape(-1, *tensor.shape[2:]) if is_glu(name) else tensor
 
 
@@ -277,7 +283,8 @@ def load_model_pieces(reader: PieceReader, model) -> None:
         what = (f"the model has no {extra[0][len(MODEL):]}" if extra else
                 f"it holds no {missing[0][len(MODEL):]}")
         raise GenomeLMError(f"{reader.folder}: its weights are not this model's ({what}; "
-                            f"{len(missing)} missing, {len(extra)} extra): a checkpoint of another model or configuration?")
+                            f"{len(missing)} missing, {len(extra)} extra): a checkpoint of another model or "
+                            "configuration?")
     for name, (tensor, box) in boxes.items():
         tensor.copy_(reader.read(box).reshape(tensor.shape))
 

@@ -60,7 +60,8 @@ def test_boxes_are_read_across_pieces_of_any_split(tmp_path):
     pieces = []
     for i, (a, b) in enumerate([(0, 2), (2, 4), (4, 6)]):
         save_file({f"w@{a},0": whole[a:b].contiguous()}, str(tmp_path / f"model-r{i:05d}.safetensors"))
-        pieces.append({"file": f"model-r{i:05d}.safetensors", "name": f"w@{a},0", "offset": [a, 0], "size": [b - a, 10]})
+        pieces.append({"file": f"model-r{i:05d}.safetensors", "name": f"w@{a},0", "offset": [a, 0],
+                       "size": [b - a, 10]})
     reader = PieceReader(tmp_path, {"model/w": {"shape": [6, 10], "dtype": "float32", "pieces": pieces}})
     for offset, size in [((0, 0), (6, 5)), ((0, 5), (6, 5)), ((1, 3), (4, 4)), ((3, 0), (3, 10)), ((5, 9), (1, 1))]:
         got = reader.read(Box("model/w", (6, 10), offset, size))

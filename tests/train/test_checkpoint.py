@@ -80,7 +80,8 @@ def _legacy_checkpoint(folder, model, opt, world: int, layout: dict | None = Non
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True)
-    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(folder / "model-r00000.safetensors"))
+    weights = {n: p.detach().contiguous() for n, p in model.named_parameters()}
+    save_file(weights, str(folder / "model-r00000.safetensors"))
     torch.save(opt.state_dict(), folder / "optim-r00000.pt")
     from genome_lm.checkpoint import rng_state
 

@@ -36,7 +36,8 @@ def test_finetune_on_two_local_ray_workers(small_dataset, tmp_path):
     meta = (checkpoint / "meta.json").read_text()
     assert '"world_size": 2' in meta
     # data parallel: rank 0 writes the weights (the replicas once), each rank its own state
-    assert {"model-r00000.safetensors", "state-r00000.json", "state-r00001.json"} <= {p.name for p in checkpoint.iterdir()}
+    written = {p.name for p in checkpoint.iterdir()}
+    assert {"model-r00000.safetensors", "state-r00000.json", "state-r00001.json"} <= written
 
     # rank 0's summary, printed once by the driver
     output = proc.stdout + proc.stderr  # the workers' output comes through the driver
