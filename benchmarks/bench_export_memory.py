@@ -33,7 +33,8 @@ from genome_lm.model import get_preset
 from genome_lm.model.model import build_model
 from genome_lm.config import load_config
 cfg = get_preset("tiny").replace(hidden_size=512, num_hidden_layers=8, layer_types=(), mlp_layer_types=(),
-                                 indexer_types=(), n_routed_experts=16, intermediate_size=1536, moe_intermediate_size=512)
+                                 indexer_types=(), n_routed_experts=16, intermediate_size=1536,
+                                 moe_intermediate_size=512)
 run = load_config("demo-cpu", [])
 with quiet_megatron_import(), parallel_context() as pg:
     torch.manual_seed(0)
