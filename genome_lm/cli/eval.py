@@ -133,6 +133,10 @@ def eval_command(
     tracking_uri: Annotated[Optional[str], typer.Option(help="MLflow store; default: the training run's store (its run folder's mlflow.db).")] = None,
     tracking: Annotated[bool, typer.Option(help="Log the evaluation to MLflow as a child of the training run.")] = True,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="The parallel layout over many ranks: --set parallel.tp=2 (tp, cp, ep, etp, sequence_parallel; repeatable). Default: the training run's layout when the ranks can hold it, else data parallel over windows.")] = None,
+    ray_address: Annotated[Optional[str], typer.Option(help="Score on a Ray cluster ('auto', host:port, or 'local' to start one here).")] = None,
+    workers: Annotated[int, typer.Option(help="With --ray-address: ranks to start (one GPU each, or CPU workers without GPUs).", min=1)] = 1,
+    cpus_per_worker: Annotated[int, typer.Option(help="With --ray-address: CPUs reserved per rank.", min=1)] = 1,
 ) -> None:
     """Loss by preceding-context length on an evaluation chromosome, optionally against a baseline.
 
@@ -143,6 +147,8 @@ def eval_command(
     With --max-context N[,N...] the model is also scored with its context cut to N (a context ablation: one model against itself, so no second model is needed), reported per bucket as the loss difference with a paired interval and drawn in context_ablation.png.
 
     Writes eval.json (schema genome-lm.eval/1), eval.csv and loss_by_context.png, and logs them to MLflow next to the training run. On the demo genome it also compares the loss on planted later copies whose first copy lies inside the window with those whose first copy lies outside it.
+
+    Over many ranks (--ray-address with --workers, or torchrun --nproc-per-node N -m genome_lm eval ...) tensor and context parallel split each window's forward, expert parallel the MoE layers, and data parallel shares out the windows; rank 0 writes the same report. A split model scores each window in one forward (--chunk applies to unsplit ranks).
     """
     from genome_lm.checkpoint.paths import is_run_folder
     from genome_lm.eval.evaluate import EvalRequest, evaluate
@@ -156,9 +162,15 @@ def eval_command(
                           split=split, window=size(window, "--window"), bucket_text=buckets, chunk=chunk_size or None,
                           max_windows=max_windows, max_n_fraction=max_n, resamples=resamples, seed=seed,
                           planted=planted, max_contexts=sizes(max_context, "--max-context") if max_context else None,
-                          tracking=tracking, tracking_uri=tracking_uri)
+                          tracking=tracking, tracking_uri=tracking_uri, layout=parallel_layout(set_))
     try:
-        report = evaluate(request, progress=not quiet, on_note=lambda t: console.print(t, highlight=False))
+        if ray_address is not None:
+            from genome_lm.train.launch import eval_on_ray
+
+            report = eval_on_ray(request, address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
+                                 progress=not quiet)
+        else:
+            report = evaluate(request, progress=not quiet, on_note=lambda t: console.print(t, highlight=False))
     except KeyboardInterrupt:
         scores = Path(out) / ".scores"
         kept = len(list(scores.glob("*/window-*.npy"))) if scores.is_dir() else 0
@@ -166,97 +178,21 @@ def eval_command(
             f"interrupted: the {kept} windows scored so far are kept in {scores} and will be reused when you run the "
             "same command again", highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
-    print_report(report)
+    if report is not None:  # under torchrun, rank 0 reports
+        print_report(report)
 
 
-@app.command("check-logprobs")
-def check_logprobs_command(
-    model: Annotated[str, typer.Option(help="A training run, checkpoint or Hugging Face glm5_next folder, or preset:tiny (fresh seeded weights).")],
-    lengths: Annotated[str, typer.Option(help="Comma-separated context lengths (k=1024); one sequence each.")] = "1k,4k,16k",
-    chunk: Annotated[str, typer.Option(help="Tokens per chunk of the chunked-prefill path.")] = "4k",
-    threshold: Annotated[Optional[float], typer.Option(help="Largest allowed max |delta logprob|; default 1e-4 for fp32 models, 0.1 for bf16.")] = None,
-    paths: Annotated[str, typer.Option(help="Inference paths to compare: prefill, transformers, vllm (those that cannot run here are reported as not run).")] = "prefill,transformers,vllm",
-    dataset: Annotated[Optional[Path], typer.Option(help="Score the start of this dataset's longest evaluation window instead of random DNA.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the random DNA (and of preset weights).")] = 0,
-) -> None:
-    """Compare per-token log-probabilities of the training forward with independent inference paths.
-
-    The same tokens go through the training forward and through genome-lm's chunked prefill (carried KDA state, cached DSA keys), transformers' glm5_next (a Hugging Face model, when installed) and vLLM (when installed on a GPU). Prints mean and max |delta logprob| of the realised next token per context length and exits with status 1 when any path exceeds --threshold. On CPU in fp32 the prefill path stays below 1e-4.
-    """
-    from genome_lm.eval.logprobs import check_logprobs
-
-    lengths_ = sizes(lengths, "--lengths")
-    wanted = tuple(x.strip() for x in paths.split(",") if x.strip())
-
-    def show(row):
-        console.print(f"{row.path} T={row.length:,}: mean |d logprob| {row.mean_abs:.3g}, max {row.max_abs:.3g}",
-                      highlight=False)
-
-    rows, limit = check_logprobs(model, lengths_, chunk=size(chunk, "--chunk"), threshold=threshold, seed=seed,
-                                 dataset=dataset, paths=wanted, progress=show)
-    table = Table(title=f"training forward vs inference paths: |delta log p(next token)| ({model})", title_justify="left")
-    for column in ("path", "T", "mean |d logprob|", "max |d logprob|", f"<= {limit:g}", "note"):
-        table.add_column(column, justify="left" if column in ("path", "note") else "right")
-    for r in rows:
-        ok = "" if r.passed is None else ("yes" if r.passed else "[bold red]NO[/]")
-        table.add_row(r.path, f"{r.length:,}", "" if r.mean_abs is None else f"{r.mean_abs:.3g}",
-                      "" if r.max_abs is None else f"{r.max_abs:.3g}", ok, r.note)
-    console.print(table)
-    failed = [f"{r.path} T={r.length:,}" for r in rows if r.passed is False]
-    if failed:
-        Console(stderr=True).print(f"[bold red]log-probabilities differ[/] above {limit:g}: {', '.join(failed)}")
-        raise typer.Exit(1)
-    ran = sorted({r.path for r in rows if r.passed})
-    console.print(f"every path that ran ({', '.join(ran)}) agrees within {limit:g}", highlight=False)
-
-
-@app.command("recall")
-def recall_command(
-    model: Annotated[str, typer.Option(help="A training run, checkpoint or Hugging Face folder, preset:tiny, or builtin:tiny-long (the shipped long-context model).")],
-    dataset: Annotated[Optional[Path], typer.Option(help="Draw segments and background from this dataset's evaluation split (N-free stretches); default: the run's data.dataset, else random DNA.")] = None,
-    distances: Annotated[Optional[str], typer.Option(help="Comma-separated distances d (k=1024), instead of the default sweep.")] = None,
-    max_distance: Annotated[Optional[str], typer.Option(help="End the sweep 64, 256, 1k, ... (x4) at this distance instead of at the model's window. Default: the largest d whose probe (64 lead + 2 x segment + d bases) fits the window: the run's longest data.seq_len (with its warm-up), else the --dataset's window length, else 4k when neither is known. Long distances are slow on a CPU (every trial scores two sequences as long as the probe, with the full model); lower this or use --distances for a quick look.")] = None,
-    trials: Annotated[int, typer.Option(help="Trials (segment, background draws) per distance.", min=2)] = 8,
-    segment: Annotated[int, typer.Option(help="Length of the copied segment in bases.", min=8)] = 256,
-    chunk: Annotated[str, typer.Option(help="Chunked prefill above this many tokens.")] = "32k",
-    seed: Annotated[int, typer.Option(help="Seed of the draws and the bootstrap.")] = 0,
-    recall_bench: Annotated[bool, typer.Option(help="Also run recall-bench's own sweep through its CallableModel (when installed; it skips distances whose power-of-two probe exceeds the window).")] = True,
-    max_seconds: Annotated[float, typer.Option(help="Time budget: stop before a distance predicted to end past it (from the last distance's time), and run recall-bench only with time left. 0: no limit.", min=0)] = 120,
-    out: Annotated[Path, typer.Option(help="JSON file for the results, rewritten as each distance finishes.")] = Path("recall.json"),
-) -> None:
-    """Long-range recall probe: the copy advantage CE(control) - CE(repeat) per distance.
-
-    A segment of real (or demo) sequence is repeated after d bases of background; the control puts another segment in the first copy's place. The loss on the final segment in both gives the copy advantage in nats per base, with a 95% bootstrap interval over trials. By default d runs from 64 up to the model's window length (64, 256, 1k, ... then the largest d whose probe fits the window), within --max-seconds (2 minutes: the distances it leaves out are named, with how to run them). Each distance is printed and written to --out as it finishes. When recall-bench is installed its own sweep runs too, through its CallableModel interface, with background from the same sequence; both are printed and written to --out.
-    """
+def parallel_layout(items: list[str] | None) -> dict | None:
+    """``--set parallel.tp=2 ...`` -> the fields of ``ParallelSizes`` (parsed and validated as the
+    training config's parallel section), or None when none is given."""
+    if not items:
+        return None
+    from genome_lm.config import load_config
     from genome_lm.errors import GenomeLMError
-    from genome_lm.eval.ablation import fmt_delta
-    from genome_lm.eval.recall import recall_bench_available, run_recall
 
-    def finished(row) -> None:
-        console.print(f"d={row.distance:,}: copy advantage {fmt_delta(row.advantage)} nats/base "
-                      f"[{fmt_delta(row.ci_low)}, {fmt_delta(row.ci_high)}] (CE repeat {row.ce_repeat:.4f}, "
-                      f"control {row.ce_control:.4f}); {out} updated", highlight=False)
-
-    try:
-        found = run_recall(model, out, dataset=dataset, distances=sizes(distances, "--distances") if distances else None,
-                           max_distance=size(max_distance, "--max-distance"), trials=trials, segment=segment,
-                           chunk=size(chunk, "--chunk"), seed=seed, recall_bench=recall_bench,
-                           max_seconds=max_seconds, say=lambda t: console.print(t, highlight=False, soft_wrap=True),
-                           on_row=finished)
-    except ValueError as exc:
-        raise GenomeLMError(f"{dataset or model}: {exc}") from None
-    rows, bench, source = found.rows, found.bench, found.source
-    table = Table(title=f"copy advantage CE(control) - CE(repeat), nats/base, {segment}-base segment, {trials} trials "
-                        f"({model}; {'dataset ' + str(source) if source else 'random DNA'})", title_justify="left")
-    for column in ("distance", "CE repeat", "CE control", "advantage [95% CI]", "recall-bench"):
-        table.add_column(column, justify="right")
-    by_d = {r["dist"]: r for r in bench or []}
-    for r in rows:
-        rb_row = by_d.get(r.distance)
-        rb_text = ("not installed" if not recall_bench_available() else "skipped" if bench is None else (
-            f"{fmt_delta(rb_row['copy_advantage'])} +- {abs(rb_row['stderr']):.2e}" if rb_row and rb_row.get("status") == "ok"
-            else (rb_row or {}).get("status", "-")))
-        table.add_row(f"{r.distance:,}", f"{r.ce_repeat:.4f}", f"{r.ce_control:.4f}",
-                      f"{fmt_delta(r.advantage)} [{fmt_delta(r.ci_low)}, {fmt_delta(r.ci_high)}]", rb_text)
-    console.print(table)
-    console.print(f"wrote {out}", highlight=False)
+    for item in items:
+        if not item.strip().startswith("parallel."):
+            raise GenomeLMError(f"--set {item!r}: eval takes parallel.<field>=<value> (tp, cp, ep, etp, pp, "
+                                "sequence_parallel)")
+    section = load_config(None, items).parallel
+    return {k: getattr(section, k) for k in ("tp", "cp", "ep", "etp", "pp", "sequence_parallel")}

@@ -35,7 +35,9 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 
 
 def score_key(model: torch.nn.Module, token_map: torch.Tensor | None, dataset: Path, split: str,
-              chunk: int | None) -> str:
+              chunk: int | None, layout: dict | None = None) -> str:
+    """The cache folder's key: the weights, token map, dataset, split, chunk and device, and for
+    an evaluation over many ranks their layout (rank 0's key: its weights are its shard)."""
     first = next(model.parameters(), None)
     parts = {
         "weights": weights_fingerprint(model),
@@ -45,6 +47,8 @@ def score_key(model: torch.nn.Module, token_map: torch.Tensor | None, dataset: P
         "chunk": chunk,
         "device": None if first is None else f"{first.device.type}:{first.dtype}",
     }
+    if layout is not None:
+        parts["layout"] = layout
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 

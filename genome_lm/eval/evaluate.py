@@ -22,6 +22,8 @@
 from __future__ import annotations
 
 import datetime
+import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +54,7 @@ class EvalRequest:
     max_contexts: list[int] | None = None  # context ablation: the model again with each cut (``ablation``)
     tracking: bool = True
     tracking_uri: str | None = None
+    layout: dict | None = None  # ParallelSizes fields over many ranks (--set parallel.*); default: eval_layout
 
 
 def _windows_of(split_windows, chrom: str | None, source: str) -> list[int]:
@@ -87,8 +90,40 @@ def _prepare_fasta(req: EvalRequest, progress: bool) -> Path:
     return result.out
 
 
-def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict:
-    """Run the evaluation; returns the report (also written to ``req.out``)."""
+def eval_layout(req: EvalRequest, world_size: int):
+    """The parallel layout of an evaluation over ``world_size`` ranks: ``req.layout`` when given;
+    else, for a training run or checkpoint, the layout it was trained with when the ranks can
+    hold it (and it has no pipeline stages, which scoring does not use); else data parallel only
+    (each rank a whole model, the windows shared out)."""
+    from genome_lm.engine.parallel import ParallelSizes
+
+    if req.layout is not None:
+        return ParallelSizes(**req.layout)
+    if world_size > 1:
+        import json
+
+        from genome_lm import weights
+        from genome_lm.checkpoint import resolve
+
+        try:
+            found = resolve(weights.resolve(str(req.model)), what="model")
+        except GenomeLMError:
+            found = None
+        if found is not None and found.checkpoint is not None:
+            layout = json.loads((found.checkpoint / "meta.json").read_text()).get("layout")
+            if layout:
+                sizes = ParallelSizes(**layout)
+                if sizes.pp == 1 and world_size % (sizes.tp * sizes.cp) == 0 and world_size % sizes.ep == 0:
+                    return sizes
+    return ParallelSizes()
+
+
+def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict | None:
+    """Run the evaluation; returns the report (also written to ``req.out``).
+
+    Over many ranks (torchrun, or ``eval_on_ray``: every rank calls this) the model is split by
+    ``eval_layout`` and the windows shared out (``eval.parallel``); rank 0 writes the report and
+    returns it, the other ranks return None."""
     from genome_lm import __version__
     from genome_lm.data.manifest import Manifest
     from genome_lm.engine import quiet_megatron_import
@@ -100,16 +135,31 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict:
     from .models import load_model
     from .score import score_split, select_windows
 
-    note = on_note or (lambda text: None)
+    import torch.distributed as dist
+
+    from .parallel import check_sizes, score_into_cache
+
     out = Path(req.out)
     started_ms = int(datetime.datetime.now(datetime.timezone.utc).timestamp() * 1000)
-    with quiet_megatron_import(), parallel_context() as pg:
-        loaded = {"model": load_model(req.model, pg)}
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    sizes = eval_layout(req, world)
+    many = world > 1
+    if many:
+        check_sizes(sizes)
+    with quiet_megatron_import(), parallel_context(sizes) as pg:
+        rank = dist.get_rank()
+        note = (on_note or (lambda text: None)) if rank == 0 else (lambda text: None)
+        progress = progress and rank == 0
+        loaded = {"model": load_model(req.model, pg, sizes=sizes)}
         if req.baseline:
-            loaded["baseline"] = load_model(req.baseline, pg, init_of=loaded["model"])
+            loaded["baseline"] = load_model(req.baseline, pg, init_of=loaded["model"], sizes=sizes)
         dataset = req.dataset
         if req.fasta is not None:
-            dataset = _prepare_fasta(req, progress)
+            if rank == 0:
+                dataset = _prepare_fasta(req, progress)
+            if many:
+                dist.barrier()  # rank 0 prepared it
+            dataset = Path(req.out) / "prepared"
         elif dataset is None:
             cfg = loaded["model"].config
             if cfg is None:
@@ -134,8 +184,9 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict:
         jobs += [(f"{name}, context cut to {N:,}", name, N) for name in ("model", "baseline") if name in loaded
                  for N in sorted(set(req.max_contexts or []))]
         caches = {}
+        layout = {k: v for k, v in vars(sizes).items()} | {"world": world} if many else None
         for label, name, cut in jobs:
-            key = score_key(loaded[name].model, loaded[name].token_map, Path(dataset), req.split, req.chunk)
+            key = score_key(loaded[name].model, loaded[name].token_map, Path(dataset), req.split, req.chunk, layout)
             folder = f"{name}-{key}" if cut is None else f"{name}-cut{cut}-{key}"
             caches[label] = cache = WindowCache(out / ".scores" / folder)
             done = sum(cache.has(i) for i in windows)
@@ -147,9 +198,18 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict:
             for label, name, cut in jobs:
                 task = bar.add_task(f"eval {label}", total=total, unit="bp")
                 lm = loaded[name]
+                advance = functools.partial(bar.advance, task)
+                if many:  # every rank scores; rank 0 gathers the scores into its cache
+                    score_into_cache(lm.model, dataset, req.split, windows, cache=caches[label], pg=pg, sizes=sizes,
+                                     chunk=req.chunk, token_map=lm.token_map, max_context=cut, on_done=advance)
+                    if rank != 0:
+                        continue
+                    advance = None  # read back from the cache: counted already
                 scored[label] = score_split(lm.model, dataset, req.split, windows=windows, chunk=req.chunk,
-                                            token_map=lm.token_map, on_chunk=lambda n, t=task: bar.advance(t, n),
+                                            token_map=lm.token_map, on_chunk=advance,
                                             cache=caches[label], max_context=cut)
+    if rank != 0:
+        return None
     scores = {name: scored[name] for name in loaded}
     from .baselines import baseline_scores, describe
 
@@ -186,6 +246,7 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict:
                  "window_length": window_length, "tokens": int(next(iter(scores.values())).nll.size),
                  "tokens_softmasked": int(next(iter(scores.values())).softmasked.sum())},
         "settings": {"chunk": req.chunk, "edges": edges, "max_n_fraction": req.max_n_fraction,
+                     "ranks": world, "layout": {k: v for k, v in vars(sizes).items()},
                      "bootstrap": {"resamples": req.resamples, "seed": req.seed, "level": 0.95, "unit": unit_name,
                                    "units": n_units}},
         "models": {**{name: lm.info for name, lm in loaded.items()}, **baseline_info},

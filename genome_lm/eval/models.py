@@ -28,6 +28,8 @@ from genome_lm.errors import GenomeLMError
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from genome_lm.engine.parallel import ParallelSizes
+
 
 @dataclass
 class LoadedModel:
@@ -40,12 +42,15 @@ class LoadedModel:
 
 
 def load_model(spec: str | Path, pg: ProcessGroupCollection, *, init_of: LoadedModel | None = None,
-               seed: int = 0) -> LoadedModel:
-    """Build the model ``spec`` names (see the module docstring) in process groups ``pg``."""
+               seed: int = 0, sizes: ParallelSizes | None = None) -> LoadedModel:
+    """Build the model ``spec`` names (see the module docstring) in process groups ``pg``, split
+    by ``sizes`` (default: one process). Seeded weights (``preset:``, and ``init`` without a
+    pretrained start) are drawn as that layout draws them."""
     from genome_lm.checkpoint import build, load_checkpoint, resolve, token_map, verify
     from genome_lm.config import RunConfig
     from genome_lm.engine.parallel import ParallelSizes
 
+    sizes = sizes or ParallelSizes()
     if str(spec).startswith("preset:"):
         from genome_lm.model import get_preset
         from genome_lm.model.model import build_model
@@ -56,7 +61,7 @@ def load_model(spec: str | Path, pg: ProcessGroupCollection, *, init_of: LoadedM
         except ValueError as exc:
             raise GenomeLMError(str(exc)) from None
         torch.manual_seed(seed)
-        model = build_model(cfg, pg, ParallelSizes())
+        model = build_model(cfg, pg, sizes)
         return LoadedModel(model.eval(), {"kind": "preset", "path": str(spec), "step": None, "preset": name,
                                           "seed": seed})
     if str(spec) == "init":
@@ -65,7 +70,7 @@ def load_model(spec: str | Path, pg: ProcessGroupCollection, *, init_of: LoadedM
                                 "weights are rebuilt from its config)")
         cfg = init_of.config
         torch.manual_seed(cfg.train.seed)  # the trainer seeds before building: the same initial weights
-        model = build(cfg, pg, ParallelSizes())
+        model = build(cfg, pg, sizes)
         info = {"kind": "init", "path": init_of.info["path"], "step": 0, "preset": cfg.model.preset,
                 "checkpoint": cfg.model.checkpoint}
         return LoadedModel(model.eval(), info, token_map(cfg, model), init_of.run_dir, init_of.run_id, cfg)
@@ -77,7 +82,7 @@ def load_model(spec: str | Path, pg: ProcessGroupCollection, *, init_of: LoadedM
         meta = verify(folder)
         cfg = RunConfig.model_validate(meta["config"], strict=False)
         cfg._source = meta.get("config_source")  # the YAML it was read from, for names
-        model = build(cfg, pg, ParallelSizes())
+        model = build(cfg, pg, sizes)
         state = load_checkpoint(folder, model, None)  # any layout it was written with (checkpoint.sharded)
         info = {"kind": "checkpoint", "path": str(folder), "step": int(meta.get("step", state.get("step", 0))),
                 "preset": cfg.model.preset, "checkpoint": cfg.model.checkpoint}
@@ -87,7 +92,7 @@ def load_model(spec: str | Path, pg: ProcessGroupCollection, *, init_of: LoadedM
     from genome_lm.model.model import build_model
 
     ckpt = HFCheckpoint(path)
-    model = build_model(ckpt.config(), pg, ParallelSizes())
+    model = build_model(ckpt.config(), pg, sizes)
     load_hf_checkpoint(model, path)
     mapping = None
     if model.cfg.vocab_size > 16:

@@ -35,21 +35,31 @@ class _Worker:
 
         return socket.gethostbyname(socket.gethostname()), free_port()
 
-    def train(self, config_json: dict, rendezvous: str, options: dict):
+    def _join(self, rendezvous: str, threads: int) -> None:
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         import torch
 
-        from genome_lm.config import RunConfig
         from genome_lm.engine.parallel import init_distributed
-        from .trainer import train
 
         if on_gpu():
             os.environ["LOCAL_RANK"] = "0"  # Ray gives each actor exactly one visible GPU
-        torch.set_num_threads(max(1, options.pop("threads", 1)))
+        torch.set_num_threads(max(1, threads))
         init_distributed(self.rank, self.world_size, init_method=rendezvous)
+
+    def train(self, config_json: dict, rendezvous: str, options: dict):
+        from genome_lm.config import RunConfig
+        from .trainer import train
+
+        self._join(rendezvous, options.pop("threads", 1))
         cfg = RunConfig.model_validate(config_json, strict=False)
         result = train(cfg, progress=options.pop("progress", True) and self.rank == 0, **options)
         return result if self.rank == 0 else None
+
+    def evaluate(self, request, rendezvous: str, options: dict):
+        from genome_lm.eval.evaluate import evaluate
+
+        self._join(rendezvous, options.pop("threads", 1))
+        return evaluate(request, progress=options.get("progress", True) and self.rank == 0)
 
 
 def check_layout(cfg: RunConfig, world_size: int) -> None:
@@ -70,10 +80,6 @@ def train_on_ray(cfg: RunConfig, *, address: str, workers: int, cpus_per_worker:
     """Run ``train(cfg)`` on ``workers`` Ray actors; returns rank 0's ``TrainResult``."""
     from genome_lm.checkpoint import check_run_folder
 
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     check_layout(cfg, workers)  # before a cluster is asked for anything
     check_run_folder(Path(cfg.train.out_dir), resume=resume, resume_from=resume_from, overwrite=overwrite)
     # actors do not share the driver's working folder: hand them absolute paths (on a multi-node
@@ -81,6 +87,47 @@ def train_on_ray(cfg: RunConfig, *, address: str, workers: int, cpus_per_worker:
     data = cfg.data.model_copy(update={"dataset": os.path.abspath(cfg.data.dataset)})
     train_section = cfg.train.model_copy(update={"out_dir": os.path.abspath(cfg.train.out_dir)})
     cfg = cfg.model_copy(update={"data": data, "train": train_section})
+    options = {"resume": resume, "tracking_uri": tracking_uri, "max_steps": max_steps, "progress": progress,
+               "threads": cpus_per_worker, "overwrite": overwrite,
+               "resume_from": None if resume_from is None else os.path.abspath(resume_from)}
+    return _on_ray("train", cfg.resolved(), options, address=address, workers=workers,
+                   cpus_per_worker=cpus_per_worker, gpus=gpus)
+
+
+def eval_on_ray(request, *, address: str, workers: int, cpus_per_worker: int = 1, gpus: bool | None = None,
+                progress: bool = True):
+    """Run ``eval.evaluate.evaluate(request)`` on ``workers`` Ray actors (the model split by the
+    request's layout, the windows shared out); returns rank 0's report."""
+    import dataclasses
+
+    from genome_lm.engine.parallel import ParallelSizes
+    from genome_lm.eval.evaluate import eval_layout
+    from genome_lm.eval.parallel import check_sizes
+
+    sizes = eval_layout(request, workers)
+    sizes.check(workers)  # before a cluster is asked for anything
+    check_sizes(sizes)
+    absolute = {f: (None if getattr(request, f) is None else Path(os.path.abspath(getattr(request, f))))
+                for f in ("out", "dataset", "fasta", "planted")}
+    model = request.model if ":" in str(request.model) or str(request.model) == "init" else os.path.abspath(request.model)
+    baseline = request.baseline
+    if baseline is not None and ":" not in baseline and baseline != "init":
+        baseline = os.path.abspath(baseline)
+    request = dataclasses.replace(request, model=model, baseline=baseline, layout=vars(ParallelSizes(**vars(sizes))),
+                                  **absolute)
+    options = {"threads": cpus_per_worker, "progress": progress}
+    return _on_ray("evaluate", request, options, address=address, workers=workers, cpus_per_worker=cpus_per_worker,
+                   gpus=gpus)
+
+
+def _on_ray(method: str, payload, options: dict, *, address: str, workers: int, cpus_per_worker: int,
+            gpus: bool | None):
+    """Start ``workers`` actors in a placement group, call ``_Worker.<method>(payload, rendezvous,
+    options)`` on each, and return rank 0's result; a GenomeLMError on a rank is raised here."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     started_here = not ray.is_initialized()
     if started_here:
         ray.init(address=None if address == "local" else address, include_dashboard=False,
@@ -100,10 +147,7 @@ def train_on_ray(cfg: RunConfig, *, address: str, workers: int, cpus_per_worker:
                                    placement_group=group, placement_group_bundle_index=i)).remote(i, workers)
                  for i in range(workers)]
         host, port = ray.get(ranks[0].address.remote())
-        options = {"resume": resume, "tracking_uri": tracking_uri, "max_steps": max_steps, "progress": progress,
-                   "threads": cpus_per_worker, "overwrite": overwrite,
-                   "resume_from": None if resume_from is None else os.path.abspath(resume_from)}
-        futures = [r.train.remote(cfg.resolved(), f"tcp://{host}:{port}", dict(options)) for r in ranks]
+        futures = [getattr(r, method).remote(payload, f"tcp://{host}:{port}", dict(options)) for r in ranks]
         try:
             results = ray.get(futures)
         except ray.exceptions.RayTaskError as exc:
