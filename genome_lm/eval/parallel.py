@@ -6,11 +6,11 @@ running the model split by tensor, context and expert parallelism.
   and the replicas share out the windows. An expert-parallel group spans data-parallel ranks,
   whose MoE dispatch must run the same forwards, so under expert parallelism every rank scores
   every window together.
-- Inside a group, a window runs whole (``WholeForward``): tensor parallel gathers the logits
-  over the vocabulary; context parallel gives each rank its zigzag part of the window (padded at
-  the end to a multiple of 2 x cp, which no earlier position sees) and all-gathers the logits.
-  A group of one rank runs the chunked prefill as a single process does (``--chunk``); a split
-  model scores a window in one forward, its memory bounded by the split instead.
+- Inside a group, a window runs whole (``split_nll``): tensor parallel computes the cross-entropy
+  over the vocabulary shards, never gathering the logits; context parallel gives each rank its
+  zigzag part of the window and all-gathers the per-token NLLs. A group of one rank runs the
+  chunked prefill as a single process does (``--chunk``); a split model scores a window in one
+  forward, its memory bounded by the split instead.
 - **Rank 0 keeps the scores.** It says which windows still need scoring (those not in its
   per-window cache), the groups score them in rounds of one window per group, and after each
   round rank 0 gathers the groups' scores and writes them to the cache at once: a killed run
@@ -22,7 +22,6 @@ Pipeline parallelism is not used for scoring (``check_sizes``).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -49,38 +48,54 @@ def window_groups(pg, sizes: ParallelSizes) -> tuple[int, int, bool]:
     return pg.dp.rank(), pg.dp.size(), inner_lead
 
 
-class WholeForward:
-    """``forward(ids [B, T]) -> .logits [B, T, V]``, whole on every rank of a window group, for a
-    model split by tensor, context and expert parallelism (see the module docstring)."""
+@torch.no_grad()
+def split_nll(model, pg, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, pad_id: int = 0) -> torch.Tensor:
+    """Per-token NLL [B, T] (fp32) of whole sequences, the same on every rank of a window group.
+    Tensor parallel: the cross-entropy over the vocabulary shards (the logits are never gathered:
+    at 1M tokens and GLM-5.3-Flash's 154,880 entries they would be 310 GB); context parallel:
+    each rank its zigzag part (padded at the end to a multiple of 2 x cp, which no earlier
+    position sees), the NLLs all-gathered, T floats per rank."""
+    from genome_lm.train.loss import token_cross_entropy
 
-    def __init__(self, model, pg, pad_id: int = 0):
-        self.model, self.pg, self.pad_id = model, pg, pad_id
-        self.training = False
+    cp = pg.cp.size()
+    T = inputs_BT.shape[1]
+    if cp > 1:
+        from genome_lm.engine.context_parallel import zigzag_split
 
-    def parameters(self):
-        return self.model.parameters()
+        pad = (-T) % (2 * cp)
+        inputs_BT = zigzag_split(torch.nn.functional.pad(inputs_BT, (0, pad), value=pad_id), cp, pg.cp.rank())
+        targets_BT = zigzag_split(torch.nn.functional.pad(targets_BT, (0, pad), value=pad_id), cp, pg.cp.rank())
+    logits = model(inputs_BT, gather_logits=False).logits
+    nll = token_cross_entropy(logits.contiguous(), targets_BT.contiguous(), pg.tp).contiguous()
+    if cp == 1:
+        return nll
+    from genome_lm.engine.context_parallel import zigzag_merge
 
-    def eval(self):
-        self.model.eval()
-        return self
+    parts = [torch.empty_like(nll) for _ in range(cp)]
+    dist.all_gather(parts, nll, group=pg.cp)
+    return zigzag_merge(parts, dim=1)[:, :T]
 
-    def train(self, mode: bool = True):
-        self.model.train(mode)
-        return self
 
-    @torch.no_grad()
-    def __call__(self, ids: torch.Tensor):
-        cp = self.pg.cp.size()
-        if cp == 1:
-            return SimpleNamespace(logits=self.model(ids).logits)
-        from genome_lm.engine.context_parallel import zigzag_merge, zigzag_split
+def split_window_nll(model, pg, tokens: np.ndarray, token_map, max_context: int | None) -> np.ndarray:
+    """``score.token_nll`` (or ``token_nll_cut`` with ``max_context``) of one window for a model
+    split inside its window group: the window in one forward, or its ``max_context``-token
+    segments as the rows of one batch and the ragged last segment alone."""
+    from .score import _model_ids
 
-        T = ids.shape[1]
-        padded = torch.nn.functional.pad(ids, (0, (-T) % (2 * cp)), value=self.pad_id)
-        logits = self.model(zigzag_split(padded, cp, self.pg.cp.rank())).logits.contiguous()
-        parts = [torch.empty_like(logits) for _ in range(cp)]
-        dist.all_gather(parts, logits, group=self.pg.cp)
-        return SimpleNamespace(logits=zigzag_merge(parts, dim=1)[:, :T])
+    ids = _model_ids(model, tokens, token_map, None)
+    pad = model.cfg.pad_token_id or 0
+    L = len(tokens) - 1
+    if max_context is None or max_context >= L:
+        return split_nll(model, pg, ids[None, :-1], ids[None, 1:], pad)[0].double().cpu().numpy()
+    N = max_context
+    whole = L // N
+    out = np.empty(L, dtype=np.float64)
+    rows, targets = ids[:whole * N].view(whole, N), ids[1:whole * N + 1].view(whole, N)
+    out[:whole * N] = split_nll(model, pg, rows, targets, pad).flatten().double().cpu().numpy()
+    if whole * N < L:
+        tail = split_nll(model, pg, ids[None, whole * N:-1], ids[None, whole * N + 1:], pad)[0]
+        out[whole * N:] = tail.double().cpu().numpy()
+    return out
 
 
 def split_model(sizes: ParallelSizes) -> bool:
@@ -108,7 +123,6 @@ def score_into_cache(model, dataset, split: str, windows: list[int], *, cache, p
     missing = missing[0]
     group, groups, lead = window_groups(pg, sizes)
     split = split_model(sizes)
-    forward = WholeForward(model, pg, pad_id=model.cfg.pad_token_id or 0) if split else model
     was_training = model.training
     model.eval()
     try:
@@ -117,9 +131,12 @@ def score_into_cache(model, dataset, split: str, windows: list[int], *, cache, p
             result = None
             if mine is not None:
                 tokens = reader.tokens(mine)
-                kwargs = dict(chunk=None if split else chunk, token_map=token_map)
-                nll = (token_nll(forward, tokens, **kwargs) if max_context is None
-                       else token_nll_cut(forward, tokens, max_context, **kwargs))
+                if split:
+                    nll = split_window_nll(model, pg, tokens, token_map, max_context)
+                elif max_context is None:
+                    nll = token_nll(model, tokens, chunk=chunk, token_map=token_map)
+                else:
+                    nll = token_nll_cut(model, tokens, max_context, chunk=chunk, token_map=token_map)
                 result = (mine, nll) if lead else None
             gathered = [None] * dist.get_world_size() if rank == 0 else None
             dist.gather_object(result, gathered, dst=0)
