@@ -42,6 +42,7 @@ def plan(
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan (memory and time) as JSON instead of tables.")] = False,
     plot: Annotated[Optional[str], typer.Option(help="Write a bar chart of the step's time by part to this PNG.")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config field: section.field=value.")] = None,
+    eval_: Annotated[bool, typer.Option("--eval", help="Plan `genome-lm eval` instead of training: memory per GPU and time of scoring windows of --seq-len with the config's layout (no gradients, no optimizer), and the fewest GPUs of --gpu whose layout fits.")] = False,
 ) -> None:
     """Size the hardware before a run: memory per GPU (parameters, gradients, optimizer state,
     activations per layer type, what recompute and offload save) and host memory per node, from
@@ -94,6 +95,9 @@ def plan(
               "memory.optimizer_offload": optimizer_offload, "memory.moe_chunks": moe_chunks}
     options = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items() if v is not None]
     run = load_config(config, [*(set_ or []), *options])  # validated like the trainer's config
+    if eval_:
+        _plan_eval(run, hw, spec, constants, json_out)
+        return
     if sweep:
         console.print(sweep_table(run, hw))
         if spec is not None:
@@ -119,3 +123,45 @@ def plan(
         console.print(time_table(timing))
     if plot is not None:
         console.print(f"wrote {plot}")
+
+
+def _plan_eval(run, hw, spec, constants, json_out: bool) -> None:
+    """``plan --eval``: the config's layout, and the smallest that fits (``plan.eval_model``)."""
+    from dataclasses import replace
+
+    from rich.table import Table
+
+    from genome_lm.plan.eval_model import estimate_eval, smallest_eval_layout
+    from genome_lm.plan.memory_model import with_changes
+    from genome_lm.plan.report import gib, length_label
+
+    p = run.parallel
+    hw_here = hw if hw.gpus else replace(hw, gpus=max(p.tp * p.cp, p.ep * p.etp))
+    here = estimate_eval(with_changes(run, parallel={"pp": 1}), hw_here, spec, constants)
+    best = smallest_eval_layout(run, replace(hw, gpus=None), spec)
+    if json_out:
+        import json
+
+        typer.echo(json.dumps({"layout": here.as_dict(), "smallest": None if best is None else best.as_dict()},
+                              indent=2))
+        return
+    T = run.data.seq_len
+    for title, plan in ((f"eval of {length_label(T)}-token windows on {hw.gpu_name}: {here.layout_text()}", here),
+                        (f"the fewest {hw.gpu_name} GPUs that fit: {best.layout_text()}" if best else None, best)):
+        if plan is None:
+            console.print(f"no layout of up to 256 {hw.gpu_name} GPUs fits the eval of {length_label(T)}-token windows")
+            continue
+        table = Table(title=title, title_justify="left")
+        table.add_column("per GPU")
+        table.add_column("GiB", justify="right")
+        table.add_column("")
+        for item in plan.memory:
+            table.add_row(item.name, gib(item.bytes), item.note)
+        verdict = "fits" if plan.fits else "does NOT fit"
+        table.add_row("peak", gib(plan.peak), f"{verdict} in {gib(plan.usable)} GiB usable", style="bold")
+        console.print(table)
+        if plan.time:
+            console.print(f"  one window: {plan.window_seconds:,.1f} s on {plan.gpus // plan.groups} GPUs; "
+                          f"{plan.groups} window(s) at once; {plan.tokens_per_s:,.0f} tokens/s "
+                          f"({3_600 * plan.tokens_per_s / 1e6:,.0f} Mbp an hour)", highlight=False)
+

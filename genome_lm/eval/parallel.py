@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from genome_lm.engine.parallel import ParallelSizes
 
 
+HEAD_CHUNK = 16384  # positions per block of the output layer and cross-entropy (plan.eval_model counts it)
+
+
 def check_sizes(sizes: ParallelSizes) -> None:
     if sizes.pp > 1:
         raise GenomeLMError(f"eval under pipeline parallel (pp={sizes.pp}) is not built yet: score with tensor, "
@@ -51,8 +54,9 @@ def window_groups(pg, sizes: ParallelSizes) -> tuple[int, int, bool]:
 @torch.no_grad()
 def split_nll(model, pg, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, pad_id: int = 0) -> torch.Tensor:
     """Per-token NLL [B, T] (fp32) of whole sequences, the same on every rank of a window group.
-    Tensor parallel: the cross-entropy over the vocabulary shards (the logits are never gathered:
-    at 1M tokens and GLM-5.3-Flash's 154,880 entries they would be 310 GB); context parallel:
+    The output layer and the cross-entropy run on ``HEAD_CHUNK`` positions at a time. Tensor
+    parallel: the cross-entropy over the vocabulary shards (the logits are never gathered: at 1M
+    tokens and GLM-5.3-Flash's 154,880 entries they would be 310 GB); context parallel:
     each rank its zigzag part (padded at the end to a multiple of 2 x cp, which no earlier
     position sees), the NLLs all-gathered, T floats per rank."""
     from genome_lm.train.loss import token_cross_entropy
@@ -65,8 +69,12 @@ def split_nll(model, pg, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, pad_
         pad = (-T) % (2 * cp)
         inputs_BT = zigzag_split(torch.nn.functional.pad(inputs_BT, (0, pad), value=pad_id), cp, pg.cp.rank())
         targets_BT = zigzag_split(torch.nn.functional.pad(targets_BT, (0, pad), value=pad_id), cp, pg.cp.rank())
-    logits = model(inputs_BT, gather_logits=False).logits
-    nll = token_cross_entropy(logits.contiguous(), targets_BT.contiguous(), pg.tp).contiguous()
+    h_SBD, _ = model.hidden(inputs_BT)
+    parts = []
+    for s0 in range(0, h_SBD.shape[0], HEAD_CHUNK):  # the logits of one block of positions at a time
+        logits = model.output_layer(h_SBD[s0:s0 + HEAD_CHUNK])[0].transpose(0, 1)  # [B, c, V / tp]
+        parts.append(token_cross_entropy(logits.contiguous(), targets_BT[:, s0:s0 + HEAD_CHUNK].contiguous(), pg.tp))
+    nll = torch.cat(parts, dim=1).contiguous()
     if cp == 1:
         return nll
     from genome_lm.engine.context_parallel import zigzag_merge

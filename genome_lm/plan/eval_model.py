@@ -1,0 +1,207 @@
+"""Memory per GPU and time of `genome-lm eval` over many ranks, from a ``RunConfig``: how many GPUs
+the scoring of a chromosome needs at a window length, and how long it takes.
+
+    plan = estimate_eval(run, hw, gpu)            # the run's parallel section is the eval layout
+    best = smallest_eval_layout(run, hw, gpu)     # the fewest GPUs whose layout fits, fastest first
+
+Scoring is one forward per window with no gradients and no optimizer (``eval.parallel``): a
+window group of tp x cp ranks (the whole job under expert parallelism, whose MoE dispatch spans
+the data-parallel ranks) runs it split, and the cross-entropy is taken over the vocabulary shards.
+
+Memory on the busiest GPU, per window:
+    weights          bf16: replicated + tensor / tp + experts / (ep x etp) (``parameter_split``)
+    streams          the mHC residual streams, a layer's input and its output at once
+    largest layer    the largest layer's forward intermediates at once: its saved activations per
+                     token (``layer_bytes``, what a training forward keeps) and its fixed working
+                     blocks (the DSA selection's query blocks). An upper bound: without gradients
+                     each intermediate is freed once the next has used it
+    logits           this rank's vocabulary shard of one block's logits (bf16; ``HEAD_CHUNK``
+                     positions at a time) and the cross-entropy's fp32 copy and exponentials
+Time of one window on a group: the training time model's parts (``plan.time_model``) for a forward
+alone: its FLOPs (``model.flops``: the ``forward`` of each piece, no indexer loss, no recompute)
+at the same efficiencies, its activations written once, the DSA selection's scores, and one pass
+of the tensor-, context- and expert-parallel communication. Tokens/s is the groups scoring at once
+times the window over that time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from genome_lm.config import RunConfig
+from genome_lm.engine.devices import GPUSpec
+from genome_lm.errors import GenomeLMError
+from genome_lm.model import flops
+
+from .memory_model import Hardware, Item, layer_bytes, model_config, parameter_split, shard_for, with_changes
+from .time_model import CONSTANTS, KERNELS, SCORE_BYTES, Constants, TimeItem, _link
+
+
+@dataclass
+class EvalPlan:
+    run: RunConfig
+    hw: Hardware
+    gpu: GPUSpec | None
+    gpus: int
+    groups: int  # windows scored at once
+    memory: list[Item] = field(default_factory=list)
+    time: list[TimeItem] = field(default_factory=list)
+
+    @property
+    def layout(self) -> dict:
+        p = self.run.parallel
+        return {"tp": p.tp, "cp": p.cp, "ep": p.ep, "etp": p.etp, "sequence_parallel": p.sequence_parallel}
+
+    @property
+    def peak(self) -> float:
+        return sum(i.bytes for i in self.memory)
+
+    @property
+    def usable(self) -> float:
+        return self.hw.gpu_bytes * (1 - self.hw.headroom)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.usable
+
+    @property
+    def window_seconds(self) -> float:
+        return sum(i.seconds for i in self.time)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.groups * self.run.data.seq_len / self.window_seconds if self.time else float("nan")
+
+    def layout_text(self) -> str:
+        p = self.run.parallel
+        parts = [f"{k}={v}" for k, v in (("tp", p.tp), ("cp", p.cp), ("ep", p.ep), ("etp", p.etp)) if v > 1]
+        return f"{self.gpus} GPUs, " + (" ".join(parts) or "one GPU per window") + \
+            (" sp" if p.sequence_parallel and p.tp > 1 else "")
+
+    def as_dict(self) -> dict:
+        return {"gpus": self.gpus, "layout": self.layout, "groups": self.groups, "seq_len": self.run.data.seq_len,
+                "peak_bytes": self.peak, "usable_bytes": self.usable, "fits": self.fits,
+                "memory": [vars(i) for i in self.memory],
+                "window_seconds": self.window_seconds if self.time else None,
+                "tokens_per_s": self.tokens_per_s if self.time else None,
+                "time": [vars(i) for i in self.time]}
+
+
+def _check(run: RunConfig, gpus: int) -> None:
+    cfg, p = model_config(run), run.parallel
+    if p.pp > 1:
+        raise GenomeLMError("eval does not use pipeline parallel: plan it with --pp 1")
+    if cfg.n_routed_experts % p.ep:
+        raise GenomeLMError(f"ep = {p.ep} does not divide the {cfg.n_routed_experts} experts")
+    for name, heads in (("linear_num_heads", cfg.linear_num_heads), ("num_attention_heads", cfg.num_attention_heads)):
+        if heads % (p.tp * p.cp):
+            raise GenomeLMError(f"tp x cp = {p.tp * p.cp} does not divide the model's {heads} {name}")
+    if gpus % (p.tp * p.cp) or gpus % (p.ep * p.etp):
+        raise GenomeLMError(f"{gpus} GPUs do not hold tp x cp = {p.tp * p.cp} and ep x etp = {p.ep * p.etp}")
+
+
+def estimate_eval(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None = None,
+                  c: Constants = CONSTANTS) -> EvalPlan:
+    """The eval of windows of ``run.data.seq_len`` tokens on ``hw.gpus`` GPUs (default: tp x cp x
+    ep x etp's largest) split by ``run.parallel``; its time when ``gpu`` is given."""
+    p = run.parallel
+    gpus = hw.gpus or max(p.tp * p.cp, p.ep * p.etp)
+    _check(run, gpus)
+    run = with_changes(run, memory={"recompute": "none", "offload_activations": False, "dsa_keep_selection": False},
+                       train={"indexer_loss": "off"})
+    cfg, s = model_config(run), shard_for(run, hw)
+    a, T, D = s.a, run.data.seq_len, cfg.hidden_size
+    local = T / p.cp
+    groups = 1 if p.ep > 1 else gpus // (p.tp * p.cp)
+    plan = EvalPlan(run, hw, gpu, gpus, groups)
+
+    split = parameter_split(cfg)
+    weights = (split["replicated"] + split["tensor"] / p.tp) * a + split["expert"] / (p.ep * p.etp) * a
+    stream_tokens = local / p.tp if p.sequence_parallel and p.tp > 1 else local
+    layers = layer_bytes(cfg, s, T, 1)
+    biggest = max(layers, key=lambda lay: lay.saved * local + lay.forward_fixed)
+    from genome_lm.eval.parallel import HEAD_CHUNK
+
+    vocab, head = cfg.vocab_size / p.tp, min(local, HEAD_CHUNK)
+    plan.memory = [
+        Item("weights (bf16)" if a == 2 else "weights (fp32)", weights,
+             f"{split['replicated'] + split['tensor'] / p.tp + split['expert'] / (p.ep * p.etp):,.0f} parameters"),
+        Item("residual streams (a layer's input and output)", 2 * cfg.hc_mult * D * a * stream_tokens,
+             f"{cfg.hc_mult} streams x {stream_tokens:,.0f} tokens"),
+        Item(f"largest layer's forward ({biggest.kind} + {biggest.mlp}, upper bound)",
+             biggest.saved * local + biggest.forward_fixed, f"{local:,.0f} tokens"),
+        Item("logits shard and cross-entropy", head * vocab * (a + 4 + 4), f"blocks of {head:,.0f} x {vocab:,.0f}"),
+    ]
+    if gpu is None:
+        return plan
+
+    # time of one window on one group: the training step's parts, forward only
+    work = flops.step_work(cfg, run.memory, T=T, batch=1, indexer_loss_mode="off", gpu=True)
+    par = flops.Parallel(p.tp, p.cp, p.sequence_parallel and p.tp > 1, hw.moe_imbalance if p.ep > 1 else 1.0)
+    add = plan.time.append
+    for w in work:
+        eff = c.kernel if w.name in KERNELS else c.gemm
+        add(TimeItem(w.name, w.layer, "compute", w.count * w.forward / par.divisor(w.split) / (gpu.bf16_flops * eff)))
+    hbm = gpu.hbm * c.hbm
+    add(TimeItem("activations (elementwise)", "", "memory", sum(lay.saved for lay in layers) * local / hbm))
+    pairs = sum(w.count * w.forward / (2 * cfg.index_n_heads * cfg.index_head_dim)
+                for w in work if w.name == "DSA indexer selection")
+    if pairs:
+        add(TimeItem("DSA selection scores (top-k)", "DSA", "memory", pairs * SCORE_BYTES / hbm))
+    node = hw.gpus_per_node
+    n = cfg.num_hidden_layers
+    if p.tp > 1:
+        add(TimeItem("tensor parallel (all-gather, reduce-scatter)", "", "communication",
+                     4 * n * local * D * a * (p.tp - 1) / p.tp / _link(1, node, gpu, c)))
+    if p.cp > 1:
+        frac = (p.cp - 1) / p.cp
+        W, H = cfg.linear_num_heads * cfg.linear_head_dim, cfg.linear_num_heads
+        kda = sum(1 for t in cfg.layer_types if t == "linear_attention")
+        per_kda = local * (3 * W * a + 4 * W + 4 * H + 4 * W) / p.tp * frac
+        Hq, L = cfg.num_attention_heads, cfg.kv_lora_rank
+        per_dsa = local * (Hq * cfg.qk_head_dim * a + Hq * L * a) / p.tp * frac + \
+            T * (L + D + cfg.q_lora_rank) * a * frac  # q and o over heads; the latent and indexer inputs gathered
+        add(TimeItem("context parallel (head all-to-all, gathers)", "", "communication",
+                     (kda * per_kda + (n - kda) * per_dsa) / _link(p.tp, node, gpu, c)))
+    moe_layers = sum(1 for t in cfg.mlp_layer_types if t != "dense")
+    if p.ep > 1 and moe_layers:
+        received = local / p.tp * cfg.num_experts_per_tok * D * a * hw.moe_imbalance
+        in_node = min(p.ep, max(1, node // p.etp))
+        remote = received * (1 - in_node / p.ep)
+        seconds = max(remote / (gpu.network * c.network), (received - remote) / (gpu.nvlink * c.nvlink))
+        add(TimeItem("expert parallel (all-to-all)", "MoE", "communication", 2 * moe_layers * seconds))
+    return plan
+
+
+def candidate_layouts(run: RunConfig, gpus: int):
+    """Layouts of ``gpus`` GPUs for eval: tp and cp powers of two dividing the heads, ep dividing
+    the experts, etp 1, sequence parallel with tensor parallel."""
+    cfg = model_config(run)
+    twos = [1, 2, 4, 8, 16, 32, 64]
+    for tp in (t for t in twos if t <= min(gpus, 8)):
+        for cp in (x for x in twos if tp * x <= gpus):
+            if gpus % (tp * cp) or cfg.linear_num_heads % (tp * cp) or cfg.num_attention_heads % (tp * cp):
+                continue
+            for ep in (e for e in [1, *twos[1:]] if e <= gpus):
+                if gpus % ep or cfg.n_routed_experts % ep:
+                    continue
+                yield {"tp": tp, "cp": cp, "ep": ep, "etp": 1, "pp": 1, "sequence_parallel": tp > 1}
+
+
+def smallest_eval_layout(run: RunConfig, hw: Hardware, gpu: GPUSpec | None = None,
+                         counts=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> EvalPlan | None:
+    """The fewest GPUs (of ``counts``) with a layout whose eval fits, and of those layouts the
+    fastest (the lowest peak without ``gpu``); None when none fits."""
+    from dataclasses import replace
+
+    for gpus in counts:
+        fitting = []
+        for layout in candidate_layouts(run, gpus):
+            plan = estimate_eval(with_changes(run, parallel=layout), replace(hw, gpus=gpus), gpu)
+            if plan.fits:
+                fitting.append(plan)
+        if fitting:
+            if gpu is None:
+                return min(fitting, key=lambda pl: pl.peak)
+            return max(fitting, key=lambda pl: pl.tokens_per_s)
+    return None
