@@ -43,7 +43,9 @@ from genome_lm.digest import sha256_file
 from genome_lm.engine.backend import on_gpu
 from genome_lm.errors import GenomeLMError
 
-from . import sharded
+from .sharded import (FORMAT, PieceReader, full_model_tensors, legacy_index, load_model_pieces,
+                      load_optimizer_pieces, model_boxes, model_tensors, optimizer_boxes, optimizer_groups,
+                      set_optimizer_groups, write_pieces)
 
 if TYPE_CHECKING:
     from genome_lm.model.model import GLM5Model
@@ -110,13 +112,13 @@ def save_checkpoint(out: str | Path, step: int, model: GLM5Model, optimizer, sta
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier()
-    entries = [(t, box) for t, box in sharded.model_boxes(model).values()]
+    entries = [(t, box) for t, box in model_boxes(model).values()]
     torch_opt = per_parameter(optimizer) if optimizer is not None else None
     own_state = dict(state)
     if torch_opt is not None:
-        entries += sharded.optimizer_boxes(model, torch_opt)
-        own_state["optimizer_groups"] = sharded.optimizer_groups(torch_opt)
-    index = sharded.write_pieces(partial, rank, entries)
+        entries += optimizer_boxes(model, torch_opt)
+        own_state["optimizer_groups"] = optimizer_groups(torch_opt)
+    index = write_pieces(partial, rank, entries)
     if optimizer is not None and torch_opt is None:
         torch.save(optimizer.state_dict(), partial / f"optim-r{rank:05d}.pt")
     (partial / f"state-r{rank:05d}.json").write_text(json.dumps({**own_state, "rng": rng_state()}))
@@ -124,7 +126,7 @@ def save_checkpoint(out: str | Path, step: int, model: GLM5Model, optimizer, sta
     if rank == 0:
         files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(partial.iterdir())}
         optim = "none" if optimizer is None else "pieces" if torch_opt is not None else "per-rank"
-        (partial / "meta.json").write_text(json.dumps({"step": step, "world_size": world, "format": sharded.FORMAT,
+        (partial / "meta.json").write_text(json.dumps({"step": step, "world_size": world, "format": FORMAT,
                                                        "optimizer": optim, "files": files, **(meta or {}),
                                                        "tensors": index}, indent=1))
         if final.exists():
@@ -176,20 +178,20 @@ def checkpoint_format(meta: dict) -> int:
 
 def reshards(meta: dict) -> bool:
     """Whether the checkpoint's weights load under any layout: format 2, or one rank wrote it."""
-    return checkpoint_format(meta) >= sharded.FORMAT or meta.get("world_size", 1) == 1
+    return checkpoint_format(meta) >= FORMAT or meta.get("world_size", 1) == 1
 
 
-def piece_reader(folder: Path, meta: dict) -> sharded.PieceReader:
+def piece_reader(folder: Path, meta: dict) -> PieceReader:
     """A reader of the checkpoint's weights (format 2, or a one-rank checkpoint of format 1)."""
-    if checkpoint_format(meta) >= sharded.FORMAT:
+    if checkpoint_format(meta) >= FORMAT:
         if "tensors" not in meta:
             raise CheckpointCorrupt(f"{folder / 'meta.json'}: format {meta['format']} without a tensor index")
-        return sharded.PieceReader(folder, meta["tensors"])
+        return PieceReader(folder, meta["tensors"])
     if meta.get("world_size", 1) != 1:
         raise GenomeLMError(f"{folder}: written by {meta['world_size']} ranks in genome-lm's earlier per-rank format, "
                             "which loads only under the layout that wrote it; resume it there once (its next "
                             "checkpoint loads under any layout), or export it with that layout")
-    return sharded.PieceReader(folder, sharded.legacy_index(folder, meta["files"]))
+    return PieceReader(folder, legacy_index(folder, meta["files"]))
 
 
 def _legacy_layout_check(folder: Path, meta: dict, layout: dict | None, world: int) -> None:
@@ -210,14 +212,14 @@ def load_checkpoint(folder: str | Path, model: GLM5Model, optimizer=None, layout
     rank, world = _rank_world()
     same_layout = (meta.get("world_size") == world and
                    (layout is None or "layout" not in meta or weight_layout(meta["layout"]) == weight_layout(layout)))
-    if checkpoint_format(meta) < sharded.FORMAT and meta.get("world_size", 1) != 1:
+    if checkpoint_format(meta) < FORMAT and meta.get("world_size", 1) != 1:
         _legacy_layout_check(folder, meta, layout, world)
     reader = piece_reader(folder, meta) if reshards(meta) else None
     try:
         if reader is None:
             _load_legacy_rank(folder, model, rank)
         else:
-            sharded.load_model_pieces(reader, model)
+            load_model_pieces(reader, model)
         if optimizer is not None:
             _load_optimizer(folder, meta, reader, model, optimizer, same_layout, rank)
     finally:
@@ -230,15 +232,15 @@ def load_checkpoint(folder: str | Path, model: GLM5Model, optimizer=None, layout
     return state
 
 
-def _load_optimizer(folder: Path, meta: dict, reader: sharded.PieceReader, model, optimizer, same_layout: bool,
+def _load_optimizer(folder: Path, meta: dict, reader: PieceReader, model, optimizer, same_layout: bool,
                     rank: int) -> None:
     torch_opt = per_parameter(optimizer)
-    kept = meta.get("optimizer", "per-rank" if checkpoint_format(meta) < sharded.FORMAT else "none")
+    kept = meta.get("optimizer", "per-rank" if checkpoint_format(meta) < FORMAT else "none")
     if kept == "pieces" and torch_opt is not None:
-        sharded.load_optimizer_pieces(reader, model, torch_opt)
+        load_optimizer_pieces(reader, model, torch_opt)
         groups = json.loads((folder / "state-r00000.json").read_text()).get("optimizer_groups")
         if groups is not None:
-            sharded.set_optimizer_groups(torch_opt, groups, folder)
+            set_optimizer_groups(torch_opt, groups, folder)
         return
     if kept == "per-rank" and same_layout:
         # to host memory first: a GPU rank's tensors are tagged with the device they were saved
@@ -266,7 +268,7 @@ def load_weights(folder: str | Path, model: GLM5Model) -> None:
         return
     reader = piece_reader(folder, meta)
     try:
-        sharded.load_model_pieces(reader, model)
+        load_model_pieces(reader, model)
     finally:
         reader.close()
 
@@ -274,7 +276,7 @@ def load_weights(folder: str | Path, model: GLM5Model) -> None:
 def _load_legacy_rank(folder: Path, model: GLM5Model, rank: int) -> None:
     """This rank's file of a format-1 checkpoint written by several ranks (the same layout)."""
     tensors = load_file(str(folder / f"model-r{rank:05d}.safetensors"))
-    own = dict(sharded.model_tensors(model))
+    own = dict(model_tensors(model))
     if tensors.keys() != own.keys():
         missing = sorted(own.keys() - tensors.keys())[:3]
         raise GenomeLMError(f"{folder}: parameters do not match the model (missing e.g. {missing})")
@@ -292,7 +294,7 @@ def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     meta = verify(folder)
     reader = piece_reader(folder, meta)
     try:
-        return dict(sharded.full_model_tensors(reader))
+        return dict(full_model_tensors(reader))
     finally:
         reader.close()
 

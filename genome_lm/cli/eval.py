@@ -165,7 +165,7 @@ def eval_command(
                           tracking=tracking, tracking_uri=tracking_uri, layout=parallel_layout(set_))
     try:
         if ray_address is not None:
-            from genome_lm.train.launch import eval_on_ray
+            from genome_lm.eval.evaluate import eval_on_ray
 
             report = eval_on_ray(request, address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
                                  progress=not quiet)

@@ -399,3 +399,33 @@ def log_to_mlflow(report: dict, out: Path, lm, tracking_uri: str | None, note, s
         for path in report["files"].values():
             tracker.log_artifact(path)
         return tracker.info()
+
+
+def eval_on_ray(request, *, address: str, workers: int, cpus_per_worker: int = 1, gpus: bool | None = None,
+                progress: bool = True):
+    """Run ``eval.evaluate.evaluate(request)`` on ``workers`` Ray actors (the model split by the
+    request's layout, the windows shared out); returns rank 0's report."""
+    import dataclasses
+
+    from genome_lm.engine.ray_job import run_on_ray
+
+    from .parallel import check_sizes
+
+    sizes = eval_layout(request, workers)
+    sizes.check(workers)  # before a cluster is asked for anything
+    check_sizes(sizes)
+    absolute = {f: (None if getattr(request, f) is None else Path(os.path.abspath(getattr(request, f))))
+                for f in ("out", "dataset", "fasta", "planted")}
+    def where(spec):  # a folder as an absolute path (actors do not share the driver's working folder)
+        return spec if spec is None or ":" in str(spec) or str(spec) == "init" else os.path.abspath(spec)
+
+    request = dataclasses.replace(request, model=where(request.model), baseline=where(request.baseline),
+                                  layout=dict(vars(sizes)), **absolute)
+    return run_on_ray("genome_lm.eval.evaluate:evaluate_rank", (request, progress), address=address, workers=workers,
+                      cpus_per_worker=cpus_per_worker, gpus=gpus)
+
+
+def evaluate_rank(payload, rank: int):
+    """One Ray rank of ``eval_on_ray``: ``evaluate`` (rank 0 returns the report)."""
+    request, progress = payload
+    return evaluate(request, progress=progress and rank == 0)

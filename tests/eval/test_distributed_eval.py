@@ -13,7 +13,7 @@ import pytest
 from genome_lm.engine.parallel import free_port
 
 from genome_lm.eval.evaluate import EvalRequest, evaluate
-from genome_lm.train.launch import eval_on_ray
+from genome_lm.eval.evaluate import eval_on_ray
 
 pytestmark = pytest.mark.slow  # a local Ray cluster and two workers per run
 
