@@ -158,7 +158,7 @@ def _plan_eval(run, hw, spec, constants, json_out: bool) -> None:
         for item in plan.memory:
             table.add_row(item.name, gib(item.bytes), item.note)
         verdict = "fits" if plan.fits else "does NOT fit"
-        table.add_row("peak", gib(plan.peak), f"{verdict} in {gib(plan.usable)} GiB usable", style="bold")
+        table.add_row("peak", gib(plan.peak), f"{verdict} in {gib(plan.hw.usable)} GiB usable", style="bold")
         console.print(table)
         if plan.time:
             console.print(f"  one window: {plan.window_seconds:,.1f} s on {plan.gpus // plan.groups} GPUs; "

@@ -57,12 +57,8 @@ class EvalPlan:
         return sum(i.bytes for i in self.memory)
 
     @property
-    def usable(self) -> float:
-        return self.hw.gpu_bytes * (1 - self.hw.headroom)
-
-    @property
     def fits(self) -> bool:
-        return self.peak <= self.usable
+        return self.peak <= self.hw.usable
 
     @property
     def window_seconds(self) -> float:
@@ -80,7 +76,7 @@ class EvalPlan:
 
     def as_dict(self) -> dict:
         return {"gpus": self.gpus, "layout": self.layout, "groups": self.groups, "seq_len": self.run.data.seq_len,
-                "peak_bytes": self.peak, "usable_bytes": self.usable, "fits": self.fits,
+                "peak_bytes": self.peak, "usable_bytes": self.hw.usable, "fits": self.fits,
                 "memory": [vars(i) for i in self.memory],
                 "window_seconds": self.window_seconds if self.time else None,
                 "tokens_per_s": self.tokens_per_s if self.time else None,

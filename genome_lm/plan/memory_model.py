@@ -57,6 +57,11 @@ class Hardware:
     moe_imbalance: float = 4.0
     headroom: float = 0.05  # of GPU memory kept for the CUDA context, NCCL buffers, fragmentation
 
+    @property
+    def usable(self) -> float:
+        """GPU bytes a plan may fill: all of it but the headroom."""
+        return self.gpu_bytes * (1 - self.headroom)
+
 
 @dataclass
 class Item:
@@ -100,7 +105,7 @@ class Plan:
 
     @property
     def usable(self) -> float:
-        return self.hw.gpu_bytes * (1 - self.hw.headroom)
+        return self.hw.usable
 
     @property
     def fits(self) -> bool:

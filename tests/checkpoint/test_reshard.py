@@ -4,7 +4,6 @@ Adam moment equal bit for bit to a one-process reference, and the logits of the 
 writer's. The reference step is elementwise (reshard_worker.fake_grad), so the one-process run
 and the split runs reach the same numbers without reductions."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +12,8 @@ import pytest
 import torch
 
 from genome_lm.checkpoint import read_weights, verify
-from genome_lm.engine.parallel import free_port
 from tests.model.hf_oracle import make_checkpoint
+from tests.workers import run_workers
 
 pytestmark = pytest.mark.slow  # two gloo processes per run
 
@@ -24,12 +23,7 @@ TEXT = {"num_attention_heads": 4, "num_key_value_heads": 4, "linear_num_heads": 
 
 
 def _run(world: int, spec: dict) -> dict:
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), json.dumps(spec)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
-    for p in procs:
-        _, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-3000:]
+    run_workers(WORKER, world, spec)
     return torch.load(spec["out"])
 
 

@@ -1,17 +1,15 @@
 """Tensor, expert and context parallel over two gloo processes give the single-process loss and
 gradients, and a checkpoint loaded into a split model exports back bit for bit."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from genome_lm.engine.context_parallel import heads_per_rank, zigzag_merge, zigzag_split
-from genome_lm.engine.parallel import free_port
 from genome_lm.checkpoint.huggingface import HFCheckpoint
+
+from tests.workers import run_workers
 
 from .hf_oracle import make_checkpoint
 
@@ -36,12 +34,7 @@ def setup(tmp_path_factory):
 def _run(root, ckpt, world, sizes, name, indexer_loss="off", export=None, ids="ids", absorbed=False):
     spec = {"hf": str(ckpt), "sizes": sizes, "ids": str(root / f"{ids}.pt"), "out": str(root / f"{name}.pt"),
             "indexer_loss": indexer_loss, "export": str(export) if export else None, "absorbed": absorbed}
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), json.dumps(spec)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
-    for p in procs:
-        _, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-3000:]
+    run_workers(WORKER, world, spec)
     return _merge_stages(root / f"{name}.pt", sizes.get("pp", 1))
 
 

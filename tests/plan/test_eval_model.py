@@ -39,7 +39,7 @@ def test_the_smallest_layout_fits_and_half_the_gpus_do_not(gpu, seq_len):
     run = load_config("glm-5.3-flash-1m-64xb200", [f"data.seq_len={seq_len}"])
     hw = _hw(gpu)
     best = smallest_eval_layout(run, hw, gpu_spec(gpu))
-    assert best is not None and best.fits and best.peak <= best.usable
+    assert best is not None and best.fits and best.peak <= best.hw.usable
     assert best.tokens_per_s > 0 and best.window_seconds > 0
     from dataclasses import replace
 
