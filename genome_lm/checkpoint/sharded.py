@@ -57,10 +57,6 @@ class Box:
     offset: tuple[int, ...]
     size: tuple[int, ...]
 
-    @property
-    def whole(self) -> bool:
-        return self.size == self.shape
-
 
 def is_glu(name: str) -> bool:
     """A GLU ``linear_fc1`` weight: ``[gate; up]`` stacked along dimension 0."""
@@ -68,8 +64,8 @@ def is_glu(name: str) -> bool:
 
 
 def _layout_of(model):
-    """(tensor-parallel group, expert-parallel group or None) of a parameter, or None for a
-    model without process groups (a plain module: every tensor whole)."""
+    """A function: parameter name -> (its tensor-parallel group, its expert-parallel group or
+    None); None for a model without process groups (a plain module: every tensor whole)."""
     pg = getattr(model, "pg", None)
     if pg is None:
         return None

@@ -196,3 +196,96 @@ def parallel_layout(items: list[str] | None) -> dict | None:
                                 "sequence_parallel)")
     section = load_config(None, items).parallel
     return {k: getattr(section, k) for k in ("tp", "cp", "ep", "etp", "pp", "sequence_parallel")}
+
+
+@app.command("check-logprobs")
+def check_logprobs_command(
+    model: Annotated[str, typer.Option(help="A training run, checkpoint or Hugging Face glm5_next folder, or preset:tiny (fresh seeded weights).")],
+    lengths: Annotated[str, typer.Option(help="Comma-separated context lengths (k=1024); one sequence each.")] = "1k,4k,16k",
+    chunk: Annotated[str, typer.Option(help="Tokens per chunk of the chunked-prefill path.")] = "4k",
+    threshold: Annotated[Optional[float], typer.Option(help="Largest allowed max |delta logprob|; default 1e-4 for fp32 models, 0.1 for bf16.")] = None,
+    paths: Annotated[str, typer.Option(help="Inference paths to compare: prefill, transformers, vllm (those that cannot run here are reported as not run).")] = "prefill,transformers,vllm",
+    dataset: Annotated[Optional[Path], typer.Option(help="Score the start of this dataset's longest evaluation window instead of random DNA.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the random DNA (and of preset weights).")] = 0,
+) -> None:
+    """Compare per-token log-probabilities of the training forward with independent inference paths.
+
+    The same tokens go through the training forward and through genome-lm's chunked prefill (carried KDA state, cached DSA keys), transformers' glm5_next (a Hugging Face model, when installed) and vLLM (when installed on a GPU). Prints mean and max |delta logprob| of the realised next token per context length and exits with status 1 when any path exceeds --threshold. On CPU in fp32 the prefill path stays below 1e-4.
+    """
+    from genome_lm.eval.logprobs import check_logprobs
+
+    lengths_ = sizes(lengths, "--lengths")
+    wanted = tuple(x.strip() for x in paths.split(",") if x.strip())
+
+    def show(row):
+        console.print(f"{row.path} T={row.length:,}: mean |d logprob| {row.mean_abs:.3g}, max {row.max_abs:.3g}",
+                      highlight=False)
+
+    rows, limit = check_logprobs(model, lengths_, chunk=size(chunk, "--chunk"), threshold=threshold, seed=seed,
+                                 dataset=dataset, paths=wanted, progress=show)
+    table = Table(title=f"training forward vs inference paths: |delta log p(next token)| ({model})", title_justify="left")
+    for column in ("path", "T", "mean |d logprob|", "max |d logprob|", f"<= {limit:g}", "note"):
+        table.add_column(column, justify="left" if column in ("path", "note") else "right")
+    for r in rows:
+        ok = "" if r.passed is None else ("yes" if r.passed else "[bold red]NO[/]")
+        table.add_row(r.path, f"{r.length:,}", "" if r.mean_abs is None else f"{r.mean_abs:.3g}",
+                      "" if r.max_abs is None else f"{r.max_abs:.3g}", ok, r.note)
+    console.print(table)
+    failed = [f"{r.path} T={r.length:,}" for r in rows if r.passed is False]
+    if failed:
+        Console(stderr=True).print(f"[bold red]log-probabilities differ[/] above {limit:g}: {', '.join(failed)}")
+        raise typer.Exit(1)
+    ran = sorted({r.path for r in rows if r.passed})
+    console.print(f"every path that ran ({', '.join(ran)}) agrees within {limit:g}", highlight=False)
+
+
+@app.command("recall")
+def recall_command(
+    model: Annotated[str, typer.Option(help="A training run, checkpoint or Hugging Face folder, preset:tiny, or builtin:tiny-long (the shipped long-context model).")],
+    dataset: Annotated[Optional[Path], typer.Option(help="Draw segments and background from this dataset's evaluation split (N-free stretches); default: the run's data.dataset, else random DNA.")] = None,
+    distances: Annotated[Optional[str], typer.Option(help="Comma-separated distances d (k=1024), instead of the default sweep.")] = None,
+    max_distance: Annotated[Optional[str], typer.Option(help="End the sweep 64, 256, 1k, ... (x4) at this distance instead of at the model's window. Default: the largest d whose probe (64 lead + 2 x segment + d bases) fits the window: the run's longest data.seq_len (with its warm-up), else the --dataset's window length, else 4k when neither is known. Long distances are slow on a CPU (every trial scores two sequences as long as the probe, with the full model); lower this or use --distances for a quick look.")] = None,
+    trials: Annotated[int, typer.Option(help="Trials (segment, background draws) per distance.", min=2)] = 8,
+    segment: Annotated[int, typer.Option(help="Length of the copied segment in bases.", min=8)] = 256,
+    chunk: Annotated[str, typer.Option(help="Chunked prefill above this many tokens.")] = "32k",
+    seed: Annotated[int, typer.Option(help="Seed of the draws and the bootstrap.")] = 0,
+    recall_bench: Annotated[bool, typer.Option(help="Also run recall-bench's own sweep through its CallableModel (when installed; it skips distances whose power-of-two probe exceeds the window).")] = True,
+    max_seconds: Annotated[float, typer.Option(help="Time budget: stop before a distance predicted to end past it (from the last distance's time), and run recall-bench only with time left. 0: no limit.", min=0)] = 120,
+    out: Annotated[Path, typer.Option(help="JSON file for the results, rewritten as each distance finishes.")] = Path("recall.json"),
+) -> None:
+    """Long-range recall probe: the copy advantage CE(control) - CE(repeat) per distance.
+
+    A segment of real (or demo) sequence is repeated after d bases of background; the control puts another segment in the first copy's place. The loss on the final segment in both gives the copy advantage in nats per base, with a 95% bootstrap interval over trials. By default d runs from 64 up to the model's window length (64, 256, 1k, ... then the largest d whose probe fits the window), within --max-seconds (2 minutes: the distances it leaves out are named, with how to run them). Each distance is printed and written to --out as it finishes. When recall-bench is installed its own sweep runs too, through its CallableModel interface, with background from the same sequence; both are printed and written to --out.
+    """
+    from genome_lm.errors import GenomeLMError
+    from genome_lm.eval.ablation import fmt_delta
+    from genome_lm.eval.recall import recall_bench_available, run_recall
+
+    def finished(row) -> None:
+        console.print(f"d={row.distance:,}: copy advantage {fmt_delta(row.advantage)} nats/base "
+                      f"[{fmt_delta(row.ci_low)}, {fmt_delta(row.ci_high)}] (CE repeat {row.ce_repeat:.4f}, "
+                      f"control {row.ce_control:.4f}); {out} updated", highlight=False)
+
+    try:
+        found = run_recall(model, out, dataset=dataset, distances=sizes(distances, "--distances") if distances else None,
+                           max_distance=size(max_distance, "--max-distance"), trials=trials, segment=segment,
+                           chunk=size(chunk, "--chunk"), seed=seed, recall_bench=recall_bench,
+                           max_seconds=max_seconds, say=lambda t: console.print(t, highlight=False, soft_wrap=True),
+                           on_row=finished)
+    except ValueError as exc:
+        raise GenomeLMError(f"{dataset or model}: {exc}") from None
+    rows, bench, source = found.rows, found.bench, found.source
+    table = Table(title=f"copy advantage CE(control) - CE(repeat), nats/base, {segment}-base segment, {trials} trials "
+                        f"({model}; {'dataset ' + str(source) if source else 'random DNA'})", title_justify="left")
+    for column in ("distance", "CE repeat", "CE control", "advantage [95% CI]", "recall-bench"):
+        table.add_column(column, justify="right")
+    by_d = {r["dist"]: r for r in bench or []}
+    for r in rows:
+        rb_row = by_d.get(r.distance)
+        rb_text = ("not installed" if not recall_bench_available() else "skipped" if bench is None else (
+            f"{fmt_delta(rb_row['copy_advantage'])} +- {abs(rb_row['stderr']):.2e}" if rb_row and rb_row.get("status") == "ok"
+            else (rb_row or {}).get("status", "-")))
+        table.add_row(f"{r.distance:,}", f"{r.ce_repeat:.4f}", f"{r.ce_control:.4f}",
+                      f"{fmt_delta(r.advantage)} [{fmt_delta(r.ci_low)}, {fmt_delta(r.ci_high)}]", rb_text)
+    console.print(table)
+    console.print(f"wrote {out}", highlight=False)
