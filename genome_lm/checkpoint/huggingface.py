@@ -178,7 +178,8 @@ def _full_to_hf(name: str, full: torch.Tensor) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------- layout
-def _is_glu(name: str) -> bool:
+def is_glu(name: str) -> bool:
+    """A GLU ``linear_fc1`` weight: ``[gate; up]`` stacked along dimension 0."""
     return name.endswith("linear_fc1.weight")
 
 
@@ -252,7 +253,7 @@ def _stage_tensors(model: GLM5Model, prefix: str):
     and expert parallel ranks (collective within the stage: every rank of it iterates)."""
     for name, param in _weights(model):
         tp_group, ep_group = groups_of(model, name)
-        full = tp_gather(param.detach(), param, tp_group, glu=_is_glu(name))
+        full = tp_gather(param.detach(), param, tp_group, glu=is_glu(name))
         experts = ep_gather(full, ep_group)
         local_count = model.cfg.n_routed_experts // len(experts)
         for ep_rank, tensor in enumerate(experts):
@@ -267,11 +268,17 @@ def _copy_into(param: torch.Tensor, name: str, tensors: list[torch.Tensor], mode
     if full.dim() != param.dim() or (tp_group.size() == 1 and full.shape != param.shape):
         raise CheckpointError(f"{ckpt.path}: {hf_keys(name, model.cfg, ckpt.prefix)[0]} has shape "
                               f"{tuple(full.shape)}, which does not fit {name} {tuple(param.shape)}")
-    local = tp_slice(full, param, tp_group, glu=_is_glu(name))
+    local = tp_slice(full, param, tp_group, glu=is_glu(name))
     if local.shape != param.shape:
         raise CheckpointError(f"{ckpt.path}: {hf_keys(name, model.cfg, ckpt.prefix)[0]} has shape "
                               f"{tuple(full.shape)}, which does not fit {name} {tuple(param.shape)} at this layout")
     param.copy_(local)
+
+
+def text_prefix(like: str | Path | None) -> str:
+    """The text weights' prefix of an exported checkpoint: that of ``like`` when given, else
+    transformers' for ``Glm5NextForConditionalGeneration``."""
+    return HFCheckpoint(like).prefix if like is not None else "model.language_model."
 
 
 class HFWriter:
@@ -284,7 +291,7 @@ class HFWriter:
                  like: str | Path | None = None, max_shard_bytes: int = 5 * 2**30):
         self.out, self.cfg, self.dtype, self.like, self.max_shard_bytes = Path(out), cfg, dtype, like, max_shard_bytes
         self.source = HFCheckpoint(like) if like is not None else None
-        self.prefix = self.source.prefix if self.source is not None else "model.language_model."
+        self.prefix = text_prefix(like)
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes, self.files, self.weight_map = 0, [], {}
 
@@ -336,9 +343,7 @@ def export_hf_checkpoint(model: GLM5Model, out: str | Path, *, dtype: torch.dtyp
     rank; rank 0 writes). Dtypes and ``config.json`` as ``HFWriter``'s."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     writer = HFWriter(out, model.cfg, dtype=dtype, like=like, max_shard_bytes=max_shard_bytes) if rank0 else None
-    prefix = writer.prefix if writer is not None else "model.language_model."
-    if like is not None and writer is None:
-        prefix = HFCheckpoint(like).prefix
+    prefix = text_prefix(like)
     for key, tensor in to_rank0(_stage_tensors(model, prefix), model.pg.pp):
         writer.add(key, tensor)
     if writer is not None:

@@ -42,6 +42,8 @@ import torch.distributed as dist
 
 from genome_lm.errors import GenomeLMError
 
+from .huggingface import groups_of, is_glu
+
 FORMAT = 2  # meta.json "format": 1 (or absent) is the per-rank format of earlier genome-lm versions
 MODEL, OPTIM = "model/", "optim/"
 _LOCAL_EXPERT = re.compile(r"local_experts\.(\d+)\.")
@@ -58,19 +60,11 @@ class Box:
     size: tuple[int, ...]
 
 
-def is_glu(name: str) -> bool:
-    """A GLU ``linear_fc1`` weight: ``[gate; up]`` stacked along dimension 0."""
-    return name.endswith("linear_fc1.weight")
-
-
 def _layout_of(model):
     """A function: parameter name -> (its tensor-parallel group, its expert-parallel group or
     None); None for a model without process groups (a plain module: every tensor whole)."""
-    pg = getattr(model, "pg", None)
-    if pg is None:
+    if getattr(model, "pg", None) is None:
         return None
-    from .huggingface import groups_of
-
     return lambda name: groups_of(model, name)
 
 

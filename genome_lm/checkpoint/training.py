@@ -214,31 +214,39 @@ def load_checkpoint(folder: str | Path, model: GLM5Model, optimizer=None, layout
                    (layout is None or "layout" not in meta or weight_layout(meta["layout"]) == weight_layout(layout)))
     if checkpoint_format(meta) < FORMAT and meta.get("world_size", 1) != 1:
         _legacy_layout_check(folder, meta, layout, world)
-    reader = piece_reader(folder, meta) if reshards(meta) else None
-    try:
-        if reader is None:
-            _load_legacy_rank(folder, model, rank)
-        else:
-            load_model_pieces(reader, model)
-        if optimizer is not None:
-            _load_optimizer(folder, meta, reader, model, optimizer, same_layout, rank)
-    finally:
-        if reader is not None:
-            reader.close()
+    _load_model(folder, meta, model, rank)
     own = folder / f"state-r{rank:05d}.json"
     state = json.loads((own if own.exists() else folder / "state-r00000.json").read_text())
+    groups = state.pop("optimizer_groups", None)  # the same on every rank
+    if optimizer is not None:
+        _load_optimizer(folder, meta, model, optimizer, groups, same_layout, rank)
     set_rng_state(state.pop("rng"))
-    state.pop("optimizer_groups", None)
     return state
 
 
-def _load_optimizer(folder: Path, meta: dict, reader: PieceReader, model, optimizer, same_layout: bool,
+def _load_model(folder: Path, meta: dict, model, rank: int) -> None:
+    """The weights into ``model``: from the pieces when the checkpoint reshards, else this rank's
+    file of the earlier per-rank format."""
+    if not reshards(meta):
+        _load_legacy_rank(folder, model, rank)
+        return
+    reader = piece_reader(folder, meta)
+    try:
+        load_model_pieces(reader, model)
+    finally:
+        reader.close()
+
+
+def _load_optimizer(folder: Path, meta: dict, model, optimizer, groups: list[dict] | None, same_layout: bool,
                     rank: int) -> None:
     torch_opt = per_parameter(optimizer)
     kept = meta.get("optimizer", "per-rank" if checkpoint_format(meta) < FORMAT else "none")
     if kept == "pieces" and torch_opt is not None:
-        load_optimizer_pieces(reader, model, torch_opt)
-        groups = json.loads((folder / "state-r00000.json").read_text()).get("optimizer_groups")
+        reader = piece_reader(folder, meta)
+        try:
+            load_optimizer_pieces(reader, model, torch_opt)
+        finally:
+            reader.close()
         if groups is not None:
             set_optimizer_groups(torch_opt, groups, folder)
         return
@@ -262,15 +270,7 @@ def load_weights(folder: str | Path, model: GLM5Model) -> None:
     """Copy the checkpoint's parameters (and MoE expert biases) into ``model`` under its own
     layout: weights only, no optimizer, trainer state or RNG. The caller verifies the folder."""
     folder = Path(folder)
-    meta = json.loads((folder / "meta.json").read_text())
-    if not reshards(meta):
-        _load_legacy_rank(folder, model, _rank_world()[0])
-        return
-    reader = piece_reader(folder, meta)
-    try:
-        load_model_pieces(reader, model)
-    finally:
-        reader.close()
+    _load_model(folder, json.loads((folder / "meta.json").read_text()), model, _rank_world()[0])
 
 
 def _load_legacy_rank(folder: Path, model: GLM5Model, rank: int) -> None:

@@ -184,9 +184,9 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict |
         jobs += [(f"{name}, context cut to {N:,}", name, N) for name in ("model", "baseline") if name in loaded
                  for N in sorted(set(req.max_contexts or []))]
         caches = {}
-        layout = {k: v for k, v in vars(sizes).items()} | {"world": world} if many else None
         for label, name, cut in jobs:
-            key = score_key(loaded[name].model, loaded[name].token_map, Path(dataset), req.split, req.chunk, layout)
+            key = score_key(loaded[name].model, loaded[name].token_map, Path(dataset), req.split, req.chunk,
+                            {**vars(sizes), "world": world} if many else None)
             folder = f"{name}-{key}" if cut is None else f"{name}-cut{cut}-{key}"
             caches[label] = cache = WindowCache(out / ".scores" / folder)
             done = sum(cache.has(i) for i in windows)
@@ -246,7 +246,7 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict |
                  "window_length": window_length, "tokens": int(next(iter(scores.values())).nll.size),
                  "tokens_softmasked": int(next(iter(scores.values())).softmasked.sum())},
         "settings": {"chunk": req.chunk, "edges": edges, "max_n_fraction": req.max_n_fraction,
-                     "ranks": world, "layout": {k: v for k, v in vars(sizes).items()},
+                     "ranks": world, "layout": dict(vars(sizes)),
                      "bootstrap": {"resamples": req.resamples, "seed": req.seed, "level": 0.95, "unit": unit_name,
                                    "units": n_units}},
         "models": {**{name: lm.info for name, lm in loaded.items()}, **baseline_info},

@@ -46,7 +46,7 @@ def load_model(spec: str | Path, pg: ProcessGroupCollection, *, init_of: LoadedM
     """Build the model ``spec`` names (see the module docstring) in process groups ``pg``, split
     by ``sizes`` (default: one process). Seeded weights (``preset:``, and ``init`` without a
     pretrained start) are drawn as that layout draws them."""
-    from genome_lm.checkpoint import build, load_checkpoint, resolve, token_map, verify
+    from genome_lm.checkpoint import build, load_weights, resolve, token_map, verify
     from genome_lm.config import RunConfig
     from genome_lm.engine.parallel import ParallelSizes
 
@@ -83,7 +83,8 @@ def load_model(spec: str | Path, pg: ProcessGroupCollection, *, init_of: LoadedM
         cfg = RunConfig.model_validate(meta["config"], strict=False)
         cfg._source = meta.get("config_source")  # the YAML it was read from, for names
         model = build(cfg, pg, sizes)
-        state = load_checkpoint(folder, model, None)  # any layout it was written with (checkpoint.sharded)
+        load_weights(folder, model)  # verified above; any layout it was written with (checkpoint.sharded)
+        state = json.loads((folder / "state-r00000.json").read_text())
         info = {"kind": "checkpoint", "path": str(folder), "step": int(meta.get("step", state.get("step", 0))),
                 "preset": cfg.model.preset, "checkpoint": cfg.model.checkpoint}
         return LoadedModel(model.eval(), info, token_map(cfg, model), run_dir, state.get("run_id"), cfg)

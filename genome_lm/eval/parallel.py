@@ -88,21 +88,18 @@ def split_window_nll(model, pg, tokens: np.ndarray, token_map, max_context: int 
     """``score.token_nll`` (or ``token_nll_cut`` with ``max_context``) of one window for a model
     split inside its window group: the window in one forward, or its ``max_context``-token
     segments as the rows of one batch and the ragged last segment alone."""
-    from .score import _model_ids
+    from .score import _model_ids, cut_segments
 
     ids = _model_ids(model, tokens, token_map, None)
     pad = model.cfg.pad_token_id or 0
     L = len(tokens) - 1
     if max_context is None or max_context >= L:
         return split_nll(model, pg, ids[None, :-1], ids[None, 1:], pad)[0].double().cpu().numpy()
-    N = max_context
-    whole = L // N
+    rows, targets, ragged = cut_segments(ids, max_context)
     out = np.empty(L, dtype=np.float64)
-    rows, targets = ids[:whole * N].view(whole, N), ids[1:whole * N + 1].view(whole, N)
-    out[:whole * N] = split_nll(model, pg, rows, targets, pad).flatten().double().cpu().numpy()
-    if whole * N < L:
-        tail = split_nll(model, pg, ids[None, whole * N:-1], ids[None, whole * N + 1:], pad)[0]
-        out[whole * N:] = tail.double().cpu().numpy()
+    out[:ragged] = split_nll(model, pg, rows, targets, pad).flatten().double().cpu().numpy()
+    if ragged < L:
+        out[ragged:] = split_nll(model, pg, ids[None, ragged:-1], ids[None, ragged + 1:], pad)[0].double().cpu().numpy()
     return out
 
 
@@ -126,7 +123,7 @@ def score_into_cache(model, dataset, split: str, windows: list[int], *, cache, p
     if rank == 0:
         missing[0] = [w for w in windows if not cache.has(w)]
         if on_done is not None:
-            on_done(sum(reader.windows[w].length - 1 for w in windows if w not in set(missing[0])))
+            on_done(sum(reader.windows[w].length - 1 for w in set(windows) - set(missing[0])))
     dist.broadcast_object_list(missing, src=0)
     missing = missing[0]
     group, groups, lead = window_groups(pg, sizes)

@@ -127,9 +127,8 @@ def token_nll_cut(model: GLM5Model, tokens: np.ndarray, max_context: int, *, chu
     if N >= L:
         return token_nll(model, tokens, chunk=chunk, token_map=token_map, device=device, on_chunk=on_chunk)
     ids = _model_ids(model, tokens, token_map, device)
-    whole = L // N  # segments with N targets each
-    rows = ids[:whole * N].view(whole, N)  # inputs of segment s: tokens s*N .. s*N+N-1
-    targets = ids[1:whole * N + 1].view(whole, N)
+    rows, targets, ragged = cut_segments(ids, N)
+    whole = rows.shape[0]
     per_forward = whole if chunk is None else max(1, chunk // N)
     out = np.empty(L, dtype=np.float64)
     for r0 in range(0, whole, per_forward):
@@ -139,10 +138,20 @@ def token_nll_cut(model: GLM5Model, tokens: np.ndarray, max_context: int, *, chu
         out[r0 * N:r1 * N] = nll.double().cpu().numpy()
         if on_chunk is not None:
             on_chunk((r1 - r0) * N)
-    if whole * N < L:  # the ragged last segment
-        out[whole * N:] = token_nll(model, tokens[whole * N:], chunk=chunk, token_map=token_map, device=device,
-                                    on_chunk=on_chunk)
+    if ragged < L:  # the ragged last segment
+        out[ragged:] = token_nll(model, tokens[ragged:], chunk=chunk, token_map=token_map, device=device,
+                                 on_chunk=on_chunk)
     return out
+
+
+def cut_segments(ids: torch.Tensor, max_context: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A sequence's ids [L + 1] in segments of ``max_context`` = N predicted tokens, as rows:
+    the inputs and targets [S, N] of the S = L // N whole segments (segment s: inputs s*N ..
+    s*N+N-1, targets one further) and where the ragged last segment's inputs start (S x N; L when
+    there is none)."""
+    N = max_context
+    whole = (ids.shape[0] - 1) // N
+    return ids[:whole * N].view(whole, N), ids[1:whole * N + 1].view(whole, N), whole * N
 
 
 @torch.no_grad()

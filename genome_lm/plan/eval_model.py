@@ -33,8 +33,10 @@ from genome_lm.engine.devices import GPUSpec
 from genome_lm.errors import GenomeLMError
 from genome_lm.model import flops
 
-from .memory_model import Hardware, Item, layer_bytes, model_config, parameter_split, shard_for, with_changes
-from .time_model import CONSTANTS, KERNELS, SCORE_BYTES, Constants, TimeItem, _link
+from .memory_model import (Hardware, Item, check_split, layer_bytes, model_config, parameter_split, shard_for,
+                           with_changes)
+from .time_model import (CONSTANTS, SCORE_BYTES, Constants, TimeItem, _link, all_to_all_seconds, compute_seconds,
+                         cp_bytes, selection_pairs, tp_bytes)
 
 
 @dataclass
@@ -84,14 +86,10 @@ class EvalPlan:
 
 
 def _check(run: RunConfig, gpus: int) -> None:
-    cfg, p = model_config(run), run.parallel
+    p = run.parallel
     if p.pp > 1:
         raise GenomeLMError("eval does not use pipeline parallel: plan it with --pp 1")
-    if cfg.n_routed_experts % p.ep:
-        raise GenomeLMError(f"ep = {p.ep} does not divide the {cfg.n_routed_experts} experts")
-    for name, heads in (("linear_num_heads", cfg.linear_num_heads), ("num_attention_heads", cfg.num_attention_heads)):
-        if heads % (p.tp * p.cp):
-            raise GenomeLMError(f"tp x cp = {p.tp * p.cp} does not divide the model's {heads} {name}")
+    check_split(model_config(run), p)
     if gpus % (p.tp * p.cp) or gpus % (p.ep * p.etp):
         raise GenomeLMError(f"{gpus} GPUs do not hold tp x cp = {p.tp * p.cp} and ep x etp = {p.ep * p.etp}")
 
@@ -136,36 +134,23 @@ def estimate_eval(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
     par = flops.Parallel(p.tp, p.cp, p.sequence_parallel and p.tp > 1, hw.moe_imbalance if p.ep > 1 else 1.0)
     add = plan.time.append
     for w in work:
-        eff = c.kernel if w.name in KERNELS else c.gemm
-        add(TimeItem(w.name, w.layer, "compute", w.count * w.forward / par.divisor(w.split) / (gpu.bf16_flops * eff)))
+        add(TimeItem(w.name, w.layer, "compute", compute_seconds(w, w.count * w.forward, par, gpu, c)))
     hbm = gpu.hbm * c.hbm
     add(TimeItem("activations (elementwise)", "", "memory", sum(lay.saved for lay in layers) * local / hbm))
-    pairs = sum(w.count * w.forward / (2 * cfg.index_n_heads * cfg.index_head_dim)
-                for w in work if w.name == "DSA indexer selection")
+    pairs = selection_pairs(cfg, work)
     if pairs:
         add(TimeItem("DSA selection scores (top-k)", "DSA", "memory", pairs * SCORE_BYTES / hbm))
-    node = hw.gpus_per_node
-    n = cfg.num_hidden_layers
+    node, every = hw.gpus_per_node, range(cfg.num_hidden_layers)
     if p.tp > 1:
         add(TimeItem("tensor parallel (all-gather, reduce-scatter)", "", "communication",
-                     4 * n * local * D * a * (p.tp - 1) / p.tp / _link(1, node, gpu, c)))
+                     tp_bytes(cfg, p, len(every), local, a) / _link(1, node, gpu, c)))
     if p.cp > 1:
-        frac = (p.cp - 1) / p.cp
-        W, H = cfg.linear_num_heads * cfg.linear_head_dim, cfg.linear_num_heads
-        kda = sum(1 for t in cfg.layer_types if t == "linear_attention")
-        per_kda = local * (3 * W * a + 4 * W + 4 * H + 4 * W) / p.tp * frac
-        Hq, L = cfg.num_attention_heads, cfg.kv_lora_rank
-        per_dsa = local * (Hq * cfg.qk_head_dim * a + Hq * L * a) / p.tp * frac + \
-            T * (L + D + cfg.q_lora_rank) * a * frac  # q and o over heads; the latent and indexer inputs gathered
         add(TimeItem("context parallel (head all-to-all, gathers)", "", "communication",
-                     (kda * per_kda + (n - kda) * per_dsa) / _link(p.tp, node, gpu, c)))
+                     cp_bytes(cfg, p, every, local, T, a) / _link(p.tp, node, gpu, c)))
     moe_layers = sum(1 for t in cfg.mlp_layer_types if t != "dense")
-    if p.ep > 1 and moe_layers:
-        received = local / p.tp * cfg.num_experts_per_tok * D * a * hw.moe_imbalance
-        in_node = min(p.ep, max(1, node // p.etp))
-        remote = received * (1 - in_node / p.ep)
-        seconds = max(remote / (gpu.network * c.network), (received - remote) / (gpu.nvlink * c.nvlink))
-        add(TimeItem("expert parallel (all-to-all)", "MoE", "communication", 2 * moe_layers * seconds))
+    if p.ep > 1 and moe_layers:  # dispatch and combine, once each per MoE layer
+        add(TimeItem("expert parallel (all-to-all)", "MoE", "communication",
+                     2 * moe_layers * all_to_all_seconds(cfg, p, local, a, hw, gpu, c)))
     return plan
 
 

@@ -277,15 +277,19 @@ def in_flight(run: RunConfig, gpus: int, stage: int) -> int:
 def stage_plans(run: RunConfig, hw: Hardware = Hardware()) -> list[Plan]:
     """One plan per pipeline stage (one in all without pipeline parallel)."""
     cfg = model_config(run)
-    p = run.parallel
+    check_split(cfg, run.parallel)
+    gpus = world_size(run, hw)
+    stages = pipeline_stages(cfg, run)
+    return [_stage_plan(run, hw, cfg, gpus, i, offset, count, len(stages)) for i, (offset, count) in enumerate(stages)]
+
+
+def check_split(cfg: ModelConfig, p) -> None:
+    """That a ``parallel`` section splits the model: ep divides the experts, tp x cp the heads."""
     if cfg.n_routed_experts % p.ep:
         raise GenomeLMError(f"parallel.ep = {p.ep} does not divide the {cfg.n_routed_experts} experts")
     for name, heads in (("linear_num_heads", cfg.linear_num_heads), ("num_attention_heads", cfg.num_attention_heads)):
         if heads % (p.tp * p.cp):
             raise GenomeLMError(f"tp x cp = {p.tp * p.cp} does not divide the model's {heads} {name}")
-    gpus = world_size(run, hw)
-    stages = pipeline_stages(cfg, run)
-    return [_stage_plan(run, hw, cfg, gpus, i, offset, count, len(stages)) for i, (offset, count) in enumerate(stages)]
 
 
 def busiest(run: RunConfig, hw: Hardware = Hardware()) -> Plan:

@@ -162,8 +162,7 @@ def estimate_time(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
 
     # compute: each piece at its class's efficiency
     for w in work:
-        eff = c.kernel if w.name in KERNELS else c.gemm
-        add(TimeItem(w.name, w.layer, "compute", micro * w.total / par.divisor(w.split) / (gpu.bf16_flops * eff)))
+        add(TimeItem(w.name, w.layer, "compute", compute_seconds(w, micro * w.total, par, gpu, c)))
     timing.model_flops_per_gpu = flops.model_flops(cfg, mem, T=T, batch=B, indexer_loss_mode=mode, gpu=True) * \
         (tr.global_batch_size // B) / gpus
 
@@ -172,8 +171,7 @@ def estimate_time(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
     hbm = gpu.hbm * c.hbm
     saved = sum(lay.saved for lay in layer_bytes(cfg, s, T, B)[plan.layers.start:plan.layers.stop])
     add(TimeItem("activations (elementwise)", "", "memory", micro * saved * local * (runs + 3) / hbm))
-    pairs = sum(w.count * w.forward / (2 * cfg.index_n_heads * cfg.index_head_dim)
-                for w in work if w.name == "DSA indexer selection")
+    pairs = selection_pairs(cfg, work)
     if pairs:
         add(TimeItem("DSA selection scores (top-k)", "DSA", "memory", micro * pairs * SCORE_BYTES / hbm))
 
@@ -181,34 +179,18 @@ def estimate_time(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
     layers = list(plan.layers)
     moe_layers = [i for i in layers if cfg.mlp_layer_types[i] != "dense"]
     passes = 2 + (runs - 1)  # forward, backward, replays
-    D = cfg.hidden_size
     if p.tp > 1:
-        message = local * D * a
-        collectives = 2 * len(layers) + 2 * len(layers)  # attention, and the dense MLP or shared expert
         add(TimeItem("tensor parallel (all-gather, reduce-scatter)", "", "communication",
-                     micro * passes * collectives * message * (p.tp - 1) / p.tp / _link(1, node, gpu, c)))
+                     micro * passes * tp_bytes(cfg, p, len(layers), local, a) / _link(1, node, gpu, c)))
     if p.cp > 1:
-        frac = (p.cp - 1) / p.cp
-        kda = [i for i in layers if cfg.layer_types[i] == "linear_attention"]
-        W, H = cfg.linear_num_heads * cfg.linear_head_dim, cfg.linear_num_heads
-        per_kda = local * (3 * W * a + 4 * W + 4 * H + 4 * W) / p.tp * frac  # q, k, v; g; beta; o (fp32)
-        dsa = [i for i in layers if cfg.layer_types[i] != "linear_attention"]
-        Hq, L = cfg.num_attention_heads, cfg.kv_lora_rank
-        per_dsa = local * (Hq * cfg.qk_head_dim * a + Hq * L * a) / p.tp * frac + \
-            T * B * (L + D + cfg.q_lora_rank) * a * frac  # q and o over heads; the latent and indexer inputs gathered
         add(TimeItem("context parallel (head all-to-all, gathers)", "", "communication",
-                     micro * passes * (len(kda) * per_kda + len(dsa) * per_dsa) / _link(p.tp, node, gpu, c)))
+                     micro * passes * cp_bytes(cfg, p, layers, local, T * B, a) / _link(p.tp, node, gpu, c)))
     if p.ep > 1 and moe_layers:
         routed = next(w for w in work if w.name == "MoE routed experts")
         moe_runs = 1 + round(routed.replay / routed.forward)  # the forward and what recompute replays of it
         a2a = 2 * (moe_runs + 1)  # dispatch and combine per forward run, and both again in backward
-        received = local / p.tp * cfg.num_experts_per_tok * D * a * hw.moe_imbalance
-        in_node = min(p.ep, max(1, node // p.etp))  # members of this GPU's expert group on its node
-        remote = received * (1 - in_node / p.ep)
-        seconds = max(remote / (gpu.network * c.network), (received - remote) / (gpu.nvlink * c.nvlink))
-        if p.etp > 1:  # the expert-tensor-parallel pair gathers each other's tokens, inside the node
-            seconds += received * (p.etp - 1) / p.etp / (gpu.nvlink * c.nvlink)
-        add(TimeItem("expert parallel (all-to-all)", "MoE", "communication", micro * a2a * len(moe_layers) * seconds))
+        add(TimeItem("expert parallel (all-to-all)", "MoE", "communication",
+                     micro * a2a * len(moe_layers) * all_to_all_seconds(cfg, p, local, a, hw, gpu, c)))
     split = parameter_split(cfg, plan.layers, plan.stage == 0, last)
     dense = split["replicated"] + split["tensor"] / p.tp
     experts = split["expert"] / (p.ep * p.etp)
@@ -239,6 +221,54 @@ def estimate_time(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
     else:
         add(TimeItem("optimizer step (GPU Adam)", "", "memory", shard * ADAM_BYTES / hbm))
     return timing
+
+
+# ------------------------------------------- the parts a forward shares (``plan.eval_model`` too)
+def compute_seconds(w: flops.Work, work_flops: float, par: flops.Parallel, gpu: GPUSpec, c: Constants) -> float:
+    """``work_flops`` of piece ``w`` on the busiest GPU at its class's efficiency."""
+    eff = c.kernel if w.name in KERNELS else c.gemm
+    return work_flops / par.divisor(w.split) / (gpu.bf16_flops * eff)
+
+
+def selection_pairs(cfg, work: list[flops.Work]) -> float:
+    """Query-pool pairs the DSA selection scores in one forward (its scores are written, then read)."""
+    return sum(w.count * w.forward / (2 * cfg.index_n_heads * cfg.index_head_dim)
+               for w in work if w.name == "DSA indexer selection")
+
+
+def tp_bytes(cfg, p, layers: int, local: float, a: int) -> float:
+    """Bytes a GPU moves for tensor parallel in one pass over ``layers`` layers: an all-gather and a
+    reduce-scatter around the attention, and around the dense MLP or shared expert."""
+    collectives = 2 * layers + 2 * layers
+    return collectives * local * cfg.hidden_size * a * (p.tp - 1) / p.tp
+
+
+def cp_bytes(cfg, p, layers, local: float, tokens: float, a: int) -> float:
+    """Bytes a GPU moves for context parallel in one pass over ``layers`` (indices): KDA's head
+    all-to-all of q, k, v, g, beta and o (fp32); DSA's of q and o, and the latent and indexer
+    inputs of all ``tokens`` gathered."""
+    frac = (p.cp - 1) / p.cp
+    D = cfg.hidden_size
+    kda = [i for i in layers if cfg.layer_types[i] == "linear_attention"]
+    W, H = cfg.linear_num_heads * cfg.linear_head_dim, cfg.linear_num_heads
+    per_kda = local * (3 * W * a + 4 * W + 4 * H + 4 * W) / p.tp * frac
+    dsa = [i for i in layers if cfg.layer_types[i] != "linear_attention"]
+    Hq, L = cfg.num_attention_heads, cfg.kv_lora_rank
+    per_dsa = local * (Hq * cfg.qk_head_dim * a + Hq * L * a) / p.tp * frac + \
+        tokens * (L + D + cfg.q_lora_rank) * a * frac
+    return len(kda) * per_kda + len(dsa) * per_dsa
+
+
+def all_to_all_seconds(cfg, p, local: float, a: int, hw: Hardware, gpu: GPUSpec, c: Constants) -> float:
+    """One MoE dispatch (or combine) all-to-all on the busiest expert rank, which receives
+    ``moe_imbalance`` times the mean, over the network for the part of its group outside its node."""
+    received = local / p.tp * cfg.num_experts_per_tok * cfg.hidden_size * a * hw.moe_imbalance
+    in_node = min(p.ep, max(1, hw.gpus_per_node // p.etp))  # members of this GPU's expert group on its node
+    remote = received * (1 - in_node / p.ep)
+    seconds = max(remote / (gpu.network * c.network), (received - remote) / (gpu.nvlink * c.nvlink))
+    if p.etp > 1:  # the expert-tensor-parallel pair gathers each other's tokens, inside the node
+        seconds += received * (p.etp - 1) / p.etp / (gpu.nvlink * c.nvlink)
+    return seconds
 
 
 def fit_kernel_efficiency(run: RunConfig, tokens_per_s: float, hw: Hardware = Hardware(),

@@ -12,14 +12,13 @@ import pytest
 import torch
 
 from genome_lm.checkpoint import read_weights, verify
-from tests.model.hf_oracle import make_checkpoint
+from tests.model.hf_oracle import SPLIT_TEXT, make_checkpoint
 from tests.workers import run_workers
 
 pytestmark = pytest.mark.slow  # two gloo processes per run
 
 WORKER = Path(__file__).with_name("reshard_worker.py")
-# 4 MLA heads, 4 KDA heads, 4 experts: every split below divides them
-TEXT = {"num_attention_heads": 4, "num_key_value_heads": 4, "linear_num_heads": 4, "vocab_size": 16}
+TEXT = SPLIT_TEXT
 
 
 def _run(world: int, spec: dict) -> dict:
@@ -78,7 +77,7 @@ def test_the_pieces_tile_each_tensor_once_and_read_back_whole(reference):
     """TP 2 writes a split tensor as two pieces (one per rank) and a replicated one once; the
     flat state dict equals the reference weights."""
     from genome_lm.checkpoint.huggingface import HFCheckpoint, hf_keys
-    from genome_lm.checkpoint.sharded import is_glu
+    from genome_lm.checkpoint.huggingface import is_glu
 
     root, hf, expected, _ = reference
     folder, _ = _save(root, hf, {"tp": 2}, "tiles")

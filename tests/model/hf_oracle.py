@@ -24,6 +24,9 @@ TINY_TEXT = dict(
     linear_head_dim=8, linear_num_heads=2, index_kpool=4, pad_token_id=0,
     mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
 )
+# Overrides of TINY_TEXT that every split of the multi-process tests divides: 4 MLA heads, 4 KDA
+# heads (and 4 experts); topk 16 < T, so the selection matters.
+SPLIT_TEXT = {"num_attention_heads": 4, "num_key_value_heads": 4, "linear_num_heads": 4, "vocab_size": 16}
 TINY_VISION = dict(depth=1, hidden_size=16, num_heads=2, out_hidden_size=32, intermediate_size=16,
                    projection_intermediate_size=16)
 

@@ -11,13 +11,12 @@ from genome_lm.checkpoint.huggingface import HFCheckpoint
 
 from tests.workers import run_workers
 
-from .hf_oracle import make_checkpoint
+from .hf_oracle import SPLIT_TEXT, make_checkpoint
 
 pytestmark = pytest.mark.slow  # two gloo processes per test, 4-14 s each
 
 WORKER = Path(__file__).with_name("dist_worker.py")
-# 4 MLA heads, 4 KDA heads, 4 experts: every split below divides them; topk 16 < T so selection matters
-TEXT = {"num_attention_heads": 4, "num_key_value_heads": 4, "linear_num_heads": 4, "vocab_size": 16}
+TEXT = SPLIT_TEXT
 
 
 @pytest.fixture(scope="module")
