@@ -2,7 +2,7 @@
 # The hg38 study's CPU twin: the cluster pipeline's stages at the mission's window sizes, on real
 # human DNA (the shared hg38 chr2 piece, 2.33 Mbp), with the shipped tiny long-context model on 2
 # ranks of this CPU. Only CLI calls: no logic lives here. Not yet run to the end: on 2 cores with
-# 24 GiB the training stage's two ranks passed 10.9 GiB each in the first step (6.39 GiB planned)
+# 24 GiB the training stage's two ranks reached 10.2 and 9.8 GiB in the first step (6.39 GiB planned)
 # and Ray stopped them at 95% of the machine's memory (configs/hg38-twin-cpu.yaml says more).
 #   usage: pipelines/hg38_study_cpu.sh [fasta] [out-folder]
 set -euo pipefail
