@@ -133,7 +133,7 @@ def eval_command(
     tracking_uri: Annotated[Optional[str], typer.Option(help="MLflow store; default: the training run's store (its run folder's mlflow.db).")] = None,
     tracking: Annotated[bool, typer.Option(help="Log the evaluation to MLflow as a child of the training run.")] = True,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="The parallel layout over many ranks: --set parallel.tp=2 (tp, cp, ep, etp, sequence_parallel; repeatable). Default: the training run's layout when the ranks can hold it, else data parallel over windows.")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="The parallel layout over many ranks: --set parallel.tp=2 (tp, cp, ep, etp, pp, sequence_parallel; repeatable). Default: the training run's layout when the ranks can hold it, else data parallel over windows.")] = None,
     ray_address: Annotated[Optional[str], typer.Option(help="Score on a Ray cluster ('auto', host:port, or 'local' to start one here).")] = None,
     workers: Annotated[int, typer.Option(help="With --ray-address: ranks to start (one GPU each, or CPU workers without GPUs).", min=1)] = 1,
     cpus_per_worker: Annotated[int, typer.Option(help="With --ray-address: CPUs reserved per rank.", min=1)] = 1,
@@ -148,7 +148,7 @@ def eval_command(
 
     Writes eval.json (schema genome-lm.eval/1), eval.csv and loss_by_context.png, and logs them to MLflow next to the training run. On the demo genome it also compares the loss on planted later copies whose first copy lies inside the window with those whose first copy lies outside it.
 
-    Over many ranks (--ray-address with --workers, or torchrun --nproc-per-node N -m genome_lm eval ...) tensor and context parallel split each window's forward, expert parallel the MoE layers, and data parallel shares out the windows; rank 0 writes the same report. A split model scores each window in one forward (--chunk applies to unsplit ranks).
+    Over many ranks (--ray-address with --workers, or torchrun --nproc-per-node N -m genome_lm eval ...) tensor and context parallel split each window's forward, expert parallel the MoE layers, pipeline parallel the layers, and data parallel shares out the windows; rank 0 writes the same report. A split model scores each window in one forward (--chunk applies to unsplit ranks).
     """
     from genome_lm.checkpoint.paths import is_run_folder
     from genome_lm.eval.evaluate import EvalRequest, evaluate

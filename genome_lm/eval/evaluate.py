@@ -93,7 +93,7 @@ def _prepare_fasta(req: EvalRequest, progress: bool) -> Path:
 def eval_layout(req: EvalRequest, world_size: int):
     """The parallel layout of an evaluation over ``world_size`` ranks: ``req.layout`` when given;
     else, for a training run or checkpoint, the layout it was trained with when the ranks can
-    hold it (and it has no pipeline stages, which scoring does not use); else data parallel only
+    hold it; else data parallel only
     (each rank a whole model, the windows shared out)."""
     from genome_lm.engine.parallel import ParallelSizes
 
@@ -113,7 +113,7 @@ def eval_layout(req: EvalRequest, world_size: int):
             layout = json.loads((found.checkpoint / "meta.json").read_text()).get("layout")
             if layout:
                 sizes = ParallelSizes(**layout)
-                if sizes.pp == 1 and world_size % (sizes.tp * sizes.cp) == 0 and world_size % sizes.ep == 0:
+                if world_size % (sizes.tp * sizes.cp * sizes.pp) == 0 and world_size % sizes.ep == 0:
                     return sizes
     return ParallelSizes()
 
@@ -137,15 +137,13 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict |
 
     import torch.distributed as dist
 
-    from .parallel import check_sizes, score_into_cache
+    from .parallel import score_into_cache
 
     out = Path(req.out)
     started_ms = int(datetime.datetime.now(datetime.timezone.utc).timestamp() * 1000)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     sizes = eval_layout(req, world)
     many = world > 1
-    if many:
-        check_sizes(sizes)
     with quiet_megatron_import(), parallel_context(sizes) as pg:
         rank = dist.get_rank()
         note = (on_note or (lambda text: None)) if rank == 0 else (lambda text: None)
@@ -409,11 +407,8 @@ def eval_on_ray(request, *, address: str, workers: int, cpus_per_worker: int = 1
 
     from genome_lm.engine.ray_job import run_on_ray
 
-    from .parallel import check_sizes
-
     sizes = eval_layout(request, workers)
     sizes.check(workers)  # before a cluster is asked for anything
-    check_sizes(sizes)
     absolute = {f: (None if getattr(request, f) is None else Path(os.path.abspath(getattr(request, f))))
                 for f in ("out", "dataset", "fasta", "planted")}
     def where(spec):  # a folder as an absolute path (actors do not share the driver's working folder)

@@ -11,13 +11,15 @@ running the model split by tensor, context and expert parallelism.
   zigzag part of the window and all-gathers the per-token NLLs. A group of one rank runs the
   chunked prefill as a single process does (``--chunk``); a split model scores a window in one
   forward, its memory bounded by the split instead.
+- **Pipeline parallel** splits the layers: the first stage embeds the window and sends the mHC
+  streams on, each stage runs its layers, the last one computes the NLLs and broadcasts them
+  back over the stages (T floats), so every rank of the group ends with them.
 - **Rank 0 keeps the scores.** It says which windows still need scoring (those not in its
   per-window cache), the groups score them in rounds of one window per group, and after each
   round rank 0 gathers the groups' scores and writes them to the cache at once: a killed run
   re-run with the same arguments scores only what is missing. Rank 0 then reads every window
   from the cache and writes the report exactly as a one-process evaluation does.
 
-Pipeline parallelism is not used for scoring (``check_sizes``).
 """
 
 from __future__ import annotations
@@ -37,15 +39,9 @@ if TYPE_CHECKING:
 HEAD_CHUNK = 16384  # positions per block of the output layer and cross-entropy (plan.eval_model counts it)
 
 
-def check_sizes(sizes: ParallelSizes) -> None:
-    if sizes.pp > 1:
-        raise GenomeLMError(f"eval under pipeline parallel (pp={sizes.pp}) is not built yet: score with tensor, "
-                            "context, expert and data parallel (--set parallel.pp=1)")
-
-
 def window_groups(pg, sizes: ParallelSizes) -> tuple[int, int, bool]:
     """(this rank's group, number of groups, whether this rank reports its group's scores)."""
-    inner_lead = pg.tp.rank() == 0 and pg.cp.rank() == 0
+    inner_lead = pg.tp.rank() == 0 and pg.cp.rank() == 0 and pg.pp.rank() == 0
     if sizes.ep > 1:
         return 0, 1, dist.get_rank() == 0
     return pg.dp.rank(), pg.dp.size(), inner_lead
@@ -69,12 +65,18 @@ def split_nll(model, pg, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, pad_
         pad = (-T) % (2 * cp)
         inputs_BT = zigzag_split(torch.nn.functional.pad(inputs_BT, (0, pad), value=pad_id), cp, pg.cp.rank())
         targets_BT = zigzag_split(torch.nn.functional.pad(targets_BT, (0, pad), value=pad_id), cp, pg.cp.rank())
-    h_SBD, _ = model.hidden(inputs_BT)
-    parts = []
-    for s0 in range(0, h_SBD.shape[0], HEAD_CHUNK):  # the logits of one block of positions at a time
-        logits = model.output_layer(h_SBD[s0:s0 + HEAD_CHUNK])[0].transpose(0, 1)  # [B, c, V / tp]
-        parts.append(token_cross_entropy(logits.contiguous(), targets_BT[:, s0:s0 + HEAD_CHUNK].contiguous(), pg.tp))
-    nll = torch.cat(parts, dim=1).contiguous()
+    h_SBD = _last_stage_hidden(model, pg, inputs_BT)
+    if h_SBD is not None:
+        parts = []
+        for s0 in range(0, h_SBD.shape[0], HEAD_CHUNK):  # the logits of one block of positions at a time
+            logits = model.output_layer(h_SBD[s0:s0 + HEAD_CHUNK])[0].transpose(0, 1)  # [B, c, V / tp]
+            parts.append(token_cross_entropy(logits.contiguous(), targets_BT[:, s0:s0 + HEAD_CHUNK].contiguous(),
+                                             pg.tp))
+        nll = torch.cat(parts, dim=1).contiguous()
+    else:
+        nll = torch.empty(targets_BT.shape, dtype=torch.float32)
+    if pg.pp.size() > 1:  # the last stage's NLLs to every stage
+        dist.broadcast(nll, src=dist.get_global_rank(pg.pp, pg.pp.size() - 1), group=pg.pp)
     if cp == 1:
         return nll
     from genome_lm.engine.context_parallel import zigzag_merge
@@ -82,6 +84,24 @@ def split_nll(model, pg, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, pad_
     parts = [torch.empty_like(nll) for _ in range(cp)]
     dist.all_gather(parts, nll, group=pg.cp)
     return zigzag_merge(parts, dim=1)[:, :T]
+
+
+def _last_stage_hidden(model, pg, inputs_BT: torch.Tensor) -> torch.Tensor | None:
+    """The final hidden states [S, B, D] of ``inputs_BT`` on the last pipeline stage (the only
+    stage without pipeline parallel); None on the stages before it, which pass their mHC streams
+    on (``train.pipeline.communicator``, the same point-to-point sends as training)."""
+    if pg.pp.size() == 1:
+        return model.hidden(inputs_BT)[0]
+    from genome_lm.train.pipeline import communicator
+
+    comm = communicator(model)
+    B, P = inputs_BT.shape
+    received = comm.recv_forward(model.stream_shape(B, P), model.pre_process)  # None on the first stage
+    out, _ = model.hidden(inputs_BT if model.pre_process else None, streams=received, positions=P)
+    if model.post_process:
+        return out
+    comm.send_forward(out.contiguous(), model.post_process)
+    return None
 
 
 def split_window_nll(model, pg, tokens: np.ndarray, token_map, max_context: int | None) -> np.ndarray:
@@ -105,7 +125,7 @@ def split_window_nll(model, pg, tokens: np.ndarray, token_map, max_context: int 
 
 def split_model(sizes: ParallelSizes) -> bool:
     """Whether a window group holds more than one rank (the model split inside it)."""
-    return sizes.tp * sizes.cp > 1 or sizes.ep > 1
+    return sizes.tp * sizes.cp * sizes.pp > 1 or sizes.ep > 1
 
 
 def score_into_cache(model, dataset, split: str, windows: list[int], *, cache, pg, sizes: ParallelSizes,

@@ -88,7 +88,8 @@ class EvalPlan:
 def _check(run: RunConfig, gpus: int) -> None:
     p = run.parallel
     if p.pp > 1:
-        raise GenomeLMError("eval does not use pipeline parallel: plan it with --pp 1")
+        raise GenomeLMError("plan --eval models tensor, context and expert parallel; pipeline stages (which eval "
+                            "can use) are not planned yet: plan it with --pp 1")
     check_split(model_config(run), p)
     if gpus % (p.tp * p.cp) or gpus % (p.ep * p.etp):
         raise GenomeLMError(f"{gpus} GPUs do not hold tp x cp = {p.tp * p.cp} and ep x etp = {p.ep * p.etp}")

@@ -41,9 +41,9 @@ def _assert_same_report(one, two):
         assert two["results"][name]["all"]["nats"] == pytest.approx(entry["all"]["nats"], rel=1e-5)
 
 
-def _torchrun_eval(demo_run, out, sets: list[str], *extra) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node 2 -m genome_lm eval ...` on the demo run's 4 chr22 windows."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+def _torchrun_eval(demo_run, out, sets: list[str], *extra, ranks: int = 2) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node RANKS -m genome_lm eval ...` on the demo run's 4 chr22 windows."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "genome_lm", "eval", "--model", str(demo_run / "run"),
            "--chrom", "22", "--chunk", "0", "--max-windows", "4", "--resamples", "200", "--no-tracking", "--quiet",
            "--out", str(out), *(a for s in sets for a in ("--set", s)), *extra]
@@ -51,8 +51,8 @@ def _torchrun_eval(demo_run, out, sets: list[str], *extra) -> subprocess.Complet
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"cp": 2}, {"ep": 2}, {"tp": 2, "sequence_parallel": True}, {}],
-                         ids=["tp2", "cp2", "ep2", "tp2-sp", "dp2"])
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"cp": 2}, {"ep": 2}, {"pp": 2}, {"tp": 2, "sequence_parallel": True}, {}],
+                         ids=["tp2", "cp2", "ep2", "pp2", "tp2-sp", "dp2"])
 def test_two_ranks_give_the_one_process_report(demo_run, one_process, tmp_path, layout):
     out = tmp_path / "eval"
     full = {"tp": 1, "cp": 1, "ep": 1, "etp": 1, "pp": 1, "sequence_parallel": False, **layout}
@@ -68,6 +68,20 @@ def test_two_ranks_give_the_one_process_report(demo_run, one_process, tmp_path, 
         if a["delta"] is not None:
             assert b["delta"] == pytest.approx(a["delta"], rel=1e-4, abs=1e-6)
     assert (out / "loss_by_context.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2, "pp": 2}, {"cp": 2}], ids=["tp2-pp2", "cp2-dp2"])
+def test_four_ranks_give_the_one_process_report(demo_run, one_process, tmp_path, layout):
+    """Four ranks: the model split two ways at once, or two context-parallel groups that share
+    out the windows."""
+    out = tmp_path / "eval"
+    full = {"tp": 1, "cp": 1, "ep": 1, "etp": 1, "pp": 1, "sequence_parallel": False, **layout}
+    run = _torchrun_eval(demo_run, out, [f"parallel.{k}={v}" for k, v in full.items()], ranks=4)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    two = json.loads((out / "eval.json").read_text())
+    assert two["settings"]["ranks"] == 4 and two["settings"]["layout"] == full
+    one = {**one_process, "results": {k: v for k, v in one_process["results"].items() if "cut" not in k}}
+    _assert_same_report(one, two)
 
 
 def test_a_killed_distributed_eval_rerun_scores_only_what_is_missing(demo_run, one_process, tmp_path):
@@ -95,7 +109,7 @@ def test_a_layout_the_workers_cannot_hold_is_one_line(demo_run, tmp_path):
     layout = {"tp": 4, "cp": 1, "ep": 1, "etp": 1, "pp": 1, "sequence_parallel": False}
     with pytest.raises(GenomeLMError, match="world size 2 is not a multiple of tp\\*cp\\*pp = 4"):
         eval_on_ray(_request(demo_run, tmp_path / "x", layout=layout), address="local", workers=2, progress=False)
-    with pytest.raises(GenomeLMError, match="pipeline parallel"):
-        eval_on_ray(_request(demo_run, tmp_path / "x", layout={**layout, "tp": 1, "pp": 2}), address="local",
+    with pytest.raises(GenomeLMError, match="world size 2 is not a multiple of tp\\*cp\\*pp = 4"):
+        eval_on_ray(_request(demo_run, tmp_path / "x", layout={**layout, "tp": 2, "pp": 2}), address="local",
                     workers=2, progress=False)
     assert not (tmp_path / "x").exists()
