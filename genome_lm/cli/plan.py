@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -32,7 +33,7 @@ def plan(
     gpus_per_node: Annotated[int, typer.Option(help="GPUs per node, for host memory per node.")] = 8,
     moe_imbalance: Annotated[float, typer.Option(help="Busiest expert-parallel rank's tokens over the mean (4 on real genome data).")] = 4.0,
     headroom: Annotated[float, typer.Option(help="Fraction of GPU memory kept free (CUDA context, NCCL, fragmentation).")] = 0.05,
-    device: Annotated[str, typer.Option(help="gpu, or cpu for the torch path (offload moves nothing there).")] = "gpu",
+    device: Annotated[str, typer.Option(help="gpu, or cpu for the torch path (offload moves nothing there; the memory of a rank is this machine's divided by the ranks on it, --gpus up to --gpus-per-node, unless --gpu-mem).")] = "gpu",
     sweep: Annotated[bool, typer.Option("--sweep", help="The table over sequence lengths 32k to 1M.")] = False,
     published: Annotated[bool, typer.Option("--published", help="The published run's figures next to the plan's.")] = False,
     kernel_efficiency: Annotated[Optional[float], typer.Option(
@@ -75,6 +76,10 @@ def plan(
         raise GenomeLMError(f"--kernel-efficiency {kernel_efficiency}: expected a fraction in (0, 1]")
     constants = CONSTANTS if kernel_efficiency is None else replace(CONSTANTS, kernel=kernel_efficiency)
     name, mem_bytes = gpu_memory(gpu, gpu_mem)
+    if device == "cpu" and gpu_mem is None:  # a rank's share of this machine's memory
+        ranks = min(gpus or 1, gpus_per_node)
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        name, mem_bytes = f"CPU rank ({ram / 2**30:.1f} GiB here / {ranks})", ram / ranks
     # the time model needs a known GPU kind; --gpu-mem with another --gpu plans memory alone
     spec = None
     if device == "gpu" and (gpu_mem is None or gpu.upper() in SPECS):

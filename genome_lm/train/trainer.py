@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import shutil
 import signal
 import time
@@ -138,6 +139,19 @@ class _StopFlag:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             number = int(flag.item())
         return signal.Signals(number).name if number else None
+
+
+def _fit_host_heap(cfg: RunConfig, world: int, rank: int) -> None:
+    """On a CPU: keep freed tensors in the heap (fast) unless the plan's peak says the kept heap
+    would not fit this rank's share of the machine (``engine.allocator.fit_heap``)."""
+    from genome_lm.engine.allocator import fit_heap
+    from genome_lm.plan.memory_model import Hardware, estimate
+
+    peak = estimate(cfg, Hardware(device="cpu", gpus=world)).peak
+    policy = fit_heap(peak, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if policy == "return" and rank == 0:
+        log.info("planned peak %.2f GiB a rank: freed host memory goes back to the system (engine.allocator)",
+                 peak / 2**30)
 
 
 def _peak_host_mib() -> float:
@@ -329,6 +343,8 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True, tracki
     check_run_folder(out, resume=resume, resume_from=resume_from, overwrite=overwrite)
     with parallel_context(sizes) as pg, _StopFlag() as stop:
         rank = dist.get_rank()
+        if not on_gpu():
+            _fit_host_heap(cfg, dist.get_world_size(), rank)
         if overwrite and not (resume or resume_from) and rank == 0 and existing_checkpoints(out):
             log.warning("%s: --overwrite: deleting its checkpoints (up to %s) before a new run",
                         out, existing_checkpoints(out)[-1].name)

@@ -46,3 +46,37 @@ def test_a_process_that_tunes_malloc_itself_keeps_its_settings(env):
     assert done.returncode == 0, done.stderr[-2000:]
     default, kept = (int(x) for x in done.stdout.split())
     assert kept > default // 2, (default, kept)
+
+
+FIT = """
+import resource, torch
+from genome_lm.engine.allocator import fit_heap
+
+def faults():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        torch.ones(16 << 20)  # 64 MiB, written and freed at once
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+GiB = 2**30
+runs = []
+for peak in (1 * GiB, 7 * GiB, 1 * GiB):  # 2 ranks on 24 GiB: twice 7 GiB is more than a rank's 12
+    runs.append(fit_heap(peak, ranks_here=2, memory=24 * GiB))
+    for _ in range(3):
+        faults()
+    runs.append(faults())
+print(*runs)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux only")
+def test_the_heap_is_kept_only_where_twice_the_plan_fits():
+    """fit_heap keeps freed blocks (no page faults once the heap has grown) for a small planned
+    peak, returns them (every 64 MiB block faults in again) when twice the plan would not fit
+    the rank's share, and switches back."""
+    done = subprocess.run([sys.executable, "-c", FIT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    small, kept, large, returned, again, kept_again = done.stdout.split()
+    assert (small, large, again) == ("keep", "return", "keep")
+    assert int(kept) < 4000 and int(kept_again) < 4000, done.stdout
+    assert int(returned) > 5 * 16_000, done.stdout
