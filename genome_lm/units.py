@@ -24,6 +24,15 @@ def parse_size(text: str) -> int:
     return value
 
 
+def size_label(n: int) -> str:
+    """``1048576`` -> ``"1M"``, ``4096`` -> ``"4k"``, ``300`` -> ``"300"``: the shortest exact form."""
+    if n % (1 << 20) == 0:
+        return f"{n >> 20}M"
+    if n % (1 << 10) == 0:
+        return f"{n >> 10}k"
+    return str(n)
+
+
 def parse_sizes(text: str) -> list[int]:
     """``"1k,4k, 16k"`` -> ``[1024, 4096, 16384]`` (empty items are ignored)."""
     return [parse_size(x) for x in text.split(",") if x.strip()]

@@ -102,6 +102,19 @@ def _held_out_loss(counts: list[np.ndarray], windows: list[np.ndarray], max_orde
     return {m: sums[m] / max(n, 1) for m in range(max_order + 1)}
 
 
+def fit_markov_on(sequences: list[np.ndarray], *, max_order: int = MAX_ORDER) -> MarkovModel:
+    """The chain fitted on token arrays (a reference region, not a prepared dataset): the order
+    chosen on the last tenth of each sequence with the chain counted on the rest, then refitted
+    on all of them."""
+    if not sequences or not sum(s.size for s in sequences):
+        raise ValueError("no sequence to fit a Markov baseline on")
+    cuts = [int(s.size * (1 - HELD_OUT)) for s in sequences]
+    held_loss = _held_out_loss(_count([s[:c] for s, c in zip(sequences, cuts)], max_order),
+                               [s[c:] for s, c in zip(sequences, cuts)], max_order)
+    best = min(held_loss, key=lambda m: (held_loss[m], m))
+    return MarkovModel(best, _count(sequences, best), int(sum(s.size for s in sequences)), held_loss)
+
+
 def fit_markov(dataset, split: str = "train", *, max_order: int = MAX_ORDER,
                max_bases: int = MAX_TRAIN_BASES) -> MarkovModel:
     """Choose the order on held-out training windows, then fit on the training split."""

@@ -76,6 +76,19 @@ class GrowingBuffer:
     def nbytes(self) -> int:
         return 0 if self.data is None else self.data.numel() * self.data.element_size()
 
+    def repeat(self, n: int) -> GrowingBuffer:
+        """A copy whose one sequence is repeated ``n`` times along the batch, capacity kept."""
+        out = GrowingBuffer(self.capacity_hint)
+        out.length = self.length
+        out.data = None if self.data is None else _rows(self.data, n)
+        return out
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    if t.shape[0] != 1:
+        raise ValueError(f"only a prefill of one sequence can be forked (batch {t.shape[0]})")
+    return t.repeat(n, *([1] * (t.dim() - 1)))
+
 
 class KDACache:
     """A KDA layer's carried state (short-conv inputs and recurrent state)."""
@@ -92,6 +105,12 @@ class KDACache:
         if self.state is None:
             return 0
         return sum(t.numel() * t.element_size() for t in (self.state.conv, self.state.recurrent))
+
+    def repeat(self, n: int) -> KDACache:
+        out = KDACache()
+        if self.state is not None:
+            out.state = type(self.state)(_rows(self.state.conv, n), _rows(self.state.recurrent, n))
+        return out
 
 
 class DSACache:
@@ -116,6 +135,13 @@ class DSACache:
     def nbytes(self) -> int:
         tail = 0 if self.tail is None else sum(t.numel() * t.element_size() for t in self.tail)
         return self.latent.nbytes + self.pooled.nbytes + tail
+
+    def repeat(self, n: int) -> DSACache:
+        out = DSACache.__new__(DSACache)
+        out.kpool, out.topk, out.n_pick = self.kpool, self.topk, self.n_pick
+        out.latent, out.pooled = self.latent.repeat(n), self.pooled.repeat(n)
+        out.tail = None if self.tail is None else tuple(_rows(t, n) for t in self.tail)
+        return out
 
     def attend(self, attn, x_SBD: torch.Tensor, shared_idx):
         """The DSA layer on S new tokens (``DSAAttention.forward`` without the indexer loss):
@@ -233,6 +259,14 @@ class Prefill:
     def cache_bytes(self) -> int:
         """Bytes held between chunks (what grows with the sequence)."""
         return sum(c.nbytes for c in self.caches)
+
+    def fork(self, n: int) -> Prefill:
+        """``n`` copies of this one-sequence prefill as one batch of ``n``: each row continues
+        from the same prefix (variant scoring: the alleles after their shared context)."""
+        out = Prefill.__new__(Prefill)
+        out.model, out.position = self.model, self.position
+        out.caches = [c.repeat(n) for c in self.caches]
+        return out
 
 
 def chunked_logits(model: GLM5Model, ids_BT: torch.Tensor, chunk: int):

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from genome_lm.config import RunConfig
+from genome_lm.units import size_label
 
 from .memory_model import GiB, Hardware, Plan, busiest, estimate, with_changes
 
@@ -22,11 +23,7 @@ def gib(nbytes: float) -> str:
 
 
 def length_label(n: int) -> str:
-    if n % (1 << 20) == 0:
-        return f"{n >> 20}M"
-    if n % (1 << 10) == 0:
-        return f"{n >> 10}k"
-    return str(n)
+    return size_label(n)
 
 
 def _stage_label(plan: Plan) -> str:
