@@ -121,6 +121,11 @@ class MemoryConfig(Section):
                                                           "once; the logits of a large vocabulary dominate long windows).")
     dsa_query_chunk: int | None = Field(None, gt=0, description="Queries per chunk through each DSA layer "
                                                                "(None = all; the published run used 65536).")
+    host_heap: Literal["auto", "keep", "return"] = Field(
+        "auto", description="CPU runs: keep freed tensors in the heap for reuse (faster, up to twice the step's "
+                            "memory resident), or return blocks above 4 MiB to the system when freed; auto: "
+                            "`genome-lm finetune` keeps them where twice the plan's peak fits a rank's share "
+                            "of the machine (engine.allocator).")
     dsa_keep_selection: bool = Field(True, description="Under recompute, keep each DSA layer's token selection "
                                                        "(4 bytes per position and selected pool) so that the "
                                                        "recomputed forward does not run the O(T^2) indexer again.")

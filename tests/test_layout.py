@@ -11,6 +11,7 @@ only runs on a GPU or in one command still counts. The layers, lowest first:
     train                                       the trainer, its optimizer and launcher
     eval, plan, compare                         evaluation; the hardware planner; parity and speed
                                                 against transformers
+    variants                                    variant effects (scores with eval's models)
     preflight, demo                             end-to-end checks and the demo pipeline
     cli, __main__                               the commands
 """
@@ -34,6 +35,7 @@ LAYERS = [
     {"checkpoint"},
     {"train"},
     {"eval", "plan", "compare"},
+    {"variants"},
     {"preflight", "demo"},
     {"cli", "__main__"},
 ]

@@ -36,6 +36,13 @@ def finetune(
     from genome_lm.engine import quiet_megatron_import
 
     cfg = load_config(config, set_ or [])
+    from genome_lm.engine.backend import on_gpu
+
+    if not on_gpu():  # memory.host_heap: auto -> keep or return, from the plan (engine.allocator)
+        from genome_lm.plan.memory_model import host_heap
+
+        ranks = workers if ray_address is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        cfg = host_heap(cfg, ranks)
     with quiet_megatron_import():
         if ray_address is not None:
             from genome_lm.train.launch import train_on_ray

@@ -15,8 +15,8 @@ every size from 64 KiB to hundreds of MiB fragments. Measured on the hg38 twin's
 libraries and model take 1.04 GiB): 4.04 GiB with the heap kept, 4.05 GiB with glibc's own
 defaults, 3.56 GiB with the mmap threshold at 64 MiB, 2.68 GiB at 4 MiB and 2.59 GiB at 64 KiB;
 the planner's activations for that step are 1.60 GiB. Kept heap costs up to twice the step's
-live tensors. :func:`fit_heap` therefore keeps freed memory only where twice the planned peak
-fits the rank's share of the machine's memory, and otherwise returns every block above
+live tensors. ``memory.host_heap: auto`` therefore keeps freed memory only where twice the planned
+peak fits the rank's share of the machine's memory (:func:`heap_fits`), and otherwise returns every block above
 :data:`RETURN_THRESHOLD` when it is freed (about 10% slower at 128k, and the resident set
 follows the live tensors and the plan).
 
@@ -77,12 +77,17 @@ def return_freed_memory() -> bool:
     return _set("return", RETURN_THRESHOLD, 2 * RETURN_THRESHOLD)
 
 
-def fit_heap(planned_peak: float, ranks_here: int, memory: int | None = None) -> str | None:
-    """Keep freed memory when ``HEAP_COST`` times the step's ``planned_peak`` (bytes) fits this
-    rank's share of the machine's ``memory`` (default: all of it) among ``ranks_here`` ranks;
-    else return it. Returns the policy set, or None where the process's malloc is left alone."""
+def heap_fits(planned_peak: float, ranks_here: int, memory: int | None = None) -> bool:
+    """Whether ``HEAP_COST`` times a step's ``planned_peak`` (bytes) fits a rank's share of the
+    machine's ``memory`` (default: all of it) among ``ranks_here`` ranks."""
     memory = memory if memory is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    keep = HEAP_COST * planned_peak <= memory / max(ranks_here, 1)
+    return HEAP_COST * planned_peak <= memory / max(ranks_here, 1)
+
+
+def fit_heap(planned_peak: float, ranks_here: int, memory: int | None = None) -> str | None:
+    """Keep freed memory where ``heap_fits``, else return it. Returns the policy set, or None
+    where the process's malloc is left alone."""
+    keep = heap_fits(planned_peak, ranks_here, memory)
     if not (keep_freed_memory() if keep else return_freed_memory()):
         return None
     return _state["policy"]

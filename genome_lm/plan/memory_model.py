@@ -472,6 +472,19 @@ def _stage_plan(run: RunConfig, hw: Hardware, cfg: ModelConfig, gpus: int, stage
     return plan
 
 
+def host_heap(run: RunConfig, ranks_here: int, memory: int | None = None) -> RunConfig:
+    """``run`` with ``memory.host_heap: auto`` resolved for a CPU run of ``ranks_here`` ranks on
+    this machine: "keep" where twice the planned peak fits a rank's share, else "return"
+    (``engine.allocator``)."""
+    from genome_lm.engine.allocator import heap_fits
+
+    if run.memory.host_heap != "auto":
+        return run
+    world = max(ranks_here, run.parallel.tp * run.parallel.cp * run.parallel.pp)
+    peak = estimate(run, Hardware(device="cpu", gpus=world)).peak
+    return with_changes(run, memory={"host_heap": "keep" if heap_fits(peak, ranks_here, memory) else "return"})
+
+
 def with_changes(run: RunConfig, **sections) -> RunConfig:
     """``run`` with fields changed per section: with_changes(run, parallel={"cp": 2})."""
     update = {name: getattr(run, name).model_copy(update=fields) for name, fields in sections.items()}

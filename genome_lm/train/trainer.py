@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import shutil
 import signal
 import time
@@ -141,17 +140,14 @@ class _StopFlag:
         return signal.Signals(number).name if number else None
 
 
-def _fit_host_heap(cfg: RunConfig, world: int, rank: int) -> None:
-    """On a CPU: keep freed tensors in the heap (fast) unless the plan's peak says the kept heap
-    would not fit this rank's share of the machine (``engine.allocator.fit_heap``)."""
-    from genome_lm.engine.allocator import fit_heap
-    from genome_lm.plan.memory_model import Hardware, estimate
+def _fit_host_heap(cfg: RunConfig, rank: int) -> None:
+    """On a CPU: ``memory.host_heap`` "return" gives freed blocks back to the system; "keep" and
+    an unresolved "auto" keep them in the heap (``engine.allocator``; `genome-lm finetune`
+    resolves "auto" from the plan, ``plan.memory_model.host_heap``)."""
+    from genome_lm.engine.allocator import return_freed_memory
 
-    peak = estimate(cfg, Hardware(device="cpu", gpus=world)).peak
-    policy = fit_heap(peak, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    if policy == "return" and rank == 0:
-        log.info("planned peak %.2f GiB a rank: freed host memory goes back to the system (engine.allocator)",
-                 peak / 2**30)
+    if cfg.memory.host_heap == "return" and return_freed_memory() and rank == 0:
+        log.info("freed host memory goes back to the system (memory.host_heap = return)")
 
 
 def _peak_host_mib() -> float:
@@ -344,7 +340,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True, tracki
     with parallel_context(sizes) as pg, _StopFlag() as stop:
         rank = dist.get_rank()
         if not on_gpu():
-            _fit_host_heap(cfg, dist.get_world_size(), rank)
+            _fit_host_heap(cfg, rank)
         if overwrite and not (resume or resume_from) and rank == 0 and existing_checkpoints(out):
             log.warning("%s: --overwrite: deleting its checkpoints (up to %s) before a new run",
                         out, existing_checkpoints(out)[-1].name)
