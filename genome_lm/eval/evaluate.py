@@ -118,6 +118,24 @@ def eval_layout(req: EvalRequest, world_size: int):
     return ParallelSizes()
 
 
+def fit_eval_heap(sizes) -> str | None:
+    """On a CPU, a split model scores each window in one forward, its memory growing with the
+    window (1M tokens: GiBs a rank): freed blocks go back to the system, as for training's
+    ``memory.host_heap: return`` (a kept heap fragments to up to twice the live tensors,
+    ``engine.allocator``). One rank's chunked prefill is bounded: its heap is kept. Returns the
+    policy set (None on a GPU or where malloc is left alone)."""
+    from genome_lm.engine.allocator import keep_freed_memory, return_freed_memory
+    from genome_lm.engine.backend import on_gpu
+
+    from .parallel import split_model
+
+    if on_gpu():
+        return None
+    if split_model(sizes):
+        return "return" if return_freed_memory() else None
+    return "keep" if keep_freed_memory() else None
+
+
 def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict | None:
     """Run the evaluation; returns the report (also written to ``req.out``).
 
@@ -146,6 +164,7 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict |
     many = world > 1
     with quiet_megatron_import(), parallel_context(sizes) as pg:
         rank = dist.get_rank()
+        fit_eval_heap(sizes)
         note = (on_note or (lambda text: None)) if rank == 0 else (lambda text: None)
         progress = progress and rank == 0
         loaded = {"model": load_model(req.model, pg, sizes=sizes)}

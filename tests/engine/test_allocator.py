@@ -81,3 +81,21 @@ def test_the_heap_is_kept_only_where_twice_the_plan_fits(peak, policy):
         assert int(faults) < 4000, done.stdout
     else:
         assert int(faults) > 5 * 16_000, done.stdout
+
+
+EVAL = """
+import sys
+from genome_lm.engine.parallel import ParallelSizes
+from genome_lm.eval.evaluate import fit_eval_heap
+print(fit_eval_heap(ParallelSizes(cp=int(sys.argv[1]))))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux only")
+@pytest.mark.parametrize("cp,policy", [(1, "keep"), (2, "return")])
+def test_a_split_eval_returns_freed_memory(cp, policy):
+    """A split model scores whole windows (memory growing with the window): its heap returns
+    freed blocks; one rank's chunked prefill keeps them (each in a fresh process)."""
+    done = subprocess.run([sys.executable, "-c", EVAL, str(cp)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == policy

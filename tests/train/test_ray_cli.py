@@ -2,6 +2,7 @@
 cluster, two CPU workers joined with gloo; the command exits 0, the checkpoint is written, rank 0's
 summary is printed once and rank 0 alone logs to MLflow. (Markers as in test_ray.py: none.)"""
 
+import json
 import os
 import re
 import subprocess
@@ -35,6 +36,8 @@ def test_finetune_on_two_local_ray_workers(small_dataset, tmp_path):
     assert (out / "checkpoints" / "latest").read_text().strip() == checkpoint.name
     meta = (checkpoint / "meta.json").read_text()
     assert '"world_size": 2' in meta
+    # memory.host_heap: auto, resolved by the command from the plan (the demo's step fits twice over)
+    assert json.loads(meta)["config"]["memory"]["host_heap"] == "keep"
     # data parallel: rank 0 writes the weights (the replicas once), each rank its own state
     written = {p.name for p in checkpoint.iterdir()}
     assert {"model-r00000.safetensors", "state-r00000.json", "state-r00001.json"} <= written
