@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The hg38 study's CPU twin: the cluster pipeline's stages at the mission's window sizes, on real
 # human DNA (the shared hg38 chr2 piece, 2.33 Mbp), with the shipped tiny long-context model on 2
-# ranks of this CPU. Only CLI calls: no logic lives here. Not yet run to the end: on 2 cores with
-# 24 GiB the training stage's two ranks reached 10.2 and 9.8 GiB in the first step (6.39 GiB planned)
-# and Ray stopped them at 95% of the machine's memory (configs/hg38-twin-cpu.yaml says more).
+# ranks of this CPU. Only CLI calls: no logic lives here. Run end to end on 2 cores with 24 GiB
+# (2026-12-06, while other jobs shared the machine for its first 40 minutes): 1 h 12 min in all;
+# training 20 min (two 512k steps, 7,084 MiB at most on a rank, 6.39 GiB planned for the step's
+# tensors); eval 51 min (the 1M window, tuned model and its start, 9,028 MiB at most on a rank,
+# 9.20 GiB planned as an upper bound); prepare, plan and export seconds each.
 #   usage: pipelines/hg38_study_cpu.sh [fasta] [out-folder]
 set -euo pipefail
 FASTA=${1:-../shared/data/genomes/hg38_chr2_1-2333275.fa.gz}
