@@ -235,6 +235,16 @@ def quick_identity(path: Path) -> dict:
     return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
+def check_readable(path: Path) -> None:
+    """A one-line error unless ``path`` is a regular file this process can read."""
+    if not path.exists():
+        raise GenomeLMError(f"{path}: no such file")
+    if not path.is_file():
+        raise GenomeLMError(f"{path}: not a regular file")
+    if not os.access(path, os.R_OK):
+        raise GenomeLMError(f"{path}: permission denied")
+
+
 def open_fasta(path: Path, work_dir: Path, cache_dir: Path, on_bytes=None) -> FastaSource:
     """Validate ``path``, index it (reusing an index beside it) and return a :class:`FastaSource`.
 
@@ -243,12 +253,7 @@ def open_fasta(path: Path, work_dir: Path, cache_dir: Path, on_bytes=None) -> Fa
     the validation pass in input bytes.
     """
     path = Path(path)
-    if not path.exists():
-        raise GenomeLMError(f"{path}: no such file")
-    if not path.is_file():
-        raise GenomeLMError(f"{path}: not a regular file")
-    if not os.access(path, os.R_OK):
-        raise GenomeLMError(f"{path}: permission denied")
+    check_readable(path)
     compression = sniff(path)
     if compression == "bgzf":
         with open(path, "rb") as fh:

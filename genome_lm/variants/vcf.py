@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 import pysam
 
-from genome_lm.data.fasta import FastaHandle, fetch_bytes, quick_identity, sniff
+from genome_lm.data.fasta import FastaHandle, check_readable, fetch_bytes, quick_identity, sniff
 from genome_lm.data.fasta import _build_index, _existing_index, _read_fai  # open_fasta's indexing, not its scan
 from genome_lm.data.names import canonical
 from genome_lm.errors import GenomeLMError
@@ -143,7 +143,7 @@ class Reference:
 
     def __init__(self, path: str | Path, cache_dir: Path | None = None):
         self.path = Path(path)
-        _check_readable(self.path)
+        check_readable(self.path)
         compression = sniff(self.path)
         if compression == "gzip":
             raise GenomeLMError(
@@ -200,15 +200,6 @@ class Reference:
         self.close()
 
 
-def _check_readable(path: Path) -> None:
-    if not path.exists():
-        raise GenomeLMError(f"{path}: no such file")
-    if not path.is_file():
-        raise GenomeLMError(f"{path}: not a regular file")
-    if not os.access(path, os.R_OK):
-        raise GenomeLMError(f"{path}: permission denied")
-
-
 def windows(variant: Variant, fasta: Reference, left: int, right: int) -> tuple[str, str, int]:
     """(reference window, alternative window, offset of ``variant.start`` in both), uppercase.
 
@@ -257,7 +248,7 @@ def read_variants(
     vcf_path = Path(vcf_path)
     if left < 0 or right < 0:
         raise ValueError(f"left and right must be >= 0 (got {left}, {right})")
-    _check_readable(vcf_path)
+    check_readable(vcf_path)
     with Reference(fasta_path) as fasta, _open_vcf(vcf_path) as vcf:
         labeller = _Labeller(vcf_path, vcf.header, label, positive, negative) if label is not None else None
         flags = [key for key, meta in vcf.header.info.items() if meta.type == "Flag"]

@@ -8,15 +8,18 @@ import sys
 
 import pytest
 
-CODE = """
-import resource, torch
-from genome_lm.engine.allocator import keep_freed_memory
+FAULTS = """
+import resource, sys, torch
 
 def faults():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(5):
         torch.ones(16 << 20)  # 64 MiB, written and freed at once
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+"""
+
+CODE = FAULTS + """
+from genome_lm.engine.allocator import keep_freed_memory
 
 default = faults()
 assert keep_freed_memory() and keep_freed_memory()  # idempotent
@@ -48,15 +51,8 @@ def test_a_process_that_tunes_malloc_itself_keeps_its_settings(env):
     assert kept > default // 2, (default, kept)
 
 
-FIT = """
-import resource, sys, torch
+FIT = FAULTS + """
 from genome_lm.engine.allocator import fit_heap
-
-def faults():
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(5):
-        torch.ones(16 << 20)  # 64 MiB, written and freed at once
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 GiB = 2**30
 policy = fit_heap(float(sys.argv[1]) * GiB, ranks_here=2, memory=24 * GiB)
