@@ -18,6 +18,10 @@ from typer.testing import CliRunner
 from genome_lm.cli import app
 from tests.model.hf_oracle import make_checkpoint
 
+def revcomp(seq: str) -> str:
+    return seq.translate(str.maketrans("ACGT", "TGCA"))[::-1]
+
+
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "variants"
 
 ORACLE = r"""
@@ -102,6 +106,31 @@ def test_scores_equal_two_transformers_forwards_and_auroc_equals_sklearn(tmp_pat
             want = np.array(json.loads(oracle.stdout))
             got = np.array([float(r[f"model@{L} llr_sum"]) for r in rows])
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    # --rc: the mean of the forward score and the reverse strand's (the windows reverse-complemented,
+    # 60 bases of the strand's own preceding context: what follows the variant on the forward one)
+    rc_out = tmp_path / "report-rc"
+    result = CliRunner().invoke(app, ["variants", "--vcf", str(vcf), "--fasta", str(fa), "--model", str(hf),
+                                      "--contexts", "60", "--right", "40", "--rc", "--out", str(rc_out), "--quiet",
+                                      "--no-tracking"])
+    assert result.exit_code == 0, result.output
+    rc_rows = list(csv.DictReader((rc_out / "variants.tsv").open(), delimiter="\t"))
+    found = read_variants(vcf, fa, left=60, right=60)
+    with Reference(fa) as ref:
+        forward = [windows(v, ref, 60, 40) for v in found.variants]
+        reverse = []
+        for v in found.variants:
+            r, a, _ = windows(v, ref, 40, 60)
+            reverse.append((revcomp(r), revcomp(a), 60))
+    both = []
+    for wins in (forward, reverse):
+        oracle = subprocess.run([sys.executable, "-c", ORACLE, str(hf)], input=json.dumps(wins), text=True,
+                                capture_output=True, timeout=600, env={**os.environ, "TORCHDYNAMO_DISABLE": "1"})
+        assert oracle.returncode == 0, oracle.stderr[-3000:]
+        both.append(np.array(json.loads(oracle.stdout)))
+    got = np.array([float(r["model@60 llr_sum"]) for r in rc_rows])
+    np.testing.assert_allclose(got, (both[0] + both[1]) / 2, rtol=1e-4, atol=1e-4)
+    assert np.abs(both[0] - both[1]).max() > 1e-3  # the two strands differ: the average is not one of them
+
     labels = np.array([int(r["label"]) for r in rows])
     got = report["metrics"]["overall"]["model@200"]["auroc"]["value"]
     assert got == pytest.approx(roc_auc_score(labels, -np.array([float(r["model@200 llr_sum"]) for r in rows])))
