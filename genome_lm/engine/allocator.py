@@ -84,13 +84,11 @@ def heap_fits(planned_peak: float, ranks_here: int, memory: int | None = None) -
     return HEAP_COST * planned_peak <= memory / max(ranks_here, 1)
 
 
-def fit_heap(planned_peak: float, ranks_here: int, memory: int | None = None) -> str | None:
-    """Keep freed memory where ``heap_fits``, else return it. Returns the policy set, or None
-    where the process's malloc is left alone."""
-    keep = heap_fits(planned_peak, ranks_here, memory)
-    if not (keep_freed_memory() if keep else return_freed_memory()):
-        return None
-    return _state["policy"]
+def use_heap(policy: str) -> str | None:
+    """Set this process's heap policy: "return" (``return_freed_memory``), else keep (``"keep"``,
+    and an unresolved ``"auto"``). Returns the policy set, or None where malloc is left alone."""
+    policy = "return" if policy == "return" else "keep"
+    return policy if (return_freed_memory() if policy == "return" else keep_freed_memory()) else None
 
 
 def user_tuned() -> bool:

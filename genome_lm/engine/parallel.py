@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from genome_lm.errors import GenomeLMError
 
-from .allocator import keep_freed_memory
+from .allocator import use_heap
 from .backend import on_gpu
 from .cpu import enable_cpu_megatron
 
@@ -87,14 +87,17 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, *,
 
 
 @contextmanager
-def parallel_context(sizes: ParallelSizes = ParallelSizes()) -> Iterator["ProcessGroupCollection"]:  # noqa: F821
-    """Yield megatron-core's process groups for ``sizes``; tear them down afterwards."""
+def parallel_context(sizes: ParallelSizes = ParallelSizes(), *,
+                     host_heap: str = "keep") -> Iterator["ProcessGroupCollection"]:  # noqa: F821
+    """Yield megatron-core's process groups for ``sizes``; tear them down afterwards. On a CPU,
+    ``host_heap`` ("keep", "return"; "auto" unresolved keeps) is set first, before anything is
+    allocated (``engine.allocator.use_heap``)."""
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     enable_cpu_megatron()  # no-op on a GPU machine
     if not on_gpu():
-        keep_freed_memory()  # CPU tensors: large temporaries reuse the heap (engine.allocator)
+        use_heap(host_heap)  # CPU tensors: large temporaries reuse the heap, or go back (engine.allocator)
     started_here = not dist.is_initialized()
     init_distributed()
     before = _process_groups()

@@ -118,22 +118,15 @@ def eval_layout(req: EvalRequest, world_size: int):
     return ParallelSizes()
 
 
-def fit_eval_heap(sizes) -> str | None:
-    """On a CPU, a split model scores each window in one forward, its memory growing with the
-    window (1M tokens: GiBs a rank): freed blocks go back to the system, as for training's
-    ``memory.host_heap: return`` (a kept heap fragments to up to twice the live tensors,
-    ``engine.allocator``). One rank's chunked prefill is bounded: its heap is kept. Returns the
-    policy set (None on a GPU or where malloc is left alone)."""
-    from genome_lm.engine.allocator import keep_freed_memory, return_freed_memory
-    from genome_lm.engine.backend import on_gpu
-
+def eval_heap(sizes) -> str:
+    """The CPU heap policy of an evaluation: a split model scores each window in one forward, its
+    memory growing with the window (1M tokens: GiBs a rank), so freed blocks go back to the
+    system, as for training's ``memory.host_heap: return`` (a kept heap fragments to up to twice
+    the live tensors, ``engine.allocator``); one rank's chunked prefill is bounded and keeps its
+    heap."""
     from .parallel import split_model
 
-    if on_gpu():
-        return None
-    if split_model(sizes):
-        return "return" if return_freed_memory() else None
-    return "keep" if keep_freed_memory() else None
+    return "return" if split_model(sizes) else "keep"
 
 
 def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict | None:
@@ -162,9 +155,8 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict |
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     sizes = eval_layout(req, world)
     many = world > 1
-    with quiet_megatron_import(), parallel_context(sizes) as pg:
+    with quiet_megatron_import(), parallel_context(sizes, host_heap=eval_heap(sizes)) as pg:
         rank = dist.get_rank()
-        fit_eval_heap(sizes)
         note = (on_note or (lambda text: None)) if rank == 0 else (lambda text: None)
         progress = progress and rank == 0
         loaded = {"model": load_model(req.model, pg, sizes=sizes)}

@@ -140,16 +140,6 @@ class _StopFlag:
         return signal.Signals(number).name if number else None
 
 
-def _fit_host_heap(cfg: RunConfig, rank: int) -> None:
-    """On a CPU: ``memory.host_heap`` "return" gives freed blocks back to the system; "keep" and
-    an unresolved "auto" keep them in the heap (``engine.allocator``; `genome-lm finetune`
-    resolves "auto" from the plan, ``plan.memory_model.host_heap``)."""
-    from genome_lm.engine.allocator import return_freed_memory
-
-    if cfg.memory.host_heap == "return" and return_freed_memory() and rank == 0:
-        log.info("freed host memory goes back to the system (memory.host_heap = return)")
-
-
 def _peak_host_mib() -> float:
     import resource
 
@@ -337,10 +327,9 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True, tracki
 
     sizes, backend, out = ParallelSizes.of(cfg.parallel), current(), Path(cfg.train.out_dir)
     check_run_folder(out, resume=resume, resume_from=resume_from, overwrite=overwrite)
-    with parallel_context(sizes) as pg, _StopFlag() as stop:
+    # memory.host_heap: `genome-lm finetune` resolves auto from the plan (plan.memory_model.host_heap)
+    with parallel_context(sizes, host_heap=cfg.memory.host_heap) as pg, _StopFlag() as stop:
         rank = dist.get_rank()
-        if not on_gpu():
-            _fit_host_heap(cfg, rank)
         if overwrite and not (resume or resume_from) and rank == 0 and existing_checkpoints(out):
             log.warning("%s: --overwrite: deleting its checkpoints (up to %s) before a new run",
                         out, existing_checkpoints(out)[-1].name)

@@ -28,17 +28,10 @@ def reason_counts(skipped) -> dict[str, int]:
     return dict(Counter(s.reason.split(" (")[0] for s in skipped).most_common())
 
 
-def combine(columns: dict[str, np.ndarray], strands) -> dict[str, dict[str, np.ndarray]]:
-    """{score name: {"sum": llr, "mean": llr}} averaged over ``strands``; names are ``markov``
-    and ``<model>@<context>``."""
-    names = sorted({key.rsplit(" ", 2)[0] for key in columns}, key=_order)
-    return {name: {kind: np.mean([columns[f"{name} {kind} {s}"] for s in strands], axis=0) for kind in ("sum", "mean")}
-            for name in names}
-
-
-def _order(name: str):
-    who, _, context = name.partition("@")
-    return ({"model": 0, "baseline": 1, "markov": 2}.get(who, 3), int(context or 0))
+def combine(per_strand: dict[str, list[tuple[np.ndarray, np.ndarray]]]) -> dict[str, dict[str, np.ndarray]]:
+    """{score name: {"sum": llr, "mean": llr}} averaged over the strands scored."""
+    return {name: {"sum": np.mean([s for s, _ in runs], axis=0), "mean": np.mean([m for _, m in runs], axis=0)}
+            for name, runs in per_strand.items()}
 
 
 def compare_columns(variants, fields, vcf) -> dict[str, np.ndarray]:
@@ -171,11 +164,11 @@ TSV_FIXED = ("variant", "chrom", "pos", "ref", "alt", "kind", "label")
 def tsv_text(variants, labels, scores: dict, compare: dict) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf, delimiter="\t", lineterminator="\n")
-    names = [f"{name} llr_{kind}" for name in scores for kind in ("sum", "mean")]
-    writer.writerow([*TSV_FIXED, *names, *compare])
+    columns = [(name, kind) for name in scores for kind in ("sum", "mean")]
+    writer.writerow([*TSV_FIXED, *(f"{name} llr_{kind}" for name, kind in columns), *compare])
     for i, v in enumerate(variants):
         label = "" if labels is None else int(labels[i])
-        values = [scores[n.split(" ")[0]][n.split("_")[-1]][i] for n in names] + [compare[c][i] for c in compare]
+        values = [scores[name][kind][i] for name, kind in columns] + [compare[c][i] for c in compare]
         writer.writerow([v.key, v.chrom, v.pos, v.ref, v.alt, v.kind, label,
                          *("" if np.isnan(x) else f"{x:.6g}" for x in values)])
     return buf.getvalue()

@@ -28,10 +28,10 @@ from genome_lm.data.tokenizer import BASE_TOKENS, tokenize
 from genome_lm.units import size_label
 
 SCHEMA = "genome-lm.variants/1"
-COMPLEMENT = bytes.maketrans(b"ACGTNacgtn", b"TGCANtgcan")
+COMPLEMENT = str.maketrans("ACGTNacgtn", "TGCANtgcan")
 
 
-def reverse_complement(seq: bytes) -> bytes:
+def reverse_complement(seq: str) -> str:
     return seq.translate(COMPLEMENT)[::-1]
 
 
@@ -54,21 +54,18 @@ def sites(variants, strand: str) -> list[Site]:
 
 
 def allele_windows(v, fasta, left: int, right: int, strand: str) -> tuple[bytes, bytes, bytes]:
-    """(preceding context, reference continuation, alternative continuation) as uppercase bytes,
-    read in the direction of ``strand``: the continuation is the allele and ``right`` bases."""
-    if strand == "+":
-        before = fasta.fetch(v.contig, v.start - left, v.start)
-        after = fasta.fetch(v.contig, v.end, v.end + right)
-        return (before.upper().encode(), (v.ref_allele + after).upper().encode(),
-                (v.alt_allele + after).upper().encode())
-    before = fasta.fetch(v.contig, v.end, v.end + left)
-    after = fasta.fetch(v.contig, v.start - right, v.start)
-    # on the reverse strand the context is what follows on the forward one, and the allele is
-    # read before the bases that precede it there
-    def rc(s: str) -> bytes:
-        return reverse_complement(s.upper().encode())
+    """(preceding context, reference continuation, alternative continuation) as bytes, read in the
+    direction of ``strand``: the continuation is the allele and ``right`` bases. On the reverse
+    strand the context is what follows the variant on the forward one (``vcf.windows`` with the
+    sides swapped, reverse-complemented)."""
+    from .vcf import windows
 
-    return rc(before), rc(after + v.ref_allele), rc(after + v.alt_allele)
+    if strand == "+":
+        ref, alt, at = windows(v, fasta, left, right)
+    else:
+        ref, alt, _ = windows(v, fasta, right, left)
+        ref, alt, at = reverse_complement(ref), reverse_complement(alt), left
+    return ref[:at].encode(), ref[at:].encode(), alt[at:].encode()
 
 
 def score_model(lm, variants, fasta, *, left: int, right: int, strand: str = "+", chunk: int | None = None,
@@ -79,12 +76,10 @@ def score_model(lm, variants, fasta, *, left: int, right: int, strand: str = "+"
     total = np.full(len(variants), np.nan)
     mean = np.full(len(variants), np.nan)
     for site in sites(variants, strand):
-        prefix = None
         wanted: dict[bytes, int] = {}
         pairs = []
-        for i in site.members:
-            before, ref, alt = allele_windows(variants[i], fasta, left, right, strand)
-            prefix = before
+        for i in site.members:  # the same preceding context for all of them
+            prefix, ref, alt = allele_windows(variants[i], fasta, left, right, strand)
             pairs.append((i, wanted.setdefault(ref, len(wanted)), wanted.setdefault(alt, len(wanted))))
         conts = list(wanted)
         lps = continuation_logprobs(lm.model, tokenize(prefix), [tokenize(c) for c in conts],
@@ -193,11 +188,8 @@ def run_variants(req: VariantRequest, *, progress: bool = True, on_note=None) ->
     with Reference(req.fasta) as fasta:
         records = sorted({v.contig for v in variants})
         markov = fit_markov_on(reference_sequences(fasta, records))
-        columns: dict[str, np.ndarray] = {}
+        per_strand: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # score -> (sum, mean) per strand
         strands = ("+", "-") if req.rc else ("+",)
-        for strand in strands:
-            s, m = score_markov(markov, variants, fasta, right=req.right, strand=strand)
-            columns[f"markov sum {strand}"], columns[f"markov mean {strand}"] = s, m
         with quiet_megatron_import(), parallel_context(ParallelSizes()) as pg:
             loaded = {"model": load_model(req.model, pg)}
             if req.baseline:
@@ -207,10 +199,12 @@ def run_variants(req: VariantRequest, *, progress: bool = True, on_note=None) ->
                 for name, L, strand in jobs:
                     task = bar.add_task(f"{name} at {size_label(L)}{' (reverse strand)' if strand == '-' else ''}",
                                         total=len(variants), unit="variants")
-                    s, m = score_model(loaded[name], variants, fasta, left=L, right=req.right, strand=strand,
-                                       chunk=req.chunk, on_site=lambda n, t=task: bar.advance(t, n))
-                    columns[f"{name}@{L} sum {strand}"], columns[f"{name}@{L} mean {strand}"] = s, m
-    scores = rep.combine(columns, strands)  # strand-averaged sum and mean per model, context and the chain
+                    per_strand.setdefault(f"{name}@{L}", []).append(
+                        score_model(loaded[name], variants, fasta, left=L, right=req.right, strand=strand,
+                                    chunk=req.chunk, on_site=lambda n, t=task: bar.advance(t, n)))
+        per_strand["markov"] = [score_markov(markov, variants, fasta, right=req.right, strand=strand)
+                                for strand in strands]
+    scores = rep.combine(per_strand)  # strand-averaged sum and mean per model, context and the chain
     compare = rep.compare_columns(variants, req.compare, req.vcf)
     report = {
         "schema": SCHEMA,

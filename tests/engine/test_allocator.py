@@ -52,11 +52,11 @@ def test_a_process_that_tunes_malloc_itself_keeps_its_settings(env):
 
 
 FIT = FAULTS + """
-from genome_lm.engine.allocator import fit_heap
+from genome_lm.engine.allocator import heap_fits, use_heap
 
 GiB = 2**30
-policy = fit_heap(float(sys.argv[1]) * GiB, ranks_here=2, memory=24 * GiB)
-assert fit_heap(float(sys.argv[1]) * GiB, ranks_here=2, memory=24 * GiB) == policy  # idempotent
+policy = use_heap("keep" if heap_fits(float(sys.argv[1]) * GiB, ranks_here=2, memory=24 * GiB) else "return")
+assert use_heap(policy) == policy  # idempotent
 for _ in range(3):
     faults()
 print(policy, faults())
@@ -66,7 +66,7 @@ print(policy, faults())
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux only")
 @pytest.mark.parametrize("peak,policy", [(1, "keep"), (7, "return")])
 def test_the_heap_is_kept_only_where_twice_the_plan_fits(peak, policy):
-    """In a fresh process: fit_heap keeps freed blocks (no page faults once the heap has grown)
+    """In a fresh process: the heap keeps freed blocks (no page faults once the heap has grown)
     for a small planned peak, and returns them (every 64 MiB block faults in again) when twice
     the plan would not fit the rank's share (2 ranks on 24 GiB: 2 x 7 GiB > 12 GiB)."""
     done = subprocess.run([sys.executable, "-c", FIT, str(peak)], capture_output=True, text=True, timeout=120)
@@ -82,8 +82,9 @@ def test_the_heap_is_kept_only_where_twice_the_plan_fits(peak, policy):
 EVAL = """
 import sys
 from genome_lm.engine.parallel import ParallelSizes
-from genome_lm.eval.evaluate import fit_eval_heap
-print(fit_eval_heap(ParallelSizes(cp=int(sys.argv[1]))))
+from genome_lm.engine.allocator import use_heap
+from genome_lm.eval.evaluate import eval_heap
+print(use_heap(eval_heap(ParallelSizes(cp=int(sys.argv[1])))))
 """
 
 
