@@ -98,6 +98,12 @@ class ParallelConfig(Section):
                                                       "tensor-parallel ranks: 1/tp of their activation memory; the "
                                                       "attention and dense MLP still see the whole sequence. No effect "
                                                       "without tensor parallel.")
+    split_dsa_selection: bool = Field(True, description="Share the DSA indexer's selection and its loss out over the "
+                                                        "tensor x context parallel group (each rank its blocks of "
+                                                        "queries, the selections all-gathered as int32 pools) instead "
+                                                        "of every rank of the group doing the whole sequence, as the "
+                                                        "published run did: the same selections, losses and "
+                                                        "gradients, 1/(tp x cp) of the selection's work.")
 
 
 class MemoryConfig(Section):

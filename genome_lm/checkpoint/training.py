@@ -168,8 +168,8 @@ def verify(folder: Path) -> dict:
 
 def weight_layout(layout: dict) -> dict:
     """The parallel sizes that decide which shards of the weights and optimizer state a rank's
-    files hold (sequence parallel splits activations only)."""
-    return {k: v for k, v in layout.items() if k != "sequence_parallel"}
+    files hold (sequence parallel splits activations, the shared DSA selection work only)."""
+    return {k: v for k, v in layout.items() if k not in ("sequence_parallel", "split_dsa_selection")}
 
 
 def checkpoint_format(meta: dict) -> int:

@@ -44,6 +44,8 @@ class BuildOptions:
     compiled: the mHC Sinkhorn normalisation (forward and its backward's recomputation) runs
         through ``torch.compile`` (``compiled_sinkhorn``): the same arithmetic in a few fused
         kernels instead of about 270 small ops per hyper-connection and step (``model.compile``).
+    split_dsa_selection: the DSA selection and indexer loss are shared out over the tensor x
+        context parallel group instead of repeated on every rank (``dsa.py``; the same results).
     """
 
     transformer_impl: TransformerImpl = "local"
@@ -53,6 +55,7 @@ class BuildOptions:
     moe_aux_loss: Literal["seq_aux_loss", "aux_loss"] = "seq_aux_loss"
     absorbed_mla: bool = False
     compiled: bool = False
+    split_dsa_selection: bool = True
 
     def spec_provider(self):
         if self.transformer_impl == "transformer_engine":

@@ -21,11 +21,22 @@ topk / kpool] fp32 block per call), so no rank holds another rank's q and k.
 Context parallel (``genome_lm.engine.context_parallel``): x holds this rank's zigzag tokens. The
 projections run on them; q, k, v go through a head-wise all-to-all so that attention runs over
 the whole sequence for heads / cp of the heads, and back. The indexer needs every key: each
-rank gathers its (detached, small) inputs over CP and selects for the whole sequence, which the
-attention then uses. The indexer loss is likewise computed for the whole sequence on every CP
-rank (from the heads each rank attends with, over the whole sequence) and divided by cp, so
-that summing losses and gradients over CP (as data-parallel reduction does) gives the
-single-process values.
+rank gathers its (detached, small) inputs over CP, so that every rank of the TP x CP group holds
+the same indexer inputs for the whole sequence.
+
+The selection and the indexer loss are shared out over that group (``split_selection``, the
+default; ``parallel.split_dsa_selection``): each rank selects for its blocks of queries
+(``engine.query_share``: an early run of blocks with a late one) and the group all-gathers the
+int32 pool ids, so every rank attends with the whole sequence's selection, the one-process one
+bit for bit. For the loss every rank still sums its own heads' attention over every query block
+(its part of the target), the block's owner receives the sum and computes that block's KL term.
+A rank's loss is then its blocks' share; the value returned is the group's sum divided by cp
+(what each CP rank returned before), its gradient the share's own. The indexer's parameters get
+a partial gradient on each TP rank, so they are marked ``sequence_parallel``: the training step
+sums them over TP (``train.optim.allreduce_sequence_parallel_grads``) and data-parallel reduction
+sums them over CP, which gives the single-process gradient. With ``split_selection`` off every
+rank selects for the whole sequence and computes the loss for every query (divided by cp), as
+the published run's layout does.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from genome_lm_kernels import dsa as dsa_ops
 
 from genome_lm.engine.context_parallel import (gather_sequence, gather_sequence_with_grad, group_size, head_slice,
                                                heads_per_rank, heads_to_seq, seq_to_heads)
+from genome_lm.engine.query_share import QueryShare, summed_over
 
 from . import recompute_memo
 from .common import BuildOptions, RMSNorm, column_linear, replicated_linear, row_linear, tp_shared
@@ -79,7 +91,7 @@ class Indexer(nn.Module):
 
 class DSAAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tf_config, options: BuildOptions, tp_group, cp_group=None,
-                 submodules: AttentionSubmodules | None = None):
+                 submodules: AttentionSubmodules | None = None, tp_cp_group=None):
         super().__init__()
         if submodules is None:  # built directly, not from a spec: the options' spec provider
             submodules = attention_submodules(options.spec_provider())
@@ -107,6 +119,11 @@ class DSAAttention(nn.Module):
         self.kv_b_proj = column(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
         self.o_proj = row_linear(submodules.linear_row, tf_config, tp_group, H * cfg.v_head_dim, cfg.hidden_size)
         self.indexer = None if cfg.indexer_types[layer_idx] == SHARED else Indexer(cfg, dtype)
+        # the group the selection and the indexer loss are shared out over (TP x CP), or None
+        self.share_group = tp_cp_group if options.split_dsa_selection and group_size(tp_cp_group) > 1 else None
+        if self.share_group is not None and tp > 1 and self.indexer is not None:
+            for p in self.indexer.parameters():  # each TP rank's gradient covers its queries only
+                p.sequence_parallel = True
 
     def forward(self, x: torch.Tensor, shared_idx: torch.Tensor | None = None,
                 indexer_loss: IndexerLossMode = "off", indexer_tokens: int | None = None) -> DSAOutput:
@@ -136,7 +153,11 @@ class DSAAttention(nn.Module):
                                              kpool=cfg.index_kpool, topk=cfg.index_topk, backend=self.backend,
                                              chunk=self.query_chunk)[0]
 
-            if self.keep_selection:  # kept as int32 pool ids, expanded again when replayed
+            if self.share_group is not None:  # each rank its share, gathered as int32 pools
+                pools = (recompute_memo.reuse(lambda: self._shared_selection(q_i, k_i, w_i, gate_i))
+                         if self.keep_selection else self._shared_selection(q_i, k_i, w_i, gate_i))
+                idx = dsa_ops.selection_tokens(pools, kpool=cfg.index_kpool, topk=cfg.index_topk)
+            elif self.keep_selection:  # kept as int32 pool ids, expanded again when replayed
                 idx = recompute_memo.reuse(
                     select, pack=lambda t: dsa_ops.selection_pools(t, kpool=cfg.index_kpool, topk=cfg.index_topk),
                     unpack=lambda p: dsa_ops.selection_tokens(p, kpool=cfg.index_kpool, topk=cfg.index_topk))
@@ -148,12 +169,21 @@ class DSAAttention(nn.Module):
             (attend, q_att, k_att), w_uk = self._per_head(q, latent), None
         if self.indexer is not None and indexer_loss != "off":
             n = slice(None, indexer_tokens)
+            share = None
+            if self.share_group is not None:
+                share = QueryShare(q_i[:, n].shape[1], self.query_chunk, self.share_group)
+                reduce_target = share.reduce_to_owner
+            else:
+                reduce_target = self._sum_over_head_ranks if self._head_groups() else None
             loss = dsa_ops.indexer_loss(
                 q_i[:, n], k_i[:, n], w_i[:, n], q_att[:, n], k_att[:, n], idx[:, n] if indexer_loss == "sparse" else None,
                 gate_BTD=gate_i[:, n], ape_KD=self.indexer.index_kpool_compress_ape, kpool=cfg.index_kpool,
-                scale=self.scale, backend=self.backend, chunk=self.query_chunk,
-                reduce_target=self._sum_over_head_ranks if self._head_groups() else None,
-                w_uk_HED=w_uk) / group_size(cp)
+                scale=self.scale, backend=self.backend, chunk=self.query_chunk, reduce_target=reduce_target,
+                w_uk_HED=w_uk)
+            if share is not None:  # the value: the group's sum / cp (as before); the gradient: the share's
+                loss = summed_over(loss, self.share_group, 1 / group_size(cp))
+            else:  # every CP rank the whole loss; the data-parallel sum over CP gives it once
+                loss = loss / group_size(cp)
         o = attend(idx)  # [B, S, heads, v_head_dim], this rank's tokens
         out = self.o_proj(o.reshape(B, S, -1).transpose(0, 1))[0]
         return DSAOutput(out, idx, loss)
@@ -197,11 +227,26 @@ class DSAAttention(nn.Module):
 
         return attend, q, kv[:, :, None], w_uk  # the loss's k: one key head, shared
 
+    def _shared_selection(self, q_i, k_i, w_i, gate_i) -> torch.Tensor:
+        """The whole sequence's selection as int32 pools [B, T, P], this rank selecting for its
+        share of the query blocks and the group all-gathering the rest."""
+        cfg = self.cfg
+        B, T = k_i.shape[:2]
+        share = QueryShare(T, self.query_chunk, self.share_group)
+        parts = [dsa_ops.select_tokens(q_i, k_i, w_i, gate_i, self.indexer.index_kpool_compress_ape,
+                                       kpool=cfg.index_kpool, topk=cfg.index_topk, backend=self.backend,
+                                       chunk=self.query_chunk, queries=queries)[0] for queries in share.ranges()]
+        P = min(cfg.index_topk // cfg.index_kpool, T // cfg.index_kpool)
+        mine = (torch.cat([dsa_ops.selection_pools(p, kpool=cfg.index_kpool, topk=cfg.index_topk, seq_len=T)
+                           for p in parts], dim=1) if parts
+                else torch.empty(B, 0, P, dtype=torch.int32, device=k_i.device))
+        return share.gather(mine)
+
     def _head_groups(self) -> list:
         """The process groups over which the attention heads are split (TP, CP)."""
         return [g for g in (self.tp_group, self.cp_group) if group_size(g) > 1]
 
-    def _sum_over_head_ranks(self, p: torch.Tensor) -> torch.Tensor:
+    def _sum_over_head_ranks(self, p: torch.Tensor, block: int) -> torch.Tensor:
         """Sum a block of the indexer loss's target over the ranks holding the other heads."""
         for group in self._head_groups():
             torch.distributed.all_reduce(p, group=group)

@@ -30,7 +30,9 @@ class DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(cfg, options.compiled)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.dtype)
-        self.self_attention = build_module(submodules.attention, cfg, layer_idx, tf_config, options, pg.tp, pg.cp)
+        extra = {} if self.is_kda else {"tp_cp_group": pg.tp_cp}
+        self.self_attention = build_module(submodules.attention, cfg, layer_idx, tf_config, options, pg.tp, pg.cp,
+                                           **extra)
         if is_dense_mlp(submodules.mlp):
             self.mlp = build_module(submodules.mlp, tf_config, ffn_hidden_size=cfg.intermediate_size, tp_group=pg.tp)
         else:

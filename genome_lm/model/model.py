@@ -234,7 +234,7 @@ def build_model(cfg: ModelConfig, pg: ProcessGroupCollection, sizes: ParallelSiz
     options = BuildOptions(transformer_impl=transformer_impl, dtype=dtype, kernel_backend=backend,
                            moe_aux_loss_coeff=moe_aux_loss_coeff, moe_aux_loss=moe_aux_loss,
                            absorbed_mla=backend.gpu if absorbed_mla is None else absorbed_mla,
-                           compiled=compiled)
+                           compiled=compiled, split_dsa_selection=getattr(sizes, "split_dsa_selection", True))
     if not profile.cpu_initialization:
         # megatron-core initialises its parallel layers on the GPU from the CUDA RNG tracker's
         # states (data-, tensor- and expert-parallel), which must be seeded first; the callers'

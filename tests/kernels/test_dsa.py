@@ -109,6 +109,36 @@ def test_select_tokens_ties_go_to_the_lower_pool(generator):
     assert idx[0, 50, 12:].tolist() == [48, 49, 50]
 
 
+@pytest.mark.parametrize("path", ["torch", "torch-no-C", "reference"])
+@pytest.mark.parametrize("kpool,topk", SELECTIONS[:3], ids=SEL_IDS[:3])
+def test_select_tokens_for_some_queries(path, kpool, topk, generator):
+    """Selecting for chunk-aligned ranges of queries (a rank's share of a split selection)
+    gives exactly the whole call's rows, on scores with many ties (inputs on 3 levels), and the
+    ranges' int32 pools (``seq_len`` = the whole length) are the whole selection's pools."""
+    T, chunk = 203, 16
+    inp = indexer_inputs(generator, 2, T, 3, 8, kpool, torch.float32)
+    inp = {n: None if t is None else (t * 1.5).round().clamp(-1, 1) for n, t in inp.items()}
+    if path == "torch-no-C":
+        from genome_lm_kernels.dsa import indexer
+
+        def select(**kw):
+            return indexer.select_tokens(*inp.values(), kpool=kpool, topk=topk, chunk=chunk, use_native=False,
+                                         **kw)[0]
+    else:
+        def select(**kw):
+            return dsa.select_tokens(**inp, kpool=kpool, topk=topk, chunk=chunk, backend=backend_of(path), **kw)[0]
+    whole = select()
+    ranges = [(0, 16), (48, 203), (16, 48), (32, 33), (192, 203), (96, 96)]
+    for q0, q1 in ranges:
+        part = select(queries=(q0, q1))
+        assert torch.equal(part, whole[:, q0:q1]), (q0, q1)
+        pools = dsa.selection_pools(part, kpool=kpool, topk=topk, seq_len=T)
+        assert torch.equal(pools, dsa.selection_pools(whole, kpool=kpool, topk=topk)[:, q0:q1])
+    for bad in [(8, 40), (0, 204), (32, 16)]:
+        with pytest.raises(ValueError, match="multiple of the query chunk"):
+            select(queries=bad)
+
+
 @pytest.mark.parametrize("kpool,topk", SELECTIONS, ids=SEL_IDS)
 @pytest.mark.parametrize("T", LENGTHS)
 def test_selection_pools_round_trip(T, kpool, topk, generator):
@@ -303,15 +333,50 @@ def test_indexer_loss_with_heads_split_over_ranks(T, sparse, keep, generator, na
         return loss, torch.autograd.grad(loss, list(leaves.values()))
 
     other = []
-    run(slice(3, 5), lambda p: other.append(p.clone()) or p)
+    run(slice(3, 5), lambda p, block: other.append(p.clone()) or p)
     blocks = iter(other)
-    loss, grads = run(slice(0, 3), lambda p: p + next(blocks))
+    loss, grads = run(slice(0, 3), lambda p, block: p + next(blocks))
     assert next(blocks, None) is None, "forward and backward used different numbers of target blocks"
     loss_all, grads_all = run(slice(None), None)
     assert_rel_close(loss.detach().reshape(1), loss_all.detach().reshape(1), torch.float64, "loss")
     for g, g_all in zip(grads, grads_all):
         assert_rel_close(g, g_all, torch.float64, "gradient")
     assert abs(run(slice(0, 3), None)[0].item() - loss_all.item()) > 1e-6  # the other heads matter
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "recomputed"])
+def test_indexer_loss_with_queries_shared_out(sparse, keep, generator, nan_poison, monkeypatch):
+    """Query blocks shared out over three ranks (each rank all heads here, so the "sum over
+    ranks" is the block itself): each rank's loss covers its own blocks over the whole
+    sequence's query count; the three losses and gradients add up to the one-process loss and
+    gradients, and a rank that owns no block gets a zero loss and zero gradients."""
+    kpool, topk, chunk, T = 4, 24, 16, 150  # 10 blocks, the last one short
+    if not keep:
+        monkeypatch.setattr(loss_module, "KEEP_TARGET_BYTES", 0)
+    inp = indexer_inputs(generator, 2, T, 3, 8, kpool, torch.float64)
+    q, k = (torch.randn(2, T, 4, 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    idx = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend=backend_of("torch"))[0] if sparse else None
+
+    def run(owner):
+        leaves = {n: inp[n].clone().requires_grad_() for n in inp}
+        reduce = None if owner is None else (lambda p, block: p if owner(block) else None)
+        loss = dsa.indexer_loss(leaves["q_idx_BTHD"], leaves["k_idx_BTD"], leaves["w_idx_BTH"], q, k, idx,
+                                gate_BTD=leaves["gate_BTD"], ape_KD=leaves["ape_KD"], kpool=kpool, scale=0.25,
+                                backend=backend_of("torch"), chunk=chunk, reduce_target=reduce)
+        return loss.detach(), torch.autograd.grad(loss, list(leaves.values()))
+
+    loss_all, grads_all = run(None)
+    owners = [2, 0, 1, 1, 0, 2, 2, 0, 1, 2]  # uneven: rank 2 four blocks, ranks 0 and 1 three
+    parts = [run(lambda block, r=r: owners[block] == r) for r in range(3)]
+    assert_rel_close(sum(p[0] for p in parts).reshape(1), loss_all.reshape(1), torch.float64, "loss")
+    for i, (name, g_all) in enumerate(zip(inp, grads_all)):
+        # pool_keys runs the gate's softmax in fp32: its gradients (gate, ape) add up to fp32 precision
+        tol = torch.float32 if name in ("gate_BTD", "ape_KD") else torch.float64
+        assert_rel_close(sum(p[1][i] for p in parts), g_all, tol, f"gradient of {name}")
+    assert all(abs(p[0].item()) > 1e-6 for p in parts)  # every rank's share matters
+    idle_loss, idle_grads = run(lambda block: False)
+    assert idle_loss.item() == 0.0 and all(not g.any() for g in idle_grads)
 
 
 # ---------------------------------------------------------------- memory: no [T, T]

@@ -204,7 +204,7 @@ def test_native_indexer_loss_only_where_it_applies(generator):
     leaves, (q, k) = _loss_case(generator, 1, 40, 2, 16, 2, 16, 4)
     args = (leaves["q_idx_BTHD"], leaves["k_idx_BTD"], leaves["w_BTH"], q, k)
     idx = torch.arange(40)[None, :, None].expand(1, 40, 3).contiguous()
-    for kw in (dict(idx_BTS=idx), dict(reduce_target=lambda p: p)):
+    for kw in (dict(idx_BTS=idx), dict(reduce_target=lambda p, block: p)):
         with pytest.raises(RuntimeError, match="dense mode"):
             loss_impl.indexer_loss(*args, kpool=4, scale=0.25, use_native=True, **kw)
         assert torch.isfinite(loss_impl.indexer_loss(*args, kpool=4, scale=0.25, **kw))

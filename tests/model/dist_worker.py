@@ -3,10 +3,11 @@
     python tests/model/dist_worker.py RANK WORLD PORT JSON
 JSON: {"hf": checkpoint dir, "sizes": {"tp": 2, "cp": 2, ...}, "ids": path of a saved id tensor,
        "indexer_loss": "off"|"dense"|"sparse", "out": result file (rank 0 writes it),
-       "export": optional dir to export the loaded model to}
+       "export": optional dir to export the loaded model to, "query_chunk": DSA queries per block}
 The first rank of each pipeline stage s writes OUT.stage<s> with torch.save: {"loss": its part
 of the loss, "logits": [B, T, V] in natural order (last stage; else None), "grads": {name in the
-whole model's numbering: full-size gradient}}; without pipeline parallel that is rank 0 writing
+whole model's numbering: full-size gradient}, "selections": the stage's DSA layers' token
+selections [B, T, S] in forward order}; without pipeline parallel that is rank 0 writing
 OUT.stage0. Under pipeline parallel ("pp" in sizes) each sequence of the batch is one
 micro-batch of genome-lm's 1F1B schedule.
 """
@@ -124,6 +125,13 @@ def main(rank, world, port, spec):
         cfg = HFCheckpoint(spec["hf"]).config()
         model = build_model(cfg, pg, sizes, kernel_backend="torch", absorbed_mla=spec.get("absorbed", False))
         load_hf_checkpoint(model, spec["hf"])
+        if spec.get("query_chunk"):
+            from genome_lm.train.memory import apply_dsa_query_chunk
+            apply_dsa_query_chunk(model, spec["query_chunk"])
+        selections = []  # every DSA layer's whole-sequence selection, in forward order
+        for module in model.modules():
+            if getattr(module, "indexer", None) is not None:
+                module.register_forward_hook(lambda m, args, out: selections.append(out.idx.clone()))
         if spec.get("export"):
             export_hf_checkpoint(model, spec["export"], like=spec["hf"])
         all_ids = torch.load(spec["ids"])
@@ -138,7 +146,8 @@ def main(rank, world, port, spec):
         if logits is not None:
             logits = whole_logits(logits, pg)
         if torch.distributed.get_global_rank(pg.pp, 0) == 0:  # the first rank of each stage
-            torch.save({"loss": float(loss), "logits": logits, "grads": grads}, f"{spec['out']}.stage{pg.pp.rank()}")
+            torch.save({"loss": float(loss), "logits": logits, "grads": grads, "selections": selections},
+                       f"{spec['out']}.stage{pg.pp.rank()}")
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))

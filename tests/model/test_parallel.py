@@ -30,9 +30,11 @@ def setup(tmp_path_factory):
     return root, ckpt
 
 
-def _run(root, ckpt, world, sizes, name, indexer_loss="off", export=None, ids="ids", absorbed=False):
+def _run(root, ckpt, world, sizes, name, indexer_loss="off", export=None, ids="ids", absorbed=False,
+         query_chunk=None):
     spec = {"hf": str(ckpt), "sizes": sizes, "ids": str(root / f"{ids}.pt"), "out": str(root / f"{name}.pt"),
-            "indexer_loss": indexer_loss, "export": str(export) if export else None, "absorbed": absorbed}
+            "indexer_loss": indexer_loss, "export": str(export) if export else None, "absorbed": absorbed,
+            "query_chunk": query_chunk}
     run_workers(WORKER, world, spec)
     return _merge_stages(root / f"{name}.pt", sizes.get("pp", 1))
 
@@ -42,19 +44,25 @@ def _merge_stages(out, stages):
     the loss parts (LM and each stage's indexer losses) summed, the last stage's logits."""
     parts = [torch.load(f"{out}.stage{s}") for s in range(stages)]
     grads = {k: v for part in parts for k, v in part["grads"].items()}
-    return {"loss": sum(part["loss"] for part in parts), "logits": parts[-1]["logits"], "grads": grads}
+    return {"loss": sum(part["loss"] for part in parts), "logits": parts[-1]["logits"], "grads": grads,
+            "selections": [idx for part in parts for idx in part["selections"]]}
 
 
-def _one_process(root, ckpt, indexer_loss, ids="ids"):
-    """The single-process reference, computed once per (ids, indexer loss) in this module."""
-    name = f"one-{ids}-{indexer_loss}"
+def _one_process(root, ckpt, indexer_loss, ids="ids", query_chunk=None):
+    """The single-process reference, computed once per (ids, indexer loss, query chunk) in this module."""
+    name = f"one-{ids}-{indexer_loss}" + (f"-chunk{query_chunk}" if query_chunk else "")
     if (root / f"{name}.pt.stage0").exists():
         return _merge_stages(root / f"{name}.pt", 1)
-    return _run(root, ckpt, 1, {}, name, indexer_loss, ids=ids)
+    return _run(root, ckpt, 1, {}, name, indexer_loss, ids=ids, query_chunk=query_chunk)
 
 
 def _assert_same(one, two):
-    """Equal loss; every gradient equal relative to its largest entry; returns the errors."""
+    """Equal loss and DSA selections; every gradient equal relative to its largest entry;
+    returns the errors."""
+    assert len(one["selections"]) == len(two["selections"]) > 0
+    for a, b in zip(one["selections"], two["selections"]):
+        dp = a.shape[0] // b.shape[0]  # rank 0's data-parallel replica holds rows 0, dp, ...
+        assert torch.equal(a[::dp], b)
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-6)
     assert one["grads"].keys() == two["grads"].keys()
     errs = {}
@@ -84,13 +92,36 @@ def test_split_model_matches_one_process(setup, sizes, indexer_loss):
     pytest.param({"tp": 2, "cp": 2}, "sparse", id="tp2-cp2-sparse-indexer-loss"),  # 4 processes
 ])
 def test_context_parallel_matches_one_process(setup, sizes, indexer_loss):
-    """Zigzag-split tokens in, zigzag-merged logits out: loss, logits and every gradient (after
-    the data+context parallel sum) equal one process's."""
+    """Zigzag-split tokens in, zigzag-merged logits out: loss, logits, the DSA selections and
+    every gradient (after the data+context parallel sum) equal one process's."""
     root, ckpt = setup
     name = "-".join(f"{k}{v}" for k, v in sizes.items()) + f"-{indexer_loss}"
     one = _one_process(root, ckpt, indexer_loss, ids="ids-cp")
     world = sizes.get("tp", 1) * sizes["cp"]
     two = _run(root, ckpt, world, sizes, name, indexer_loss, ids="ids-cp")
+    torch.testing.assert_close(two["logits"], one["logits"], rtol=1e-5, atol=1e-6)
+    _assert_same(one, two)
+
+
+@pytest.mark.parametrize("sizes,indexer_loss,chunk", [
+    # 200 queries in blocks of 24: 9 blocks over 4 ranks (runs of 1 or 2 blocks, the last short)
+    pytest.param({"tp": 2, "cp": 2}, "sparse", 24, id="tp2-cp2-sparse-chunk24"),
+    pytest.param({"tp": 2, "cp": 2}, "dense", 24, id="tp2-cp2-dense-chunk24"),
+    # 200 queries in blocks of 64: 4 blocks over 4 ranks, one each
+    pytest.param({"tp": 2, "cp": 2, "split_dsa_selection": False}, "sparse", None, id="tp2-cp2-replicated"),
+    # 149 queries in blocks of 128: 2 blocks, rank 1 of 2 takes the second (short) one
+    pytest.param({"tp": 2}, "dense", 128, id="tp2-dense-chunk128"),
+])
+def test_dsa_selection_shared_over_tp_cp(setup, sizes, indexer_loss, chunk):
+    """The DSA selection and the indexer loss shared out over the TP x CP ranks by query blocks
+    (uneven shares), and the published layout's (every rank the whole sequence): the
+    one-process selections bit for bit, loss, logits and gradients."""
+    root, ckpt = setup
+    ids = "ids-cp" if sizes.get("cp", 1) > 1 else "ids"
+    name = "-".join(f"{k}{v}" for k, v in sizes.items()) + f"-{indexer_loss}-chunk{chunk}"
+    one = _one_process(root, ckpt, indexer_loss, ids=ids, query_chunk=chunk)
+    world = sizes.get("tp", 1) * sizes.get("cp", 1)
+    two = _run(root, ckpt, world, sizes, name, indexer_loss, ids=ids, query_chunk=chunk)
     torch.testing.assert_close(two["logits"], one["logits"], rtol=1e-5, atol=1e-6)
     _assert_same(one, two)
 
@@ -212,6 +243,10 @@ def test_pipeline_parallel_matches_one_process(pipeline_setup, sizes, indexer_lo
     world = sizes["pp"] * sizes.get("tp", 1) * sizes.get("ep", 1) * sizes.get("cp", 1)
     two = _run(root, ckpt, world, sizes, name, indexer_loss, ids=ids)
     torch.testing.assert_close(two["logits"], one["logits"], rtol=1e-5, atol=1e-6)
+    # each stage's selections come one micro-batch (one sequence of the replica's batch) at a time
+    sel = two["selections"]
+    per = len(sel) // len(one["selections"])
+    two["selections"] = [torch.cat(sel[i : i + per]) for i in range(0, len(sel), per)]
     _assert_same(one, two)
 
 

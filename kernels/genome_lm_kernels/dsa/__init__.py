@@ -5,8 +5,10 @@ run its ``dsa`` path ("reference" | "torch" | "triton": every GPU backend runs t
 kernels here, with fp32 products under "triton-fp32"):
 
     select_tokens(q_idx [B,T,Hi,Di], k_idx [B,T,Di], w_idx [B,T,Hi], gate [B,T,Di] | None,
-                  ape [kpool,Di] | None, *, kpool, topk, scale=None, backend, chunk=64)
+                  ape [kpool,Di] | None, *, kpool, topk, scale=None, backend, chunk=64,
+                  queries=(first, end) | None)
         -> idx [B,T,S] int64 (-1 = empty slot), valid [B,T,S] bool;  S = topk + kpool - 1
+        (with queries: [B, end - first, S], those queries' rows of the whole call)
     sparse_attention(q [B,T,H,Dqk], k [B,T,H,Dqk], v [B,T,H,Dv], idx [B,T,S], *, scale,
                      backend, chunk=64) -> o [B,T,H,Dv], lse [B,T,H]
     sparse_mla(q [B,T,H,D], kv [B,T,D], idx [B,T,S], *, scale, dv, backend, chunk=64)
@@ -14,7 +16,7 @@ kernels here, with fp32 products under "triton-fp32"):
     indexer_loss(q_idx, k_idx, w_idx, q, k, idx=None, *, gate=None, ape=None, kpool,
                  idx_scale=None, scale, backend, chunk=64) -> scalar KL loss
         (idx=None: dense warm-up mode; idx from select_tokens: sparse mode)
-    selection_pools(idx [B,T,S], *, kpool, topk) -> pools [B,T,P] int32;  selection_tokens(pools, ...) -> idx
+    selection_pools(idx [B,T,S], *, kpool, topk, seq_len=T) -> pools [B,T,P] int32;  selection_tokens(pools, ...) -> idx
         (a selection's compact form and back)
 
 The reference backend builds [T, T] tensors (small T only); "torch" and "triton" never do.
@@ -65,18 +67,23 @@ def sparse_mla(q_BTHD, kv_BTD, idx_BTS, *, scale: float, dv: int, backend: Kerne
 
 
 def select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate_BTD=None, ape_KD=None, *, kpool: int, topk: int,
-                  scale: float | None = None, backend: KernelBackend, chunk: int = 64):
+                  scale: float | None = None, backend: KernelBackend, chunk: int = 64,
+                  queries: tuple[int, int] | None = None):
     """Top topk // kpool complete pools per query (causal), expanded to tokens, plus the
-    query's incomplete tail pool; see ``indexer`` for the slot layout and tie rule."""
+    query's incomplete tail pool; see ``indexer`` for the slot layout and tie rule.
+    ``queries`` = (first, end), first a multiple of ``chunk``: only those queries' selections
+    (the rows a whole-sequence call gives them)."""
     path = resolved(backend, "select_tokens").dsa
     if path == "reference":
         scale = q_idx_BTHD.shape[-1] ** -0.5 if scale is None else scale
         B, T, _ = k_idx_BTD.shape
+        q0, q1 = _indexer.query_range(queries, T, chunk)
         gate = gate_BTD if gate_BTD is not None else k_idx_BTD.new_zeros(B, T, k_idx_BTD.shape[-1])
         ape = ape_KD if ape_KD is not None else k_idx_BTD.new_zeros(kpool, k_idx_BTD.shape[-1])
         with torch.no_grad():
-            return _reference.select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate, ape,
-                                            kpool=kpool, topk=topk, scale=scale)
+            idx, valid = _reference.select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate, ape,
+                                                  kpool=kpool, topk=topk, scale=scale)
+        return idx[:, q0:q1], valid[:, q0:q1]
     if path == "torch":
         score_fn = _indexer.torch_scores
     else:
@@ -84,7 +91,7 @@ def select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate_BTD=None, ape_KD=None, 
 
         score_fn = _triton.pool_scores_chunk
     return _indexer.select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate_BTD, ape_KD, kpool=kpool, topk=topk,
-                                  scale=scale, chunk=chunk, score_fn=score_fn)
+                                  scale=scale, chunk=chunk, score_fn=score_fn, queries=queries)
 
 
 def sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, *, scale: float, backend: KernelBackend, chunk: int = 64):
@@ -105,8 +112,9 @@ def indexer_loss(q_idx_BTHD, k_idx_BTD, w_idx_BTH, q_BTHD, k_BTHD, idx_BTS=None,
                  reduce_target=None, w_uk_HED=None):
     """KL(p || softmax(I)) over pools (see ``loss``). Gradient reaches q_idx, k_idx, w_idx, gate,
     ape only. The "triton" backend runs the chunked torch loss (no Triton loss kernel yet).
-    ``reduce_target``: q, k hold some of the heads; it sums a target block over the ranks that
-    hold the others (not for the reference backend). ``w_uk_HED``: q holds per-head queries
+    ``reduce_target(p, block)``: q, k hold some of the heads; it sums a target block over the
+    ranks that hold the others and returns it where this rank computes that query block's loss,
+    None where another rank does (``loss``; not for the reference backend). ``w_uk_HED``: q holds per-head queries
     absorbed with it (absorbed MLA, k the shared latent [B, T, 1, D])."""
     path = resolved(backend, "indexer_loss").dsa
     if path == "reference":

@@ -167,10 +167,11 @@ def expand_to_tokens(pools_BCP, t0: int, *, kpool: int, topk: int):
     return torch.cat([tok_BCPK.flatten(2), tail_CJ.expand(B, C, kpool - 1), pad], dim=-1)
 
 
-def selection_pools(idx_BTS: torch.Tensor, *, kpool: int, topk: int) -> torch.Tensor:
+def selection_pools(idx_BTS: torch.Tensor, *, kpool: int, topk: int, seq_len: int | None = None) -> torch.Tensor:
     """The pools of a ``select_tokens`` result, [B, T, P] int32 (-1 = none): the compact form
-    (4 bytes per selected pool instead of 8 per slot) that ``selection_tokens`` expands back."""
-    T = idx_BTS.shape[1]
+    (4 bytes per selected pool instead of 8 per slot) that ``selection_tokens`` expands back.
+    ``seq_len``: the whole sequence's length when idx holds some of its queries (default T)."""
+    T = idx_BTS.shape[1] if seq_len is None else seq_len
     P = min(topk // kpool, T // kpool)
     first_BTP = idx_BTS[..., : P * kpool : kpool]
     return torch.where(first_BTP >= 0, first_BTP // kpool, -1).to(torch.int32)
@@ -196,10 +197,23 @@ def torch_scores(q_BCHD, kp_BND, w_BCH, t0, scale, kpool):
     return pool_scores_chunk(q_BCHD, kp_BND, w_BCH, t0, scale, kpool)
 
 
+def query_range(queries: tuple[int, int] | None, T: int, chunk: int) -> tuple[int, int]:
+    """The queries ``select_tokens`` selects for: all of them, or ``queries`` = (first, end),
+    first a multiple of ``chunk`` so that every chunk is the one a whole-sequence call scores
+    (the same products, hence the same selection bit for bit, ties included)."""
+    if queries is None:
+        return 0, T
+    q0, q1 = queries
+    if not (0 <= q0 <= q1 <= T and q0 % chunk == 0):
+        raise ValueError(f"select_tokens: queries {queries} must lie in [0, {T}] and start at a multiple of the "
+                         f"query chunk ({chunk})")
+    return q0, q1
+
+
 @torch.no_grad()
 def select_tokens(q_BTHD, k_BTD, w_BTH, gate_BTD=None, ape_KD=None, *, kpool: int, topk: int,
                   scale: float | None = None, chunk: int = 64, score_fn: ScoreFn = torch_scores,
-                  use_native: bool | None = None):
+                  use_native: bool | None = None, queries: tuple[int, int] | None = None):
     """Selected token indices [B, T, S] (int64, -1 = empty) and validity mask [B, T, S].
 
     q [B, T, Hi, D] indexer queries; k [B, T, D] indexer keys (shared by the heads);
@@ -207,26 +221,30 @@ def select_tokens(q_BTHD, k_BTD, w_BTH, gate_BTD=None, ape_KD=None, *, kpool: in
     gate [B, T, D] pool gate logits (``x @ index_kpool_compress_gate.T``); ape [kpool, D];
     scale defaults to D**-0.5. S = topk + kpool - 1.
     ``use_native``: scores and top-k in C (``cpu/dsa.c``, fp32); None = whenever the torch
-    scores are asked for, the inputs are CPU tensors not in fp64 and the C kernels build here."""
+    scores are asked for, the inputs are CPU tensors not in fp64 and the C kernels build here.
+    ``queries`` = (first, end): select for those queries only ([B, end - first, S]) over the
+    whole sequence's pools, as the whole call would (see ``query_range``)."""
     B, T, _, D = q_BTHD.shape
+    q0, q1 = query_range(queries, T, chunk)
     scale = D**-0.5 if scale is None else scale
     use_native = native.wanted("dsa", use_native, score_fn is torch_scores and native.usable(q_BTHD, k_BTD, w_BTH))
     kp_BND = pool_keys(k_BTD, gate_BTD, ape_KD, kpool=kpool)
     n_pick = min(topk // kpool, kp_BND.shape[1])
     if use_native:
-        idx_BTS = native_select(q_BTHD, kp_BND, w_BTH, kpool=kpool, topk=topk, scale=scale, n_pick=n_pick)
+        idx_BTS = native_select(q_BTHD[:, q0:q1], kp_BND, w_BTH[:, q0:q1], kpool=kpool, topk=topk, scale=scale,
+                                n_pick=n_pick, t0=q0)
         return idx_BTS, idx_BTS >= 0
     S = slot_width(topk, kpool)
-    idx_BTS = torch.empty(B, T, S, dtype=torch.long, device=q_BTHD.device)
-    for t0 in range(0, T, chunk):
-        t1 = min(t0 + chunk, T)
+    idx_BTS = torch.empty(B, q1 - q0, S, dtype=torch.long, device=q_BTHD.device)
+    for t0 in range(q0, q1, chunk):
+        t1 = min(t0 + chunk, q1)
         # Pools ending after t1 - 1 are invisible to the whole chunk: skip them.
         N_c = min(kp_BND.shape[1], t1 // kpool)
         I_BCN = score_fn(q_BTHD[:, t0:t1], kp_BND[:, :N_c], w_BTH[:, t0:t1], t0, scale, kpool)
         pools = pick_pools(I_BCN, min(n_pick, N_c))
         if pools.shape[-1] < n_pick:
             pools = torch.nn.functional.pad(pools, (0, n_pick - pools.shape[-1]), value=-1)
-        idx_BTS[:, t0:t1] = expand_to_tokens(pools, t0, kpool=kpool, topk=topk)
+        idx_BTS[:, t0 - q0:t1 - q0] = expand_to_tokens(pools, t0, kpool=kpool, topk=topk)
     return idx_BTS, idx_BTS >= 0
 
 

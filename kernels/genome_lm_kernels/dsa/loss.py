@@ -9,10 +9,13 @@ summed over each candidate pool's tokens (the tail is dropped: it has no indexer
 L1-normalised. I_t: indexer pool scores.
 
 Heads split over ranks (tensor / context parallel): p_t sums over every head, and a rank holds
-only some. ``reduce_target`` sums a [B, C, M] block of this rank's per-head sum over the ranks
-(an all-reduce) before it is normalised, once per query block in forward (and again in
-backward when it recomputes the target), so that each rank needs only its own heads' q and k.
-Every rank must then call the loss with the same B, T, chunk and candidates.
+only some. ``reduce_target(p, block)`` sums a [B, C, M] block of this rank's per-head sum over
+the ranks before it is normalised, once per query block in forward (and again in backward when
+it recomputes the target), so that each rank needs only its own heads' q and k. Every rank must
+then call the loss with the same B, T, chunk and candidates. The queries may be shared out too:
+``reduce_target`` returns the summed block only to the rank that computes that block's KL term
+(None on the others), and each rank's loss is then the sum of its own blocks' terms over the
+whole sequence's query count, so that the ranks' losses (and gradients) add up to the loss.
 
 Gradient: only the indexer tensors get one (q_idx, w_idx and the pooled keys, hence k_idx, gate
 and ape); the main q and k are detached here, and the caller detaches the hidden states that
@@ -62,10 +65,12 @@ def _candidates(idx_BTS, t0, t1, kpool, N, B, device):
     return torch.where(first_BCM >= 0, first_BCM // kpool, -1)
 
 
-def _target(q_BTHD, k_BTHD, idx_BTS, pools_BCM, t0, t1, kpool, scale, dt, reduce_target=None, w_uk=None):
+def _target(q_BTHD, k_BTHD, idx_BTS, pools_BCM, t0, t1, kpool, scale, dt, reduce_target=None, w_uk=None,
+            block=0):
     """p [B, C, M] (L1-normalised) over the candidate pools ``pools_BCM``; ``reduce_target`` sums
-    the per-head sum over the ranks that hold the other heads; ``w_uk`` [H, E, D]: q holds
-    per-head queries, absorbed here one query block at a time."""
+    the per-head sum over the ranks that hold the other heads (None: another rank takes query
+    block ``block``); ``w_uk`` [H, E, D]: q holds per-head queries, absorbed here one query block
+    at a time."""
     B, C, M = pools_BCM.shape
     q_BCHD = q_BTHD[:, t0:t1]
     if w_uk is not None:
@@ -90,7 +95,9 @@ def _target(q_BTHD, k_BTHD, idx_BTS, pools_BCM, t0, t1, kpool, scale, dt, reduce
         p_BCM = p_BCS[..., : M * kpool].unflatten(-1, (M, kpool)).sum(-1)
     p_BCM = p_BCM * (pools_BCM >= 0)
     if reduce_target is not None:
-        p_BCM = reduce_target(p_BCM.contiguous())
+        p_BCM = reduce_target(p_BCM.contiguous(), block)
+        if p_BCM is None:
+            return None
     return p_BCM / p_BCM.sum(-1, keepdim=True).clamp_min(torch.finfo(dt).tiny)
 
 
@@ -144,18 +151,20 @@ class IndexerLoss(torch.autograd.Function):
         # Keep the targets for backward when they are small; every rank decides the same way
         # (same B, T, N), so the calls to reduce_target still match across ranks.
         kept = [] if _target_bytes(B, T, N, S, kpool, chunk, dt.itemsize) <= KEEP_TARGET_BYTES else None
-        for t0 in range(0, T, chunk):
+        for block, t0 in enumerate(range(0, T, chunk)):
             t1 = min(t0 + chunk, T)
             pools_BCM = _candidates(idx_BTS, t0, t1, kpool, N, B, q_idx_BTHD.device)
-            p_BCM = _target(q_BTHD, keys, idx_BTS, pools_BCM, t0, t1, kpool, scale, dt, reduce_target, w_uk)
+            rows += int((pools_BCM >= 0).any(-1).sum())
+            p_BCM = _target(q_BTHD, keys, idx_BTS, pools_BCM, t0, t1, kpool, scale, dt, reduce_target, w_uk, block)
             if kept is not None:
                 kept.append(p_BCM)
+            if p_BCM is None:  # another rank's block
+                continue
             kp = _candidate_keys(kp_BND, pools_BCM, idx_BTS is None).to(dt)
             I_BCM = _scores(q_idx_BTHD[:, t0:t1].to(dt), kp, w_BTH[:, t0:t1].to(dt), pools_BCM, idx_scale)
             logq_BCM = I_BCM.log_softmax(-1)
             kl = torch.where(p_BCM > 0, p_BCM * (p_BCM.clamp_min(torch.finfo(dt).tiny).log() - logq_BCM), 0.0)
             total += kl.sum()
-            rows += int((pools_BCM >= 0).any(-1).sum())
         ctx.save_for_backward(q_idx_BTHD, kp_BND, w_BTH, q_BTHD, k_BTHD, idx_BTS, w_uk)
         ctx.args = (kpool, idx_scale, scale, chunk, max(rows, 1), reduce_target)
         ctx.kept = kept
@@ -179,7 +188,10 @@ class IndexerLoss(torch.autograd.Function):
                 p_BCM = kept[block]
             else:
                 with torch.no_grad():
-                    p_BCM = _target(q_BTHD, keys, idx_BTS, pools_BCM, t0, t1, kpool, scale, dt, reduce_target, w_uk)
+                    p_BCM = _target(q_BTHD, keys, idx_BTS, pools_BCM, t0, t1, kpool, scale, dt, reduce_target, w_uk,
+                                    block)
+            if p_BCM is None:  # another rank's block
+                continue
             with torch.enable_grad():
                 q_c = q_idx_BTHD[:, t0:t1].detach().to(dt).requires_grad_()
                 w_c = w_BTH[:, t0:t1].detach().to(dt).requires_grad_()
