@@ -36,8 +36,10 @@ out: it is memory-bound, and ``plan.time_model`` charges it by bytes, not FLOPs.
 over tp x cp (heads or vocabulary over tensor parallel, tokens or heads over context parallel),
 "tokens" over cp only (the low-rank projections every tensor-parallel rank runs on the gathered
 sequence), "streams" over tp x cp with sequence parallel (mHC, norms) else cp, "whole" on every
-rank (the DSA indexer scores the whole sequence on each), "experts" the busiest expert rank:
-tp x cp's share times the MoE imbalance.
+rank (the DSA indexer's projections run on the whole gathered sequence on each), "queries" over
+tp x cp when the DSA selection and its loss's scores are shared out by query blocks
+(``parallel.split_dsa_selection``), else whole on every rank, "experts" the busiest expert
+rank: tp x cp's share times the MoE imbalance.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class Work:
     backward: float = 0.0
     replay: float = 0.0  # forward run again under recompute
     kind: str = "matmul"  # "matmul" or "vector" (gathered attention on the CPU path)
-    split: str = "heads"  # "heads", "tokens", "streams", "whole" or "experts" (see the module docstring)
+    split: str = "heads"  # "heads", "tokens", "streams", "whole", "queries" or "experts" (module docstring)
     count: int = 1  # layers of this kind (pieces of identical layers are summed into one item)
 
     @property
@@ -80,6 +82,7 @@ class Parallel:
     cp: int = 1
     sequence_parallel: bool = False
     moe_imbalance: float = 1.0  # busiest expert rank's load over the mean
+    share_queries: bool = False  # the DSA selection and indexer-loss scores shared out over tp x cp
 
     def divisor(self, split: str) -> float:
         if split == "heads":
@@ -90,6 +93,8 @@ class Parallel:
             return self.tp * self.cp if self.sequence_parallel else self.cp
         if split == "whole":
             return 1
+        if split == "queries":
+            return self.tp * self.cp if self.share_queries else 1
         if split == "experts":
             return self.tp * self.cp / self.moe_imbalance
         raise ValueError(f"unknown split {split!r}")
@@ -149,7 +154,7 @@ def dsa_selection(cfg: ModelConfig, T: int, batch: int, chunk: int) -> Work:
     kpool, Hi, Di = cfg.index_kpool, cfg.index_n_heads, cfg.index_head_dim
     N = T // kpool
     pairs = sum((t1 - t0) * min(N, t1 // kpool) for t0, t1 in _query_blocks(T, chunk))
-    return Work("DSA indexer selection", "DSA", 2.0 * batch * pairs * Hi * Di, split="whole")
+    return Work("DSA indexer selection", "DSA", 2.0 * batch * pairs * Hi * Di, split="queries")
 
 
 def sparse_attention(cfg: ModelConfig, T: int, batch: int, chunk: int, gpu: bool) -> list[Work]:
@@ -200,7 +205,7 @@ def indexer_loss(cfg: ModelConfig, T: int, batch: int, chunk: int, mode: str, gp
     out = [Work("DSA indexer loss target", "DSA", target_fwd + absorb, 0.0 if kept else target_fwd + absorb,
                 kind="vector" if sparse and not gpu else "matmul")]
     # the scores: backward recomputes them and takes both gradients
-    out.append(Work("DSA indexer loss scores", "DSA", score_fwd, 3 * score_fwd, split="whole"))
+    out.append(Work("DSA indexer loss scores", "DSA", score_fwd, 3 * score_fwd, split="queries"))
     return out
 
 

@@ -36,7 +36,7 @@ from genome_lm.model import flops
 from .memory_model import (Hardware, Item, check_split, layer_bytes, model_config, parameter_split, shard_for,
                            with_changes)
 from .time_model import (CONSTANTS, SCORE_BYTES, Constants, TimeItem, _link, all_to_all_seconds, compute_seconds,
-                         cp_bytes, selection_pairs, tp_bytes)
+                         cp_bytes, parallel_split, selection_pairs, selection_share_bytes, tp_bytes)
 
 
 @dataclass
@@ -132,7 +132,7 @@ def estimate_eval(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
 
     # time of one window on one group: the training step's parts, forward only
     work = flops.step_work(cfg, run.memory, T=T, batch=1, indexer_loss_mode="off", gpu=True)
-    par = flops.Parallel(p.tp, p.cp, p.sequence_parallel and p.tp > 1, hw.moe_imbalance if p.ep > 1 else 1.0)
+    par = parallel_split(p, hw)
     add = plan.time.append
     for w in work:
         add(TimeItem(w.name, w.layer, "compute", compute_seconds(w, w.count * w.forward, par, gpu, c)))
@@ -140,8 +140,12 @@ def estimate_eval(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
     add(TimeItem("activations (elementwise)", "", "memory", sum(lay.saved for lay in layers) * local / hbm))
     pairs = selection_pairs(cfg, work)
     if pairs:
-        add(TimeItem("DSA selection scores (top-k)", "DSA", "memory", pairs * SCORE_BYTES / hbm))
+        add(TimeItem("DSA selection scores (top-k)", "DSA", "memory", pairs * SCORE_BYTES / par.divisor("queries") / hbm))
     node, every = hw.gpus_per_node, range(cfg.num_hidden_layers)
+    shared = selection_share_bytes(cfg, p, run.memory, every, T, 1, "off", 1)
+    if shared:
+        add(TimeItem("DSA shared selection (pool all-gather)", "DSA", "communication",
+                     shared / _link(p.tp if p.cp > 1 else 1, node, gpu, c)))
     if p.tp > 1:
         add(TimeItem("tensor parallel (all-gather, reduce-scatter)", "", "communication",
                      tp_bytes(cfg, p, len(every), local, a) / _link(1, node, gpu, c)))

@@ -18,7 +18,9 @@ the step time is the sum of its parts on the busiest GPU:
                    scores (8 bytes per query-pool pair: written, then read by the top-k)
     communication  tensor parallel (sequence-parallel all-gather and reduce-scatter around the
                    attention, the dense MLP and the shared expert), context parallel (the KDA
-                   and DSA head all-to-alls, the indexer's gathered inputs), expert parallel
+                   and DSA head all-to-alls, the indexer's gathered inputs), the shared DSA
+                   selection (its int32 pools all-gathered, its loss targets reduced onto
+                   their owners; ``parallel.split_dsa_selection``), expert parallel
                    (dispatch and combine all-to-all per MoE run, the busiest rank receiving
                    ``moe_imbalance`` times the mean, over the network for the part of its
                    group outside its node), data parallel (the distributed optimizer's
@@ -156,7 +158,7 @@ def estimate_time(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
     mode = tr.indexer_loss
     last = plan.stage == plan.stages - 1 or plan.stages == 1
     work = flops.step_work(cfg, mem, T=T, batch=B, indexer_loss_mode=mode, gpu=True, layers=plan.layers, head=last)
-    par = flops.Parallel(p.tp, p.cp, p.sequence_parallel and p.tp > 1, hw.moe_imbalance if p.ep > 1 else 1.0)
+    par = parallel_split(p, hw)
     timing = Timing(run, gpu, gpus, tr.global_batch_size * T)
     add = timing.items.append
 
@@ -173,7 +175,8 @@ def estimate_time(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
     add(TimeItem("activations (elementwise)", "", "memory", micro * saved * local * (runs + 3) / hbm))
     pairs = selection_pairs(cfg, work)
     if pairs:
-        add(TimeItem("DSA selection scores (top-k)", "DSA", "memory", micro * pairs * SCORE_BYTES / hbm))
+        add(TimeItem("DSA selection scores (top-k)", "DSA", "memory",
+                     micro * pairs * SCORE_BYTES / par.divisor("queries") / hbm))
 
     # communication, per micro-batch unless stated
     layers = list(plan.layers)
@@ -185,6 +188,10 @@ def estimate_time(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
     if p.cp > 1:
         add(TimeItem("context parallel (head all-to-all, gathers)", "", "communication",
                      micro * passes * cp_bytes(cfg, p, layers, local, T * B, a) / _link(p.tp, node, gpu, c)))
+    shared = selection_share_bytes(cfg, p, mem, layers, T, B, mode, runs)
+    if shared:
+        add(TimeItem("DSA shared selection (pool all-gather, loss-target reduce)", "DSA", "communication",
+                     micro * shared / _link(p.tp if p.cp > 1 else 1, node, gpu, c)))
     if p.ep > 1 and moe_layers:
         routed = next(w for w in work if w.name == "MoE routed experts")
         moe_runs = 1 + round(routed.replay / routed.forward)  # the forward and what recompute replays of it
@@ -228,6 +235,37 @@ def compute_seconds(w: flops.Work, work_flops: float, par: flops.Parallel, gpu: 
     """``work_flops`` of piece ``w`` on the busiest GPU at its class's efficiency."""
     eff = c.kernel if w.name in KERNELS else c.gemm
     return work_flops / par.divisor(w.split) / (gpu.bf16_flops * eff)
+
+
+def parallel_split(p, hw: Hardware) -> flops.Parallel:
+    """How a replica of layout ``p`` (a ``ParallelConfig``) divides the work (``flops.per_gpu``)."""
+    return flops.Parallel(p.tp, p.cp, p.sequence_parallel and p.tp > 1, hw.moe_imbalance if p.ep > 1 else 1.0,
+                          share_queries=p.split_dsa_selection and p.tp * p.cp > 1)
+
+
+def selection_share_bytes(cfg, p, memory, layers, T: int, B: int, indexer_loss: str, runs: float) -> float:
+    """Bytes a GPU receives in one micro-batch for the DSA selection shared out over its tp x cp
+    group (``parallel.split_dsa_selection``): the other ranks' int32 pools per forward run that
+    selects (an all-gather; a recompute replays the kept selection), and with the indexer loss
+    its fp32 target blocks reduced onto their owners in each forward run and in backward (which
+    computes them again unless the kernel keeps them). 0 without the split."""
+    n = p.tp * p.cp
+    if not (getattr(p, "split_dsa_selection", False) and n > 1):
+        return 0.0
+    from genome_lm_kernels.dsa.loss import KEEP_TARGET_BYTES, _target_bytes
+    from genome_lm_kernels.dsa.reference import slot_width
+
+    indexed = sum(1 for i in layers if cfg.layer_types[i] != "linear_attention" and cfg.indexer_types[i] == "full")
+    kpool, N = cfg.index_kpool, T // cfg.index_kpool
+    pools = B * T * min(cfg.index_topk // kpool, N) * 4
+    selections = 1 + (0 if memory.dsa_keep_selection else runs - 1)
+    total = selections * pools
+    if indexer_loss != "off":
+        chunk = memory.dsa_query_chunk or flops.DSA_CHUNK
+        S = slot_width(cfg.index_topk, kpool) if indexer_loss == "sparse" else None
+        target = _target_bytes(B, T, N, S, kpool, chunk, 4)
+        total += (runs + (0 if target <= KEEP_TARGET_BYTES else 1)) * target
+    return indexed * total * (n - 1) / n
 
 
 def selection_pairs(cfg, work: list[flops.Work]) -> float:

@@ -100,8 +100,12 @@ def test_per_gpu_split():
     assert one == pytest.approx(flops.total(work))
     split = flops.per_gpu(work, flops.Parallel(tp=8, cp=2, sequence_parallel=True))
     whole = sum(w.total for w in work if w.split == "whole")
+    queries = sum(w.total for w in work if w.split == "queries")  # the DSA selection and loss scores
     tokens = sum(w.total for w in work if w.split == "tokens")  # low-rank projections: over cp only
-    assert split == pytest.approx(whole + tokens / 2 + (one - whole - tokens) / 16)
+    assert {w.name for w in work if w.split == "queries"} == {"DSA indexer selection", "DSA indexer loss scores"}
+    assert split == pytest.approx(whole + queries + tokens / 2 + (one - whole - queries - tokens) / 16)
+    shared = flops.per_gpu(work, flops.Parallel(tp=8, cp=2, sequence_parallel=True, share_queries=True))
+    assert split - shared == pytest.approx(queries * 15 / 16)  # shared out: 1/16 of it on each GPU
     busiest = flops.per_gpu(work, flops.Parallel(tp=8, cp=2, sequence_parallel=True, moe_imbalance=4))
     experts = sum(w.total for w in work if w.split == "experts")
     assert busiest - split == pytest.approx(3 * experts / 16)

@@ -64,15 +64,34 @@ def test_switches_cost_what_they_move():
 
 
 def test_the_indexer_overtakes_the_rest_with_length():
-    """The DSA indexer's O(T^2 / kpool) selection: a small part at 128k, the largest compute
-    part at 1M (docs/plan.md gives the crossing)."""
-    base = load_config("glm-5.3-flash-1m-64xb200")
+    """The DSA indexer's O(T^2 / kpool) selection, done whole on every rank (the published
+    layout): a small part at 128k, the largest compute part at 1M (docs/plan.md gives the
+    crossing)."""
+    base = with_changes(load_config("glm-5.3-flash-1m-64xb200"), parallel={"split_dsa_selection": False})
     share = {}
     for T in (131072, 1048576):
         t = tm.estimate_time(with_changes(base, data={"seq_len": T}))
         compute = {i.name: i.seconds for i in t.items if i.resource == "compute"}
         share[T] = compute["DSA indexer selection"] / sum(compute.values())
     assert share[131072] < 0.4 < 0.6 < share[1048576]
+
+
+def test_the_shared_selection_costs_a_sixteenth_and_a_gather():
+    """Shared out over the replica's TP 8 x CP 2 ranks, the selection's compute and its scores'
+    memory traffic fall to 1/16; what it adds is the pool all-gather and the loss-target
+    reduce, which the replicated layout does not have (its target all-reduce is not charged)."""
+    base = load_config("glm-5.3-flash-1m-64xb200")
+    shared = tm.estimate_time(base)
+    whole = tm.estimate_time(with_changes(base, parallel={"split_dsa_selection": False}))
+    part = {(i.name, i.resource): i.seconds for i in shared.items}
+    full = {(i.name, i.resource): i.seconds for i in whole.items}
+    for name in (("DSA indexer selection", "compute"), ("DSA indexer loss scores", "compute"),
+                 ("DSA selection scores (top-k)", "memory")):
+        assert part[name] == pytest.approx(full[name] / 16)
+    gather = part[("DSA shared selection (pool all-gather, loss-target reduce)", "communication")]
+    assert 0 < gather < 0.05 * shared.step_seconds
+    assert not any("shared selection" in name for name, _ in full)
+    assert shared.tokens_per_s > 1.3 * whole.tokens_per_s
 
 
 def test_preflight_slice_prediction_is_the_step_without_the_optimizer():
