@@ -102,8 +102,10 @@ class ParallelConfig(Section):
                                                         "tensor x context parallel group (each rank its blocks of "
                                                         "queries, the selections all-gathered as int32 pools) instead "
                                                         "of every rank of the group doing the whole sequence, as the "
-                                                        "published run did: the same selections, losses and "
-                                                        "gradients, 1/(tp x cp) of the selection's work.")
+                                                        "published run did, and gather the indexer's per-token inputs "
+                                                        "over context parallel instead of the hidden state: the same "
+                                                        "selections, losses and gradients, 1/(tp x cp) of the "
+                                                        "selection's work, a quarter of the DSA layers' CP traffic.")
 
 
 class MemoryConfig(Section):

@@ -43,6 +43,9 @@ def plan(
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan (memory and time) as JSON instead of tables.")] = False,
     plot: Annotated[Optional[str], typer.Option(help="Write a bar chart of the step's time by part to this PNG.")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config field: section.field=value.")] = None,
+    search: Annotated[bool, typer.Option("--search", help="Rank every layout (TP, CP, PP, EP, ETP) and memory switch (recompute, offload, MoE chunks) that fits --gpus of --gpu by predicted tokens/s, the published setting among them; with --write, the best as a config.")] = False,
+    top: Annotated[int, typer.Option(help="With --search: rows of the ranking to show.")] = 10,
+    write: Annotated[Optional[Path], typer.Option(help="With --search: write the fastest candidate as a config YAML here (the --config file with its parallel and memory sections replaced).")] = None,
     eval_: Annotated[bool, typer.Option("--eval", help="Plan `genome-lm eval` instead of training: memory per GPU and time of scoring windows of --seq-len with the config's layout (no gradients, no optimizer), and the fewest GPUs of --gpu whose layout fits.")] = False,
 ) -> None:
     """Size the hardware before a run: memory per GPU (parameters, gradients, optimizer state,
@@ -100,6 +103,19 @@ def plan(
               "memory.optimizer_offload": optimizer_offload, "memory.moe_chunks": moe_chunks}
     options = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items() if v is not None]
     run = load_config(config, [*(set_ or []), *options])  # validated like the trainer's config
+    if write is not None and not search:
+        raise GenomeLMError("--write goes with --search (it writes the search's best config)")
+    if search:
+        if spec is None:
+            raise GenomeLMError("--search ranks by the time model, which is for GPUs (--device gpu, a known --gpu)")
+        if not gpus:
+            raise GenomeLMError("--search needs --gpus: the cluster to lay the run out on (e.g. --gpus 64)")
+        if top < 1:
+            raise GenomeLMError(f"--top {top}: expected at least 1 row")
+        if write is not None and not write.resolve().parent.is_dir():
+            raise GenomeLMError(f"--write {write}: no folder {write.resolve().parent} to write it in")
+        _plan_search(run, config, hw, spec, constants, json_out, top, write)
+        return
     if eval_:
         _plan_eval(run, hw, spec, constants, json_out)
         return
@@ -170,3 +186,53 @@ def _plan_eval(run, hw, spec, constants, json_out: bool) -> None:
                           f"{plan.groups} window(s) at once; {plan.tokens_per_s:,.0f} tokens/s "
                           f"({3_600 * plan.tokens_per_s / 1e6:,.0f} Mbp an hour)", highlight=False)
 
+
+
+def _plan_search(run, config: str, hw, spec, constants, json_out: bool, top: int, write: Path | None) -> None:
+    """``plan --search``: the fitting candidates fastest first, the published setting's rank, and
+    what separates the best from it (``plan.search``)."""
+    from rich.table import Table
+
+    from genome_lm.config import find_config
+    from genome_lm.plan.report import gib, length_label
+    from genome_lm.plan.search import config_yaml, differences, search as run_search
+
+    found = run_search(run, hw, spec, constants)
+    best = next(c for c in found if c.fits and not c.label)
+    published = next(c for c in found if c.label == "published")
+    T = length_label(run.data.seq_len)
+    if write is not None:
+        note = (f"Written by `genome-lm plan --config {config} --seq-len {T} --gpus {hw.gpus} --gpu {spec.name} "
+                f"--search`:\nthe fastest layout that fits, {best.tokens_per_s:,.0f} tokens/s predicted "
+                f"(the published setting: {published.tokens_per_s:,.0f}).\nIts parallel and memory sections come "
+                f"from the search; the rest from {config}.")
+        text = config_yaml(find_config(config).read_text(), best, note)
+        tmp = write.with_name(write.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(write)
+    if json_out:
+        import json
+
+        typer.echo(json.dumps({"gpus": hw.gpus, "gpu": spec.name, "seq_len": run.data.seq_len,
+                               "candidates": [c.as_dict() for c in found],
+                               "written": None if write is None else str(write)}, indent=2))
+        return
+    table = Table(title=f"{T}-token sequences on {hw.gpus} x {spec.name}: layouts that fit, fastest first "
+                        f"(predicted; docs/plan.md)", title_justify="left")
+    for col, justify in (("#", "right"), ("layout", "left"), ("memory switches", "left"), ("GiB/GPU", "right"),
+                         ("tokens/s", "right"), ("vs published", "right"), ("bound by", "left")):
+        table.add_column(col, justify=justify)
+    shown = found[:top] + ([published] if published not in found[:top] else [])
+    for c in shown:
+        rank = found.index(c) + 1
+        fits = "" if c.fits else " (does not fit)"
+        table.add_row(str(rank), c.layout() + (" [published]" if c.label else ""), c.memory(), gib(c.peak) + fits,
+                      f"{c.tokens_per_s:,.0f}", f"x{c.tokens_per_s / published.tokens_per_s:.2f}",
+                      c.timing.bottleneck, style="bold" if c is best else ("italic" if c.label else None))
+    console.print(table)
+    console.print(f"{sum(1 for c in found if not c.label)} candidates fit. The best against the published setting, "
+                  "the parts that differ most (seconds a step):", highlight=False)
+    for name, a, b in differences(best.timing, published.timing):
+        console.print(f"  {name}: {a:,.1f} s against {b:,.1f} s", highlight=False)
+    if write is not None:
+        console.print(f"wrote {write}")

@@ -21,8 +21,10 @@ topk / kpool] fp32 block per call), so no rank holds another rank's q and k.
 Context parallel (``genome_lm.engine.context_parallel``): x holds this rank's zigzag tokens. The
 projections run on them; q, k, v go through a head-wise all-to-all so that attention runs over
 the whole sequence for heads / cp of the heads, and back. The indexer needs every key: each
-rank gathers its (detached, small) inputs over CP, so that every rank of the TP x CP group holds
-the same indexer inputs for the whole sequence.
+rank computes its tokens' indexer keys, head weights and gate logits (from the detached hidden
+state) and gathers them over CP, with their gradients going back to their owners, and gathers
+the (detached, low-rank) q_resid for the indexer queries, so that every rank of the TP x CP
+group holds the same indexer inputs for the whole sequence.
 
 The selection and the indexer loss are shared out over that group (``split_selection``, the
 default; ``parallel.split_dsa_selection``): each rank selects for its blocks of queries
@@ -35,8 +37,8 @@ A rank's loss is then its blocks' share; the value returned is the group's sum d
 a partial gradient on each TP rank, so they are marked ``sequence_parallel``: the training step
 sums them over TP (``train.optim.allreduce_sequence_parallel_grads``) and data-parallel reduction
 sums them over CP, which gives the single-process gradient. With ``split_selection`` off every
-rank selects for the whole sequence and computes the loss for every query (divided by cp), as
-the published run's layout does.
+rank gathers the hidden state over CP, selects for the whole sequence and computes the loss for
+every query (divided by cp), as the published run's layout does.
 """
 
 from __future__ import annotations
@@ -82,11 +84,17 @@ class Indexer(nn.Module):
 
     def inputs(self, x_BSD: torch.Tensor, q_resid_BSR: torch.Tensor):
         """(q [B,S,Hi,Di], k [B,S,Di], w [B,S,Hi], gate logits [B,S,Di]) as glm5_next computes them."""
-        q = self.wq_b(q_resid_BSR).unflatten(-1, (self.heads, self.dim))
+        return (self.queries(q_resid_BSR), *self.token_inputs(x_BSD))
+
+    def queries(self, q_resid_BSR: torch.Tensor) -> torch.Tensor:
+        return self.wq_b(q_resid_BSR).unflatten(-1, (self.heads, self.dim))
+
+    def token_inputs(self, x_BSD: torch.Tensor):
+        """(k [B,S,Di], w [B,S,Hi], gate logits [B,S,Di]): per token, from the hidden state alone."""
         k = self.k_norm(self.wk(x_BSD))
         w = self.weights_proj(x_BSD).float() * self.heads**-0.5
         gate = x_BSD @ self.index_kpool_compress_gate.t()
-        return q, k, w, gate
+        return k, w, gate
 
 
 class DSAAttention(nn.Module):
@@ -119,6 +127,9 @@ class DSAAttention(nn.Module):
         self.kv_b_proj = column(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
         self.o_proj = row_linear(submodules.linear_row, tf_config, tp_group, H * cfg.v_head_dim, cfg.hidden_size)
         self.indexer = None if cfg.indexer_types[layer_idx] == SHARED else Indexer(cfg, dtype)
+        # genome-lm's layout (parallel.split_dsa_selection) gathers the indexer's per-token inputs
+        # over CP, not the hidden state, and shares the selection and the loss out over TP x CP
+        self.gather_token_inputs = options.split_dsa_selection
         # the group the selection and the indexer loss are shared out over (TP x CP), or None
         self.share_group = tp_cp_group if options.split_dsa_selection and group_size(tp_cp_group) > 1 else None
         if self.share_group is not None and tp > 1 and self.indexer is not None:
@@ -144,9 +155,17 @@ class DSAAttention(nn.Module):
                 raise ValueError("a shared DSA layer needs the selection of a previous full layer")
             idx = shared_idx
         else:
-            # the indexer sees a detached input: its loss trains it alone, the LM loss never does
-            q_i, k_i, w_i, gate_i = self.indexer.inputs(gather_sequence(x_BSD.detach(), cp, dim=1),
-                                                        gather_sequence(q_resid.detach(), cp, dim=1))
+            # the indexer sees a detached input: its loss trains it alone, the LM loss never does.
+            # Under CP the per-token keys, head weights and gate logits are computed on this
+            # rank's tokens and gathered (2 Di + Hi values a token, not the hidden state's D);
+            # the queries from the gathered low-rank q_resid.
+            if self.gather_token_inputs:
+                k_i, w_i, gate_i = (gather_sequence_with_grad(t, cp, dim=1)
+                                    for t in self.indexer.token_inputs(x_BSD.detach()))
+                q_i = self.indexer.queries(gather_sequence(q_resid.detach(), cp, dim=1))
+            else:  # the published layout: the hidden state gathered, the inputs computed whole on every rank
+                q_i, k_i, w_i, gate_i = self.indexer.inputs(gather_sequence(x_BSD.detach(), cp, dim=1),
+                                                            gather_sequence(q_resid.detach(), cp, dim=1))
 
             def select() -> torch.Tensor:
                 return dsa_ops.select_tokens(q_i, k_i, w_i, gate_i, self.indexer.index_kpool_compress_ape,

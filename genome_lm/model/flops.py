@@ -300,9 +300,13 @@ def step_work(cfg: ModelConfig, memory, *, T: int, batch: int = 1, indexer_loss_
     chunk = memory.dsa_query_chunk or DSA_CHUNK
     merge = 2.0 * batch * T * cfg.hc_mult**2 * cfg.hidden_size
     items: dict[tuple, Work] = {}
+    kinds: dict[tuple, list[Work]] = {}  # layers of one kind have the same pieces: computed once
     for i in layers if layers is not None else range(cfg.num_hidden_layers):
-        pieces = layer_work(cfg, i, T, batch, indexer_loss_mode=indexer_loss_mode, chunk=chunk, gpu=gpu)
-        for w in with_recompute(pieces, memory, cfg.mlp_layer_types[i] != DENSE, merge):
+        kind = (cfg.layer_types[i], cfg.indexer_types[i], cfg.mlp_layer_types[i])
+        if kind not in kinds:
+            pieces = layer_work(cfg, i, T, batch, indexer_loss_mode=indexer_loss_mode, chunk=chunk, gpu=gpu)
+            kinds[kind] = with_recompute(pieces, memory, cfg.mlp_layer_types[i] != DENSE, merge)
+        for w in kinds[kind]:
             key = (w.name, w.layer, w.forward, w.backward, w.replay, w.kind, w.split)
             items[key] = replace(items[key], count=items[key].count + 1) if key in items else w
     out = list(items.values())

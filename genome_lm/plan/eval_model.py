@@ -35,7 +35,7 @@ from genome_lm.model import flops
 
 from .memory_model import (Hardware, Item, check_split, layer_bytes, model_config, parameter_split, shard_for,
                            with_changes)
-from .time_model import (CONSTANTS, SCORE_BYTES, Constants, TimeItem, _link, all_to_all_seconds, compute_seconds,
+from .time_model import (CONSTANTS, SCORE_BYTES, Constants, TimeItem, _group_seconds, _link, all_to_all_seconds, compute_seconds,
                          cp_bytes, parallel_split, selection_pairs, selection_share_bytes, tp_bytes)
 
 
@@ -145,13 +145,13 @@ def estimate_eval(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
     shared = selection_share_bytes(cfg, p, run.memory, every, T, 1, "off", 1)
     if shared:
         add(TimeItem("DSA shared selection (pool all-gather)", "DSA", "communication",
-                     shared / _link(p.tp if p.cp > 1 else 1, node, gpu, c)))
+                     _group_seconds(shared, 1, p.tp * p.cp, node, gpu, c)))
     if p.tp > 1:
         add(TimeItem("tensor parallel (all-gather, reduce-scatter)", "", "communication",
                      tp_bytes(cfg, p, len(every), local, a) / _link(1, node, gpu, c)))
     if p.cp > 1:
         add(TimeItem("context parallel (head all-to-all, gathers)", "", "communication",
-                     cp_bytes(cfg, p, every, local, T, a) / _link(p.tp, node, gpu, c)))
+                     _group_seconds(cp_bytes(cfg, p, every, local, T, a), p.tp, p.cp, node, gpu, c)))
     moe_layers = sum(1 for t in cfg.mlp_layer_types if t != "dense")
     if p.ep > 1 and moe_layers:  # dispatch and combine, once each per MoE layer
         add(TimeItem("expert parallel (all-to-all)", "MoE", "communication",

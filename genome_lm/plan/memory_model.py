@@ -192,7 +192,12 @@ def layer_bytes(cfg: ModelConfig, s: act.Shard, seq_len: int = 0, batch: int = 1
     layers = []
     rest = 2 * act.saved_hyper_connection(cfg, s) + 2 * act.saved_rmsnorm(cfg.hidden_size, s) * s.stream_tokens + \
         2 * act.saved_merge(cfg, s)
+    kinds: dict[tuple, LayerBytes] = {}  # layers of one kind hold the same bytes: computed once
     for i in range(cfg.num_hidden_layers):
+        kind = (cfg.layer_types[i], cfg.mlp_layer_types[i], cfg.indexer_types[i])
+        if kind in kinds:
+            layers.append(kinds[kind])
+            continue
         kda = cfg.layer_types[i] == LINEAR
         moe = cfg.mlp_layer_types[i] != DENSE
         attention = act.saved_kda(cfg, s) if kda else act.saved_dsa(cfg, s, cfg.indexer_types[i] == FULL)
@@ -208,6 +213,7 @@ def layer_bytes(cfg: ModelConfig, s: act.Shard, seq_len: int = 0, batch: int = 1
                                  act.backward_attention(cfg, s, kda), act.backward_mlp(cfg, s, moe), fixed,
                                  forward_fixed, selection, replay_fixed, loss_fixed,
                                  0.0 if kda else act.saved_sparse_attention(cfg, s)))
+        kinds[kind] = layers[-1]
     return layers
 
 

@@ -141,6 +141,17 @@ def _link(peer_stride: int, gpus_per_node: int, gpu: GPUSpec, c: Constants) -> f
     return gpu.nvlink * c.nvlink if peer_stride < gpus_per_node else gpu.network * c.network
 
 
+def _group_seconds(nbytes: float, stride: int, size: int, gpus_per_node: int, gpu: GPUSpec, c: Constants) -> float:
+    """Seconds for a GPU to exchange ``nbytes`` evenly with the other members of a group of
+    ``size`` ranks ``stride`` apart (an all-to-all, all-gather or reduce): the share bound for
+    members on other nodes goes over the network, the rest over NVLink, at the same time."""
+    if size <= 1:
+        return 0.0
+    in_node = min(size, max(1, gpus_per_node // stride))  # this GPU's group members on its node, itself included
+    remote = nbytes * (size - in_node) / (size - 1)
+    return max(remote / (gpu.network * c.network), (nbytes - remote) / (gpu.nvlink * c.nvlink))
+
+
 def estimate_time(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None = None,
                   c: Constants = CONSTANTS) -> Timing:
     """The step time of ``run`` on ``hw`` (its busiest pipeline stage, its busiest expert rank)."""
@@ -187,11 +198,12 @@ def estimate_time(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
                      micro * passes * tp_bytes(cfg, p, len(layers), local, a) / _link(1, node, gpu, c)))
     if p.cp > 1:
         add(TimeItem("context parallel (head all-to-all, gathers)", "", "communication",
-                     micro * passes * cp_bytes(cfg, p, layers, local, T * B, a) / _link(p.tp, node, gpu, c)))
+                     micro * passes * _group_seconds(cp_bytes(cfg, p, layers, local, T * B, a), p.tp, p.cp, node,
+                                                     gpu, c)))
     shared = selection_share_bytes(cfg, p, mem, layers, T, B, mode, runs)
     if shared:
         add(TimeItem("DSA shared selection (pool all-gather, loss-target reduce)", "DSA", "communication",
-                     micro * shared / _link(p.tp if p.cp > 1 else 1, node, gpu, c)))
+                     micro * _group_seconds(shared, 1, p.tp * p.cp, node, gpu, c)))
     if p.ep > 1 and moe_layers:
         routed = next(w for w in work if w.name == "MoE routed experts")
         moe_runs = 1 + round(routed.replay / routed.forward)  # the forward and what recompute replays of it
@@ -283,18 +295,23 @@ def tp_bytes(cfg, p, layers: int, local: float, a: int) -> float:
 
 def cp_bytes(cfg, p, layers, local: float, tokens: float, a: int) -> float:
     """Bytes a GPU moves for context parallel in one pass over ``layers`` (indices): KDA's head
-    all-to-all of q, k, v, g, beta and o (fp32); DSA's of q and o, and the latent and indexer
-    inputs of all ``tokens`` gathered."""
+    all-to-all of q, k, v, g, beta and o (fp32); DSA's of q and o, and of all ``tokens`` the MLA
+    latent gathered and, where the layer has its own indexer, the indexer's per-token inputs
+    (keys and gate logits, fp32 head weights) and the low-rank q_resid it makes queries of."""
     frac = (p.cp - 1) / p.cp
     D = cfg.hidden_size
     kda = [i for i in layers if cfg.layer_types[i] == "linear_attention"]
     W, H = cfg.linear_num_heads * cfg.linear_head_dim, cfg.linear_num_heads
     per_kda = local * (3 * W * a + 4 * W + 4 * H + 4 * W) / p.tp * frac
     dsa = [i for i in layers if cfg.layer_types[i] != "linear_attention"]
+    indexed = [i for i in dsa if cfg.indexer_types[i] == "full"]
     Hq, L = cfg.num_attention_heads, cfg.kv_lora_rank
-    per_dsa = local * (Hq * cfg.qk_head_dim * a + Hq * L * a) / p.tp * frac + \
-        tokens * (L + D + cfg.q_lora_rank) * a * frac
-    return len(kda) * per_kda + len(dsa) * per_dsa
+    per_dsa = local * (Hq * cfg.qk_head_dim * a + Hq * L * a) / p.tp * frac + tokens * L * a * frac
+    if getattr(p, "split_dsa_selection", False):  # keys, gate logits, fp32 head weights and q_resid
+        per_indexer = tokens * ((2 * cfg.index_head_dim + cfg.q_lora_rank) * a + 4 * cfg.index_n_heads) * frac
+    else:  # the published layout: the hidden state and q_resid
+        per_indexer = tokens * (D + cfg.q_lora_rank) * a * frac
+    return len(kda) * per_kda + len(dsa) * per_dsa + len(indexed) * per_indexer
 
 
 def all_to_all_seconds(cfg, p, local: float, a: int, hw: Hardware, gpu: GPUSpec, c: Constants) -> float:

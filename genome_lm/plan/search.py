@@ -1,0 +1,167 @@
+"""``genome-lm plan --search``: the layouts and memory switches that fit, ranked by predicted
+tokens/s (the memory model says what fits, the time model how fast it runs).
+
+For a model, a sequence length and a cluster (``Hardware``: GPUs, GPU kind, GPUs per node) the
+search keeps the config's data, model and training settings (global batch, micro-batch, indexer
+loss) and varies:
+
+    layout   tp (up to a node), cp, pp (up to 8, dividing the layers), ep, etp; sequence
+             parallel whenever tp > 1; every
+             rank's micro-batches whole (global batch / (micro-batch x data parallel))
+    memory   recompute (none, selective attention, full), activation offload, optimizer
+             offload, MoE in the config's chunks (recomputed one by one or not) or whole
+
+Each switch saves memory and costs time. For one layout the search takes the combinations in
+order of how many switches they turn on and skips one that turns on a superset of the switches
+of a combination that already fits (it cannot be faster); the rest it sizes, and it times those
+that fit. The published setting (the config as the published run ran it: the DSA selection on
+every rank, ``published.PUBLISHED_TIME_SETTING``) is timed too, so the table says how far the
+best layout is from it and why (the parts of the step that differ most).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import product
+
+from genome_lm.config import RunConfig
+from genome_lm.engine.devices import GPUSpec
+from genome_lm.errors import GenomeLMError
+
+from .memory_model import Hardware, busiest, check_split, model_config, with_changes
+from .time_model import CONSTANTS, Constants, Timing, estimate_time
+
+TWOS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass
+class Candidate:
+    run: RunConfig
+    label: str  # "published" for the published setting, else ""
+    peak: float  # bytes per GPU, the busiest rank
+    fits: bool
+    timing: Timing | None = None
+    switches: tuple = field(default=())  # the memory switches' levels (for the dominance rule)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.timing.tokens_per_s if self.timing else 0.0
+
+    def layout(self) -> str:
+        p = self.run.parallel
+        text = f"TP {p.tp} x CP {p.cp}" + (f" x PP {p.pp}" if p.pp > 1 else "") + f", EP {p.ep}"
+        return text + (f" x ETP {p.etp}" if p.etp > 1 else "")
+
+    def memory(self) -> str:
+        m = self.run.memory
+        parts = [f"recompute {m.recompute}" if m.recompute != "none" else "no recompute"]
+        if m.offload_activations:
+            parts.append("offload")
+        if m.optimizer_offload:
+            parts.append("optimizer offload")
+        if m.moe_chunks > 1:
+            parts.append(f"MoE in {m.moe_chunks}" + (" recomputed" if m.moe_chunk_recompute else ""))
+        if not self.run.parallel.split_dsa_selection:
+            parts.append("selection on every rank")
+        return ", ".join(parts)
+
+    def as_dict(self) -> dict:
+        return {"label": self.label, "layout": self.layout(), "memory": self.memory(), "peak_bytes": self.peak,
+                "fits": self.fits, "parallel": self.run.parallel.model_dump(),
+                "memory_switches": self.run.memory.model_dump(),
+                "tokens_per_s": self.tokens_per_s, "step_seconds": self.timing.step_seconds if self.timing else None,
+                "bottleneck": self.timing.bottleneck if self.timing else None}
+
+
+def layouts(run: RunConfig, hw: Hardware):
+    """Every (tp, cp, pp, ep, etp) of ``hw.gpus`` GPUs that splits the model and the batch."""
+    cfg = model_config(run)
+    gpus, tr = hw.gpus, run.train
+    sequences = tr.global_batch_size // tr.micro_batch_size
+    stages = [pp for pp in range(1, 9) if cfg.num_hidden_layers % pp == 0]  # megatron-core's even split
+    for tp, cp, pp in product(TWOS, TWOS, stages):
+        if tp > hw.gpus_per_node or gpus % (tp * cp * pp) or sequences % (gpus // (tp * cp * pp)):
+            continue
+        if cfg.linear_num_heads % (tp * cp) or cfg.num_attention_heads % (tp * cp):
+            continue
+        for ep, etp in product(TWOS, (1, 2)):
+            if cfg.n_routed_experts % ep or gpus % (ep * etp * pp) or ep * etp * pp > gpus:
+                continue
+            yield {"tp": tp, "cp": cp, "pp": pp, "ep": ep, "etp": etp, "sequence_parallel": tp > 1,
+                   "split_dsa_selection": True}
+
+
+def memory_settings(run: RunConfig):
+    """(levels, memory changes) for every combination of the switches, fewest switches first;
+    ``levels`` orders each switch from off (0) up, for the dominance rule."""
+    chunks = max(run.memory.moe_chunks, 1)
+    moe = [(0, {"moe_chunks": 1, "moe_chunk_recompute": False})]
+    if chunks > 1:
+        moe += [(1, {"moe_chunks": chunks, "moe_chunk_recompute": False}),
+                (2, {"moe_chunks": chunks, "moe_chunk_recompute": True})]
+    out = []
+    for (r, recompute), offload, opt, (m, moe_fields) in product(enumerate(RECOMPUTE), (0, 1), (0, 1), moe):
+        changes = {"recompute": recompute, "recompute_modules": ["attention"], "recompute_nested": False,
+                   "offload_activations": bool(offload), "optimizer_offload": bool(opt), **moe_fields}
+        out.append(((r, offload, opt, m), changes))
+    return sorted(out, key=lambda item: sum(item[0]))
+
+
+def _dominated(levels: tuple, fitting: list[tuple]) -> bool:
+    return any(all(a >= b for a, b in zip(levels, f)) for f in fitting)
+
+
+def search(run: RunConfig, hw: Hardware, gpu: GPUSpec, constants: Constants = CONSTANTS) -> list[Candidate]:
+    """Every fitting candidate, fastest first, with the published setting among them (fitting
+    or not: its ``fits`` says). ``hw.gpus`` must be set."""
+    from .published import PUBLISHED_TIME_SETTING
+
+    if not hw.gpus:
+        raise GenomeLMError("plan --search needs --gpus (the cluster to lay the run out on)")
+    check_split(model_config(run), run.parallel)
+    found: list[Candidate] = []
+    for layout in layouts(run, hw):
+        fitting: list[tuple] = []
+        for levels, changes in memory_settings(run):
+            if _dominated(levels, fitting):
+                continue
+            candidate = with_changes(run, parallel=layout, memory=changes)
+            plan = busiest(candidate, hw)
+            if plan.fits:
+                fitting.append(levels)
+                found.append(Candidate(candidate, "", plan.peak, True,
+                                       estimate_time(candidate, hw, gpu, constants), levels))
+    published = with_changes(run, **PUBLISHED_TIME_SETTING)
+    plan = busiest(published, hw)
+    found.append(Candidate(published, "published", plan.peak, plan.fits, estimate_time(published, hw, gpu, constants)))
+    if not any(c.fits and not c.label for c in found):
+        raise GenomeLMError(f"no layout of {hw.gpus} {hw.gpu_name} GPUs fits {run.data.seq_len:,}-token sequences "
+                            "with any memory switch (try more GPUs or a shorter --seq-len)")
+    return sorted(found, key=lambda c: -c.tokens_per_s)
+
+
+def differences(best: Timing, other: Timing, top: int = 4) -> list[tuple[str, float, float]]:
+    """The parts of the step (by name) whose seconds differ most between two timings:
+    (part, seconds in ``best``, seconds in ``other``)."""
+    a, b = best.by("name"), other.by("name")
+    parts = sorted(set(a) | set(b), key=lambda k: -abs(a.get(k, 0.0) - b.get(k, 0.0)))
+    return [(k, a.get(k, 0.0), b.get(k, 0.0)) for k in parts[:top]]
+
+
+def config_yaml(source_text: str, best: Candidate, note: str) -> str:
+    """The config file ``source_text`` with the best candidate's parallel and memory sections,
+    headed by ``note`` (comment lines)."""
+    import yaml
+
+    tree = yaml.safe_load(source_text) or {}
+    tree["parallel"] = {k: v for k, v in best.run.parallel.model_dump().items()}
+    memory = dict(tree.get("memory") or {})
+    memory.update(best.run.memory.model_dump(include={"recompute", "recompute_modules", "recompute_nested",
+                                                      "offload_activations", "optimizer_offload", "moe_chunks",
+                                                      "moe_chunk_recompute"}))
+    if memory["recompute"] != "selective":
+        memory.pop("recompute_modules")
+    tree["memory"] = memory
+    header = "".join(f"# {line}\n" if line else "#\n" for line in note.splitlines())
+    return header + yaml.safe_dump(tree, sort_keys=False)
