@@ -228,7 +228,7 @@ def _plan_search(run, config: str, hw, spec, constants, json_out: bool, top: int
         fits = "" if c.fits else " (does not fit)"
         table.add_row(str(rank), c.layout() + (" [published]" if c.label else ""), c.memory(), gib(c.peak) + fits,
                       f"{c.tokens_per_s:,.0f}", f"x{c.tokens_per_s / published.tokens_per_s:.2f}",
-                      c.timing.bottleneck, style="bold" if c is best else ("italic" if c.label else None))
+                      c.bound(), style="bold" if c is best else ("italic" if c.label else None))
     console.print(table)
     console.print(f"{sum(1 for c in found if not c.label)} candidates fit. The best against the published setting, "
                   "the parts that differ most (seconds a step):", highlight=False)

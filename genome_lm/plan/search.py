@@ -66,6 +66,12 @@ class Candidate:
             parts.append("selection on every rank")
         return ", ".join(parts)
 
+    def bound(self) -> str:
+        """The resource with the most time, its share and its largest part, in a few words."""
+        resource, seconds = next(iter(self.timing.by("resource").items()))
+        top = max((i for i in self.timing.items if i.resource == resource), key=lambda i: i.seconds)
+        return f"{resource} {seconds / self.timing.step_seconds:.0%}: {top.name}"
+
     def as_dict(self) -> dict:
         return {"label": self.label, "layout": self.layout(), "memory": self.memory(), "peak_bytes": self.peak,
                 "fits": self.fits, "parallel": self.run.parallel.model_dump(),
@@ -132,8 +138,10 @@ def search(run: RunConfig, hw: Hardware, gpu: GPUSpec, constants: Constants = CO
                 fitting.append(levels)
                 found.append(Candidate(candidate, "", plan.peak, True,
                                        estimate_time(candidate, hw, gpu, constants), levels))
+    # the published setting: its memory as the config runs it (each MoE chunk recomputed, which
+    # genome-lm adds to fit), its time as the published run was timed (published.py)
     published = with_changes(run, **PUBLISHED_TIME_SETTING)
-    plan = busiest(published, hw)
+    plan = busiest(with_changes(run, parallel=PUBLISHED_TIME_SETTING["parallel"]), hw)
     found.append(Candidate(published, "published", plan.peak, plan.fits, estimate_time(published, hw, gpu, constants)))
     if not any(c.fits and not c.label for c in found):
         raise GenomeLMError(f"no layout of {hw.gpus} {hw.gpu_name} GPUs fits {run.data.seq_len:,}-token sequences "
@@ -155,6 +163,7 @@ def config_yaml(source_text: str, best: Candidate, note: str) -> str:
     import yaml
 
     tree = yaml.safe_load(source_text) or {}
+    tree.setdefault("data", {})["seq_len"] = best.run.data.seq_len
     tree["parallel"] = {k: v for k, v in best.run.parallel.model_dump().items()}
     memory = dict(tree.get("memory") or {})
     memory.update(best.run.memory.model_dump(include={"recompute", "recompute_modules", "recompute_nested",
