@@ -191,7 +191,8 @@ class DSACache:
             # as the full forward's select_tokens runs on a CPU: per query, whatever the chunk
             return dsa_indexer.native_select(q_BSHD, kp_BND, w_BSH, kpool=self.kpool, topk=self.topk, scale=scale,
                                              n_pick=self.n_pick, t0=t0)
-        idx_BSK = torch.empty(B, S, slot_width(self.topk, self.kpool), dtype=torch.long, device=q_BSHD.device)
+        idx_BSK = torch.empty(B, S, slot_width(self.topk, self.kpool), dtype=dsa_indexer.SELECTION_DTYPE,
+                              device=q_BSHD.device)
         a0 = t0
         while a0 < t0 + S:
             a1 = min((a0 // block + 1) * block, t0 + S)

@@ -23,7 +23,7 @@ from genome_lm_kernels.cpu import native
 from genome_lm.model import common
 from genome_lm.model.config import ModelConfig
 
-F32, I64 = 4, 8
+F32, I64, I32 = 4, 8, 4
 KDA_CHUNK = 64  # kernels/genome_lm_kernels/kda/chunked.py CHUNK: one entering state per 64 tokens
 
 
@@ -129,7 +129,7 @@ def saved_dsa(cfg: ModelConfig, s: Shard, own_indexer: bool) -> float:
     rq, rkv = cfg.q_lora_rank, cfg.kv_lora_rank
     slots = cfg.index_topk + cfg.index_kpool - 1
     mla = D * s.a + saved_rmsnorm(rq, s) + rq * s.a + saved_rmsnorm(rkv, s) + rkv * s.a
-    attention = saved_sparse_attention(cfg, s) + slots * I64 * s.cp
+    attention = saved_sparse_attention(cfg, s) + slots * I32 * s.cp  # the selection's int32 token indices
     if s.cp > 1:
         attention += h * Dv * s.a  # the output back in sequence order
     indexer = 0.0

@@ -214,7 +214,8 @@ def compiling_for(target: str, case: str, reports: list[KernelReport], parity_on
                   ptx_dir: str | Path | None = None):
     """Within the block, kernel launches compile for ``target`` (e.g. "sm_90") and append a
     KernelReport per distinct compiled kernel to ``reports``; nothing is launched. With
-    ``ptx_dir``, each kernel's PTX is kept there as ``<target>/<case>/<kernel>.ptx``."""
+    ``ptx_dir``, each kernel's PTX is kept there as ``<target>/<case>/<kernel>.ptx``, its Triton IR
+    beside it as ``.ttir``."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("the compile check needs a process without TRITON_INTERPRET=1")
     from triton.runtime import driver
@@ -236,6 +237,7 @@ def compiling_for(target: str, case: str, reports: list[KernelReport], parity_on
                 where = ptx_path(ptx_dir, target, case, name)
                 where.parent.mkdir(parents=True, exist_ok=True)
                 where.write_text(ptx)
+                where.with_suffix(".ttir").write_text(kernel.asm["ttir"])  # typed IR: the index arithmetic's widths
             usage = ptxas_usage(ptx, arch, kernel.metadata._asdict())
             cubin_regs, cubin_local = resource_usage(kernel.asm["cubin"])
             mma = len(re.findall(r"^\s*(?:@%p\d+\s+)?(?:wgmma\.mma_async|mma\.sync|tcgen05\.mma)\b", ptx,
@@ -304,7 +306,8 @@ def _run_case(case: dict) -> None:
         B, T, H = 1, case["T"], case["H"]
         q = torch.randn(B, T, H, case["D"], generator=g).bfloat16().requires_grad_()
         kv = torch.randn(B, T, case["D"], generator=g).bfloat16().requires_grad_()
-        idx = torch.randint(0, T, (B, T, case["topk"] + case["kpool"] - 1), generator=g)
+        # int32, as the model's selections are
+        idx = torch.randint(0, T, (B, T, case["topk"] + case["kpool"] - 1), generator=g, dtype=torch.int32)
         o, _lse = sparse_mla(q, kv, idx, scale=case["D"] ** -0.5, dv=case["DV"], exact=case["backend"] == "triton-fp32")
         torch.autograd.grad(o.float().sum(), (q, kv))
         return
@@ -315,7 +318,7 @@ def _run_case(case: dict) -> None:
     k = torch.randn(B, T, H, case["D"], generator=g).bfloat16().requires_grad_()
     v = torch.randn(B, T, H, case["DV"], generator=g).bfloat16().requires_grad_()
     S = case["topk"] + case["kpool"] - 1
-    idx = torch.randint(0, T, (B, T, S), generator=g)
+    idx = torch.randint(0, T, (B, T, S), generator=g, dtype=torch.int32)
     o, _lse = dsa_triton.sparse_attention(q, k, v, idx, scale=case["D"] ** -0.5)
     torch.autograd.grad(o.float().sum(), (q, k, v))
     N = T // case["kpool"]

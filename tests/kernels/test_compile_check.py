@@ -277,3 +277,31 @@ def test_every_kernel_agrees_with_ptxas_v_by_hand(reports, ptx_dir, tmp_path):
         got = (r["ptxas_arch"], r["registers"], r["spill_stores"], r["spill_loads"], r["local_bytes"])
         assert got == (by_hand.arch, by_hand.registers, by_hand.spill_stores, by_hand.spill_loads,
                        by_hand.stack_bytes), f"{r['target']} {r['case']} {r['kernel']}"
+
+
+GATHER_KERNELS = {"_attn_fwd", "_attn_bwd", "_mla_fwd", "_mla_bwd"}  # they read a selection's token indices
+
+
+@pytest.mark.slow
+@needs_ptxas
+def test_int32_selections_are_widened_before_the_row_offsets(reports, ptx_dir):
+    """The selections are int32 (``genome_lm_kernels.dsa.indexer.SELECTION_DTYPE``); at 1M tokens a
+    row offset (token x heads x width) passes 2^31, so the kernels that gather the selected rows
+    must form it in int64. In each one's Triton IR, compiled for sm_90 and sm_100 at the shipped
+    shapes with int32 indices: the indices are loaded through an i32 pointer, sign-extended to
+    i64, and every pointer added to a column of selected rows ([n x 1] pointers) is offset by
+    i64 values (an i32 offset there would wrap)."""
+    import re
+
+    checked = 0
+    for r in reports:
+        if r["kernel"] not in GATHER_KERNELS:
+            continue
+        ir = ptx_path(ptx_dir, r["target"], r["case"], r["kernel"]).with_suffix(".ttir").read_text()
+        where = f"{r['target']} {r['case']} {r['kernel']}"
+        assert re.search(r"tt\.load %\S+(, %\S+)* : tensor<\d+x!tt\.ptr<i32>>", ir), where
+        assert re.search(r"arith\.extsi %\S+ : tensor<\d+xi32> to tensor<\d+xi64>", ir), where
+        row_columns = re.findall(r"tt\.addptr %\S+, %\S+ : tensor<\d+x1x!tt\.ptr<\w+>>, tensor<(\d+x1x\w+)>", ir)
+        assert row_columns and all(t.endswith("i64") for t in row_columns), (where, row_columns)
+        checked += 1
+    assert checked >= 4 * len(TARGETS), checked

@@ -40,7 +40,7 @@ def ref_scores(inp, kpool):
 def assert_same_selection(idx, idx_ref, scores_BTN, *, kpool, topk, sorted_pools=True, rtol=1e-5):
     """Same slot layout, same tails, and the same pool set per query except for pools whose
     scores tie (within rtol of the row's score scale) with the selection boundary."""
-    assert idx.shape == idx_ref.shape and idx.dtype == torch.long
+    assert idx.shape == idx_ref.shape and idx.dtype == idx_ref.dtype == torch.int32
     B, T, N = scores_BTN.shape
     P = min(topk // kpool, N)
     assert torch.equal(idx[..., P * kpool:], idx_ref[..., P * kpool:]), "tail / padding slots differ"
@@ -53,7 +53,7 @@ def assert_same_selection(idx, idx_ref, scores_BTN, *, kpool, topk, sorted_pools
     def pool_mask(ix):
         pools = ix[..., : P * kpool : kpool]
         m = torch.zeros(B, T, N + 1, dtype=torch.bool)
-        m.scatter_(-1, torch.where(pools >= 0, pools // kpool, N), True)
+        m.scatter_(-1, torch.where(pools >= 0, pools // kpool, N).long(), True)
         return m[..., :N], pools
 
     mine, pools = pool_mask(idx)
@@ -137,6 +137,41 @@ def test_select_tokens_for_some_queries(path, kpool, topk, generator):
     for bad in [(8, 40), (0, 204), (32, 16)]:
         with pytest.raises(ValueError, match="multiple of the query chunk"):
             select(queries=bad)
+
+
+def test_selections_are_int32_and_read_the_same_as_int64(generator):
+    """Every path selects int32 token indices (half the memory of int64 for the [B, T, S] index a
+    DSA layer holds); the attention and the indexer loss read an int32 index exactly as the same
+    index in int64, on the C path, the torch path and the reference."""
+    from genome_lm_kernels.dsa import indexer
+
+    T, kpool, topk = 150, 4, 24
+    inp = indexer_inputs(generator, 2, T, 3, 8, kpool, torch.float32)
+    paths = {p: dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend=backend_of(p), chunk=32)[0]
+             for p in ("torch", "reference")}
+    paths["torch-no-C"] = indexer.select_tokens(*inp.values(), kpool=kpool, topk=topk, chunk=32, use_native=False)[0]
+    for name, idx in paths.items():
+        assert idx.dtype == torch.int32, name
+    assert torch.equal(paths["torch"], paths["torch-no-C"])
+    idx = paths["torch"]
+    assert dsa.selection_tokens(dsa.selection_pools(idx, kpool=kpool, topk=topk), kpool=kpool, topk=topk).dtype \
+        == torch.int32
+    q, k, v = (torch.randn(2, T, 2, 16, generator=generator) for _ in range(3))
+    for path in ("torch", "reference"):
+        o32, lse32 = dsa.sparse_attention(q, k, v, idx, scale=0.25, backend=backend_of(path))
+        o64, lse64 = dsa.sparse_attention(q, k, v, idx.long(), scale=0.25, backend=backend_of(path))
+        assert torch.equal(o32, o64) and torch.equal(lse32, lse64), path
+    import importlib
+
+    sparse_module = importlib.import_module("genome_lm_kernels.dsa.sparse_attention")  # the module, not the op
+
+    o32, _ = sparse_module.sparse_attention(q, k, v, idx, scale=0.25, chunk=32, use_native=False)
+    o64, _ = sparse_module.sparse_attention(q, k, v, idx.long(), scale=0.25, chunk=32, use_native=False)
+    assert torch.equal(o32, o64)
+    kw = dict(gate_BTD=inp["gate_BTD"], ape_KD=inp["ape_KD"], kpool=kpool, scale=0.25, backend=backend_of("torch"))
+    loss32 = dsa.indexer_loss(inp["q_idx_BTHD"], inp["k_idx_BTD"], inp["w_idx_BTH"], q, k, idx, **kw)
+    loss64 = dsa.indexer_loss(inp["q_idx_BTHD"], inp["k_idx_BTD"], inp["w_idx_BTH"], q, k, idx.long(), **kw)
+    assert torch.equal(loss32, loss64)
 
 
 @pytest.mark.parametrize("kpool,topk", SELECTIONS, ids=SEL_IDS)

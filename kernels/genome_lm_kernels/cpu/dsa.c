@@ -23,7 +23,7 @@ static int cmp_i64(const void *a, const void *b) {
 }
 
 /* The distinct valid keys of one row of S slots, into keys; returns how many. */
-static int64_t row_keys(const int64_t *ix, int64_t S, int64_t *keys) {
+static int64_t row_keys(const int32_t *ix, int64_t S, int64_t *keys) {
     int64_t n = 0, last = -1, ascending = 1;
     for (int64_t s = 0; s < S; s++) {
         if (ix[s] < 0) continue;
@@ -83,7 +83,7 @@ static void row_exp(float *restrict s, int64_t n, int64_t S, int64_t H, const fl
 
 /* o [R, H, Dv], lse [R, H] for rows r0..r1-1. */
 static inline __attribute__((always_inline)) void sparse_fwd(
-    const float *q, const float *k, const float *v, const int64_t *idx, int64_t r0, int64_t r1, int64_t T,
+    const float *q, const float *k, const float *v, const int32_t *idx, int64_t r0, int64_t r1, int64_t T,
     int64_t S, int64_t H, int64_t D, int64_t Dv, float scale, float *o, float *lse) {
     float *s = malloc(sizeof(float) * (size_t)(S * H + 2 * H));
     int64_t *keys = malloc(sizeof(int64_t) * (size_t)S);
@@ -122,7 +122,7 @@ static inline __attribute__((always_inline)) void sparse_fwd(
 /* Gradients for rows r0..r1-1: dq [R, H, D] written, dk [R, H, D] and dv [R, H, Dv] added to
  * (the caller gives each thread its own dk, dv). delta [R, H] = rowsum(do * o) - dlse. */
 static inline __attribute__((always_inline)) void sparse_bwd(
-    const float *q, const float *k, const float *v, const int64_t *idx, const float *lse, const float *dout,
+    const float *q, const float *k, const float *v, const int32_t *idx, const float *lse, const float *dout,
     const float *delta, int64_t r0, int64_t r1, int64_t T, int64_t S, int64_t H, int64_t D, int64_t Dv,
     float scale, float *dq, float *dk, float *dv) {
     float *s = malloc(sizeof(float) * (size_t)(S * H));
@@ -160,7 +160,7 @@ static inline __attribute__((always_inline)) void sparse_bwd(
 
 /* The exported entry points: head widths of 16 (the tiny presets) get a copy of the loops compiled
  * for that width (fully unrolled dot products, about 2x faster); any other width the general one. */
-void dsa_sparse_fwd(const float *q, const float *k, const float *v, const int64_t *idx, int64_t r0, int64_t r1,
+void dsa_sparse_fwd(const float *q, const float *k, const float *v, const int32_t *idx, int64_t r0, int64_t r1,
                     int64_t T, int64_t S, int64_t H, int64_t D, int64_t Dv, float scale, float *o, float *lse) {
     if (D == 16 && Dv == 16)
         sparse_fwd(q, k, v, idx, r0, r1, T, S, H, 16, 16, scale, o, lse);
@@ -168,7 +168,7 @@ void dsa_sparse_fwd(const float *q, const float *k, const float *v, const int64_
         sparse_fwd(q, k, v, idx, r0, r1, T, S, H, D, Dv, scale, o, lse);
 }
 
-void dsa_sparse_bwd(const float *q, const float *k, const float *v, const int64_t *idx, const float *lse,
+void dsa_sparse_bwd(const float *q, const float *k, const float *v, const int32_t *idx, const float *lse,
                     const float *dout, const float *delta, int64_t r0, int64_t r1, int64_t T, int64_t S,
                     int64_t H, int64_t D, int64_t Dv, float scale, float *dq, float *dk, float *dv) {
     if (D == 16 && Dv == 16)
@@ -398,7 +398,7 @@ static float kth_largest(float *x, int64_t n, int64_t k) {
  * it), so only the blocks whose maximum reaches it hold candidates; the k-th largest candidate is
  * the threshold. work: M + M / PICK_BLOCK + 1 floats. */
 #define PICK_BLOCK 16
-static int64_t pick_top(const float *I, int64_t M, int64_t k, int64_t kpool, float *work, int64_t *row) {
+static int64_t pick_top(const float *I, int64_t M, int64_t k, int64_t kpool, float *work, int32_t *row) {
     int64_t nb = (M + PICK_BLOCK - 1) / PICK_BLOCK;
     float *bmax = work + M;
     for (int64_t j = 0; j < nb; j++) {
@@ -432,20 +432,21 @@ static int64_t pick_top(const float *I, int64_t M, int64_t k, int64_t kpool, flo
         int64_t a = j * PICK_BLOCK, e = a + PICK_BLOCK < M ? a + PICK_BLOCK : M;
         for (int64_t m = a; m < e; m++)
             if (I[m] > thr || (I[m] == thr && ties-- > 0))
-                for (int64_t i = 0; i < kpool; i++) row[slot++] = m * kpool + i;
+                for (int64_t i = 0; i < kpool; i++) row[slot++] = (int32_t)(m * kpool + i);
     }
     return slot;
 }
 
 static inline __attribute__((always_inline)) void select_tokens(
     const float *qi, const float *kpT, const float *w, int64_t r0, int64_t r1, int64_t T, int64_t N, int64_t Hi,
-    int64_t Di, int64_t kpool, int64_t topk, int64_t n_pick, int64_t t0, float scale, int64_t *out) {
+    int64_t Di, int64_t kpool, int64_t topk, int64_t n_pick, int64_t t0, float scale, int32_t *out) {
     int64_t S = topk + kpool - 1;
     float *buf = malloc(sizeof(float) * (size_t)(3 * N + N / PICK_BLOCK + 2));
     float *I = buf, *sh = I + N, *work = sh + N;
     for (int64_t r = r0; r < r1; r++) {
         int64_t b = r / T, t = t0 + r % T, M = (t + 1) / kpool < N ? (t + 1) / kpool : N;
-        int64_t k = n_pick < M ? n_pick : M, *row = out + r * S;
+        int64_t k = n_pick < M ? n_pick : M;
+        int32_t *row = out + r * S;
         for (int64_t s = 0; s < S; s++) row[s] = -1;
         if (k > 0) {
             const float *kpTb = kpT + b * Di * N, *qir = qi + r * Hi * Di, *wr = w + r * Hi;
@@ -459,14 +460,14 @@ static inline __attribute__((always_inline)) void select_tokens(
             pick_top(I, M, k, kpool, work, row);
         }
         int64_t start = t + 1 - (t + 1) % kpool; /* the incomplete tail pool: start .. t */
-        for (int64_t i = 0; i < kpool - 1 && start + i <= t; i++) row[n_pick * kpool + i] = start + i;
+        for (int64_t i = 0; i < kpool - 1 && start + i <= t; i++) row[n_pick * kpool + i] = (int32_t)(start + i);
     }
     free(buf);
 }
 
 void dsa_select_tokens(const float *qi, const float *kpT, const float *w, int64_t r0, int64_t r1, int64_t T,
                        int64_t N, int64_t Hi, int64_t Di, int64_t kpool, int64_t topk, int64_t n_pick, int64_t t0,
-                       float scale, int64_t *out) {
+                       float scale, int32_t *out) {
     if (Di == 16)
         select_tokens(qi, kpT, w, r0, r1, T, N, Hi, 16, kpool, topk, n_pick, t0, scale, out);
     else

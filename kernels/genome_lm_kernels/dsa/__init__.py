@@ -7,7 +7,7 @@ kernels here, with fp32 products under "triton-fp32"):
     select_tokens(q_idx [B,T,Hi,Di], k_idx [B,T,Di], w_idx [B,T,Hi], gate [B,T,Di] | None,
                   ape [kpool,Di] | None, *, kpool, topk, scale=None, backend, chunk=64,
                   queries=(first, end) | None)
-        -> idx [B,T,S] int64 (-1 = empty slot), valid [B,T,S] bool;  S = topk + kpool - 1
+        -> idx [B,T,S] int32 (-1 = empty slot), valid [B,T,S] bool;  S = topk + kpool - 1
         (with queries: [B, end - first, S], those queries' rows of the whole call)
     sparse_attention(q [B,T,H,Dqk], k [B,T,H,Dqk], v [B,T,H,Dv], idx [B,T,S], *, scale,
                      backend, chunk=64) -> o [B,T,H,Dv], lse [B,T,H]

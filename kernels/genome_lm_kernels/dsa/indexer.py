@@ -23,6 +23,11 @@ from .reference import slot_width
 
 ScoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float, int], torch.Tensor]
 
+# Token indices of a selection: int32 (a sequence is far shorter than 2^31 tokens), half the
+# memory of int64 for the [B, T, S] index every DSA layer holds; the kernels widen to int64 where
+# they form row offsets (batch x T x heads x width). Pool ids (``selection_pools``) are int32 too.
+SELECTION_DTYPE = torch.int32
+
 
 def pool_keys(k_BTD, gate_BTD=None, ape_KD=None, *, kpool: int):
     """Pooled indexer keys of the complete pools: kp [B, N, D], N = T // kpool (differentiable).
@@ -154,7 +159,7 @@ def _pick_tied(I_RN: torch.Tensor, n_pick: int) -> torch.Tensor:
 
 
 def expand_to_tokens(pools_BCP, t0: int, *, kpool: int, topk: int):
-    """Pool ids [B, C, P] -> token slots [B, C, S] in the layout of the module docstring."""
+    """Pool ids [B, C, P] -> token slots [B, C, S] (int32) in the layout of the module docstring."""
     B, C, P = pools_BCP.shape
     dev = pools_BCP.device
     tok_BCPK = pools_BCP[..., None] * kpool + torch.arange(kpool, device=dev)
@@ -164,7 +169,7 @@ def expand_to_tokens(pools_BCP, t0: int, *, kpool: int, topk: int):
     start_C = t_C + 1 - (t_C + 1) % kpool
     tail_CJ = start_C[:, None] + torch.arange(kpool - 1, device=dev)
     tail_CJ = tail_CJ.masked_fill(tail_CJ > t_C[:, None], -1)
-    return torch.cat([tok_BCPK.flatten(2), tail_CJ.expand(B, C, kpool - 1), pad], dim=-1)
+    return torch.cat([tok_BCPK.flatten(2), tail_CJ.expand(B, C, kpool - 1), pad], dim=-1).to(SELECTION_DTYPE)
 
 
 def selection_pools(idx_BTS: torch.Tensor, *, kpool: int, topk: int, seq_len: int | None = None) -> torch.Tensor:
@@ -177,7 +182,7 @@ def selection_pools(idx_BTS: torch.Tensor, *, kpool: int, topk: int, seq_len: in
     return torch.where(first_BTP >= 0, first_BTP // kpool, -1).to(torch.int32)
 
 
-EXPAND_ELEMENTS = 1 << 20  # slots expanded at a time by selection_tokens (8 MiB of int64)
+EXPAND_ELEMENTS = 1 << 20  # slots expanded at a time by selection_tokens (8 MiB of int64 transients)
 
 
 def selection_tokens(pools_BTP: torch.Tensor, *, kpool: int, topk: int, rows: int | None = None) -> torch.Tensor:
@@ -186,7 +191,7 @@ def selection_tokens(pools_BTP: torch.Tensor, *, kpool: int, topk: int, rows: in
     B, T, _ = pools_BTP.shape
     S = slot_width(topk, kpool)
     rows = rows or max(1, EXPAND_ELEMENTS // (B * S))
-    idx_BTS = torch.empty(B, T, S, dtype=torch.long, device=pools_BTP.device)
+    idx_BTS = torch.empty(B, T, S, dtype=SELECTION_DTYPE, device=pools_BTP.device)
     for t0 in range(0, T, rows):
         part = pools_BTP[:, t0 : t0 + rows].long()
         idx_BTS[:, t0 : t0 + part.shape[1]] = expand_to_tokens(part, t0, kpool=kpool, topk=topk)
@@ -214,7 +219,7 @@ def query_range(queries: tuple[int, int] | None, T: int, chunk: int) -> tuple[in
 def select_tokens(q_BTHD, k_BTD, w_BTH, gate_BTD=None, ape_KD=None, *, kpool: int, topk: int,
                   scale: float | None = None, chunk: int = 64, score_fn: ScoreFn = torch_scores,
                   use_native: bool | None = None, queries: tuple[int, int] | None = None):
-    """Selected token indices [B, T, S] (int64, -1 = empty) and validity mask [B, T, S].
+    """Selected token indices [B, T, S] (int32, -1 = empty) and validity mask [B, T, S].
 
     q [B, T, Hi, D] indexer queries; k [B, T, D] indexer keys (shared by the heads);
     w [B, T, Hi] head weights (transformers: ``weights_proj(x) * Hi**-0.5``);
@@ -235,7 +240,7 @@ def select_tokens(q_BTHD, k_BTD, w_BTH, gate_BTD=None, ape_KD=None, *, kpool: in
                                 n_pick=n_pick, t0=q0)
         return idx_BTS, idx_BTS >= 0
     S = slot_width(topk, kpool)
-    idx_BTS = torch.empty(B, q1 - q0, S, dtype=torch.long, device=q_BTHD.device)
+    idx_BTS = torch.empty(B, q1 - q0, S, dtype=SELECTION_DTYPE, device=q_BTHD.device)
     for t0 in range(q0, q1, chunk):
         t1 = min(t0 + chunk, q1)
         # Pools ending after t1 - 1 are invisible to the whole chunk: skip them.
@@ -258,7 +263,7 @@ def native_select(q_BTHD, kp_BND, w_BTH, *, kpool: int, topk: int, scale: float,
     N = kp_BND.shape[1]
     qi, w = native.f32(q_BTHD), native.f32(w_BTH)
     kpT = kp_BND.to(torch.float32).transpose(1, 2).contiguous()  # [B, Di, N]
-    idx_BTS = torch.empty(B, T, slot_width(topk, kpool), dtype=torch.long)
+    idx_BTS = torch.empty(B, T, slot_width(topk, kpool), dtype=SELECTION_DTYPE)
     p = native.ptr
     native.run_rows(lib.dsa_select_tokens, native.split_rows(B * T), lambda i, r0, r1: (
         p(qi), p(kpT), p(w), r0, r1, T, N, Hi, Di, kpool, topk, n_pick, t0, scale, p(idx_BTS)))

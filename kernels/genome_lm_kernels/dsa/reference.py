@@ -44,21 +44,21 @@ def index_scores(q_BTHD, kp_BND, w_BTH, kpool: int, scale: float):
 
 
 def select_tokens(q_BTHD, k_BTD, w_BTH, gate_BTD, ape_KD, *, kpool: int, topk: int, scale: float):
-    """Token indices [B, T, S] (int64, -1 = empty slot) and validity mask, from dense scores."""
+    """Token indices [B, T, S] (int32, -1 = empty slot) and validity mask, from dense scores."""
     B, T = q_BTHD.shape[:2]
     kp_BND = pool_keys(k_BTD, gate_BTD, ape_KD, kpool)
     I_BTN = index_scores(q_BTHD, kp_BND, w_BTH, kpool, scale)
     n_pick = min(topk // kpool, kp_BND.shape[1])
-    idx_BTS = torch.full((B, T, slot_width(topk, kpool)), -1, dtype=torch.long)
+    idx_BTS = torch.full((B, T, slot_width(topk, kpool)), -1, dtype=torch.int32)
     for b in range(B):
         for t in range(T):
             # Stable descending sort: among equal scores the lower pool comes first.
             order = torch.sort(I_BTN[b, t], descending=True, stable=True).indices[:n_pick]
             pools = sorted(p for p in order.tolist() if I_BTN[b, t, p] > float("-inf"))
             tokens = [p * kpool + j for p in pools for j in range(kpool)]
-            idx_BTS[b, t, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            idx_BTS[b, t, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
             tail = list(range(t + 1 - (t + 1) % kpool, t + 1))
-            idx_BTS[b, t, n_pick * kpool : n_pick * kpool + len(tail)] = torch.tensor(tail, dtype=torch.long)
+            idx_BTS[b, t, n_pick * kpool : n_pick * kpool + len(tail)] = torch.tensor(tail, dtype=torch.int32)
     return idx_BTS, idx_BTS >= 0
 
 
@@ -66,7 +66,7 @@ def selected_mask(idx_BTS, T: int):
     """Boolean [B, T, T] mask of the selected keys of each query."""
     B = idx_BTS.shape[0]
     mask = torch.zeros(B, idx_BTS.shape[1], T + 1, dtype=torch.bool)
-    mask.scatter_(-1, torch.where(idx_BTS >= 0, idx_BTS, T), True)
+    mask.scatter_(-1, torch.where(idx_BTS >= 0, idx_BTS, T).long(), True)
     return mask[..., :T]
 
 

@@ -101,7 +101,7 @@ def dense_mask(idx_CS, n_keys: int):
     """[C, n_keys] bool: key j is selected by query c (-1 slots select nothing; repeats once)."""
     C = idx_CS.shape[0]
     mask = torch.zeros(C, n_keys + 1, dtype=torch.bool, device=idx_CS.device)  # last column: -1 slots
-    mask.scatter_(1, torch.where(idx_CS >= 0, idx_CS, n_keys), True)
+    mask.scatter_(1, torch.where(idx_CS >= 0, idx_CS, n_keys).long(), True)
     return mask[:, :n_keys]
 
 
@@ -168,7 +168,7 @@ def native_forward(q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale: float):
     lib = native.library("dsa")
     B, T, H, D = q_BTHD.shape
     Dv, S = v_BTHD.shape[-1], idx_BTS.shape[-1]
-    q, k, v, idx = native.f32(q_BTHD), native.f32(k_BTHD), native.f32(v_BTHD), idx_BTS.to(torch.int64).contiguous()
+    q, k, v, idx = native.f32(q_BTHD), native.f32(k_BTHD), native.f32(v_BTHD), idx_BTS.to(torch.int32).contiguous()
     o = torch.empty(B, T, H, Dv, dtype=torch.float32)
     lse = torch.empty(B, T, H, dtype=torch.float32)
     p = native.ptr
@@ -186,7 +186,7 @@ def native_backward(q_BTHD, k_BTHD, v_BTHD, idx_BTS, o_BTHD, lse_BTH, do_BTHD, d
     delta = (do * o_BTHD.float()).sum(-1)
     if dlse_BTH is not None:
         delta -= dlse_BTH.float().nan_to_num(0.0)
-    q, k, v, idx = native.f32(q_BTHD), native.f32(k_BTHD), native.f32(v_BTHD), idx_BTS.to(torch.int64).contiguous()
+    q, k, v, idx = native.f32(q_BTHD), native.f32(k_BTHD), native.f32(v_BTHD), idx_BTS.to(torch.int32).contiguous()
     lse, delta = native.f32(lse_BTH), delta.contiguous()
     ranges = native.split_rows(B * T)
     dq = torch.empty(B, T, H, D, dtype=torch.float32)
@@ -257,7 +257,7 @@ def _flush_dense(heads_major, dk_BTX, dv_BTX):
 
 def sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, *, scale: float, chunk: int = 64,
                      use_native: bool | None = None):
-    """q, k [B, T, H, Dqk], v [B, T, H, Dv], idx [B, T, S] int64 -> o [B, T, H, Dv], lse [B, T, H]
+    """q, k [B, T, H, Dqk], v [B, T, H, Dv], idx [B, T, S] int32 -> o [B, T, H, Dv], lse [B, T, H]
     (fp32, fp64 for fp64 inputs; -inf and o = 0 for a query with no selected key).
 
     ``use_native``: run forward and backward in C (``cpu/dsa.c``); None = whenever the inputs
