@@ -26,8 +26,8 @@ state) and gathers them over CP, with their gradients going back to their owners
 the (detached, low-rank) q_resid for the indexer queries, so that every rank of the TP x CP
 group holds the same indexer inputs for the whole sequence.
 
-The selection and the indexer loss are shared out over that group (``split_selection``, the
-default; ``parallel.split_dsa_selection``): each rank selects for its blocks of queries
+The selection and the indexer loss are shared out over that group (``parallel.split_dsa_selection``,
+the default; ``share_group``): each rank selects for its blocks of queries
 (``engine.query_share``: an early run of blocks with a late one) and the group all-gathers the
 int32 pool ids, so every rank attends with the whole sequence's selection, the one-process one
 bit for bit. For the loss every rank still sums its own heads' attention over every query block
@@ -36,7 +36,7 @@ A rank's loss is then its blocks' share; the value returned is the group's sum d
 (what each CP rank returned before), its gradient the share's own. The indexer's parameters get
 a partial gradient on each TP rank, so they are marked ``sequence_parallel``: the training step
 sums them over TP (``train.optim.allreduce_sequence_parallel_grads``) and data-parallel reduction
-sums them over CP, which gives the single-process gradient. With ``split_selection`` off every
+sums them over CP, which gives the single-process gradient. With the switch off every
 rank gathers the hidden state over CP, selects for the whole sequence and computes the loss for
 every query (divided by cp), as the published run's layout does.
 """
