@@ -159,11 +159,11 @@ class DSAAttention(nn.Module):
             # Under CP the per-token keys, head weights and gate logits are computed on this
             # rank's tokens and gathered (2 Di + Hi values a token, not the hidden state's D);
             # the queries from the gathered low-rank q_resid.
-            if self.gather_token_inputs:
+            if self.gather_token_inputs and group_size(cp) > 1:
                 k_i, w_i, gate_i = (gather_sequence_with_grad(t, cp, dim=1)
                                     for t in self.indexer.token_inputs(x_BSD.detach()))
                 q_i = self.indexer.queries(gather_sequence(q_resid.detach(), cp, dim=1))
-            else:  # the published layout: the hidden state gathered, the inputs computed whole on every rank
+            else:  # one CP rank, or the published layout: the hidden state gathered, the inputs computed whole
                 q_i, k_i, w_i, gate_i = self.indexer.inputs(gather_sequence(x_BSD.detach(), cp, dim=1),
                                                             gather_sequence(q_resid.detach(), cp, dim=1))
 

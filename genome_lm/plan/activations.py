@@ -41,6 +41,7 @@ class Shard:
     moe_imbalance: float = 4.0  # busiest expert-parallel rank's tokens over the mean (ep > 1)
     query_chunk: int | None = None  # memory.dsa_query_chunk
     sp: bool = False  # parallel.sequence_parallel: the residual streams hold 1/tp of the tokens
+    gather_token_inputs: bool = True  # parallel.split_dsa_selection: CP gathers the indexer's per-token inputs
 
     @property
     def stream_tokens(self) -> float:
@@ -123,7 +124,8 @@ def saved_kda(cfg: ModelConfig, s: Shard) -> float:
 def saved_dsa(cfg: ModelConfig, s: Shard, own_indexer: bool) -> float:
     """``model.dsa.DSAAttention``: MLA projections and norms, the sparse attention's q, k, v, o,
     lse and the selection; the indexer and its loss inputs (over the whole sequence on every
-    CP rank, so they count ``cp`` times per local token; the loss's q and k are the attention's)."""
+    CP rank, so they count ``cp`` times per local token, except the key norm's, which genome-lm's
+    layout computes on the rank's own tokens; the loss's q and k are the attention's)."""
     h = cfg.num_attention_heads // s.tp
     D, Dv = cfg.hidden_size, cfg.v_head_dim
     rq, rkv = cfg.q_lora_rank, cfg.kv_lora_rank
@@ -136,10 +138,14 @@ def saved_dsa(cfg: ModelConfig, s: Shard, own_indexer: bool) -> float:
     if own_indexer and s.indexer_loss:
         Hi, Di = cfg.index_n_heads, cfg.index_head_dim
         # the loss takes the attention's own q and k (this rank's heads, saved above)
-        per_token = Di * s.a + 2 * F32 + 2 * Di * F32 + Hi * Di * s.a + Di * F32 / cfg.index_kpool + Hi * F32
-        if s.cp > 1:
-            per_token += (D + rq) * s.a  # the gathered (detached) inputs
-        indexer = per_token * s.cp
+        key_norm = Di * s.a + 2 * F32  # the key LayerNorm's input and statistics
+        per_token = 2 * Di * F32 + Hi * Di * s.a + Di * F32 / cfg.index_kpool + Hi * F32
+        if s.cp > 1 and s.gather_token_inputs:  # keys normed on this rank's tokens, then gathered with q_resid
+            indexer = (per_token + rq * s.a) * s.cp + key_norm
+        elif s.cp > 1:  # the published layout: the hidden state and q_resid gathered, everything whole
+            indexer = (per_token + key_norm + (D + rq) * s.a) * s.cp
+        else:
+            indexer = per_token + key_norm
     return mla + attention + indexer
 
 

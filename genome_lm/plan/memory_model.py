@@ -258,7 +258,8 @@ def shard_for(run: RunConfig, hw: Hardware) -> act.Shard:
     p = run.parallel
     return act.Shard(a=a, tp=p.tp, cp=p.cp, ep=p.ep, etp=p.etp, backend=backend,
                      indexer_loss=run.train.indexer_loss != "off", moe_imbalance=hw.moe_imbalance,
-                     query_chunk=run.memory.dsa_query_chunk, sp=p.sequence_parallel and p.tp > 1)
+                     query_chunk=run.memory.dsa_query_chunk, sp=p.sequence_parallel and p.tp > 1,
+                     gather_token_inputs=p.split_dsa_selection)
 
 
 def world_size(run: RunConfig, hw: Hardware) -> int:

@@ -55,7 +55,8 @@ def _torchrun_eval(demo_run, out, sets: list[str], *extra, ranks: int = 2) -> su
                          ids=["tp2", "cp2", "ep2", "pp2", "tp2-sp", "dp2"])
 def test_two_ranks_give_the_one_process_report(demo_run, one_process, tmp_path, layout):
     out = tmp_path / "eval"
-    full = {"tp": 1, "cp": 1, "ep": 1, "etp": 1, "pp": 1, "sequence_parallel": False, **layout}
+    full = {"tp": 1, "cp": 1, "ep": 1, "etp": 1, "pp": 1, "sequence_parallel": False, "split_dsa_selection": True,
+            **layout}
     sets = [f"parallel.{k}={v}" for k, v in full.items()]
     run = _torchrun_eval(demo_run, out, sets, "--max-context", "300")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
@@ -75,7 +76,8 @@ def test_four_ranks_give_the_one_process_report(demo_run, one_process, tmp_path,
     """Four ranks: the model split two ways at once, or two context-parallel groups that share
     out the windows."""
     out = tmp_path / "eval"
-    full = {"tp": 1, "cp": 1, "ep": 1, "etp": 1, "pp": 1, "sequence_parallel": False, **layout}
+    full = {"tp": 1, "cp": 1, "ep": 1, "etp": 1, "pp": 1, "sequence_parallel": False, "split_dsa_selection": True,
+            **layout}
     run = _torchrun_eval(demo_run, out, [f"parallel.{k}={v}" for k, v in full.items()], ranks=4)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     two = json.loads((out / "eval.json").read_text())

@@ -40,7 +40,8 @@ def ref_scores(inp, kpool):
 def assert_same_selection(idx, idx_ref, scores_BTN, *, kpool, topk, sorted_pools=True, rtol=1e-5):
     """Same slot layout, same tails, and the same pool set per query except for pools whose
     scores tie (within rtol of the row's score scale) with the selection boundary."""
-    assert idx.shape == idx_ref.shape and idx.dtype == idx_ref.dtype == torch.int32
+    assert idx.shape == idx_ref.shape and idx.dtype == torch.int32  # genome-lm's selections are int32
+    idx_ref = idx_ref.to(torch.int32)  # transformers' indexer gives int64
     B, T, N = scores_BTN.shape
     P = min(topk // kpool, N)
     assert torch.equal(idx[..., P * kpool:], idx_ref[..., P * kpool:]), "tail / padding slots differ"

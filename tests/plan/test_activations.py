@@ -33,8 +33,9 @@ def test_saved_bytes_per_piece_match_the_model(pg, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes", [{"tp": 2}, {"cp": 2}, {"tp": 2, "sequence_parallel": True}],
-                         ids=["tp2", "cp2", "tp2-sp"])
+@pytest.mark.parametrize("sizes", [{"tp": 2}, {"cp": 2}, {"cp": 2, "split_dsa_selection": False},
+                                   {"tp": 2, "sequence_parallel": True}],
+                         ids=["tp2", "cp2", "cp2-published-layout", "tp2-sp"])
 def test_split_model_saves_what_the_plan_says(tmp_path, sizes):
     """Two gloo processes: rank 0's saved bytes per piece against the plan for that split (heads
     and MoE tokens / tp; tokens / cp with the DSA indexer and selection over the whole sequence;
@@ -55,7 +56,8 @@ def test_split_model_saves_what_the_plan_says(tmp_path, sizes):
         assert p.returncode == 0, err[-3000:]
     counts = json.loads(out.read_text())
     cfg = PRESETS["tiny"]
-    shard = act.Shard(tp=sizes.get("tp", 1), cp=sizes.get("cp", 1), sp=sizes.get("sequence_parallel", False))
+    shard = act.Shard(tp=sizes.get("tp", 1), cp=sizes.get("cp", 1), sp=sizes.get("sequence_parallel", False),
+                      gather_token_inputs=sizes.get("split_dsa_selection", True))
     local = n // shard.cp
     for i, layer in enumerate(layer_bytes(cfg, shard)):
         for piece, want in (("attention", layer.attention), ("mlp", layer.mlp_saved), ("rest", layer.rest)):
