@@ -106,6 +106,15 @@ class ParallelConfig(Section):
                                                         "over context parallel instead of the hidden state: the same "
                                                         "selections, losses and gradients, 1/(tp x cp) of the "
                                                         "selection's work, a quarter of the DSA layers' CP traffic.")
+    overlap_grad_reduce: bool = Field(False, description="megatron-core DDP's overlap: each gradient bucket is reduced "
+                                                         "over data parallel (reduce-scattered with the distributed "
+                                                         "optimizer) as soon as the last micro-batch's backward has "
+                                                         "filled it, while backward goes on; the other micro-batches "
+                                                         "accumulate without communicating. The same gradients; "
+                                                         "the reduction hides under backward instead of following it.")
+    moe_shared_expert_overlap: bool = Field(False, description="megatron-core's overlap of the MoE shared expert with the "
+                                                               "routed tokens' all-to-all dispatch and combine (CUDA "
+                                                               "streams: GPU backend and all-to-all dispatcher only).")
 
 
 class MemoryConfig(Section):

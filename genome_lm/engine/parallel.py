@@ -38,13 +38,14 @@ class ParallelSizes:
     pp: int = 1
     sequence_parallel: bool = False  # residual streams split over the TP ranks (genome_lm.model.model)
     split_dsa_selection: bool = True  # DSA selection and indexer loss shared out over TP x CP (model.dsa)
+    moe_shared_expert_overlap: bool = False  # megatron-core's MoE layer runs the shared expert under its all-to-alls
 
     @classmethod
     def of(cls, parallel) -> "ParallelSizes":
         """The sizes of a config's ``parallel`` section (``config.ParallelConfig``)."""
         p = parallel
         return cls(tp=p.tp, cp=p.cp, ep=p.ep, etp=p.etp, pp=p.pp, sequence_parallel=p.sequence_parallel,
-                   split_dsa_selection=p.split_dsa_selection)
+                   split_dsa_selection=p.split_dsa_selection, moe_shared_expert_overlap=p.moe_shared_expert_overlap)
 
     @property
     def model_parallel(self) -> int:

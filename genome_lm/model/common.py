@@ -46,6 +46,9 @@ class BuildOptions:
         kernels instead of about 270 small ops per hyper-connection and step (``model.compile``).
     split_dsa_selection: the DSA selection and indexer loss are shared out over the tensor x
         context parallel group instead of repeated on every rank (``dsa.py``; the same results).
+    shared_expert_overlap: megatron-core's MoE layer runs the shared expert on its own CUDA stream
+        while the routed tokens' all-to-alls run (``parallel.moe_shared_expert_overlap``; needs the
+        all-to-all dispatcher, so the GPU backend).
     """
 
     transformer_impl: TransformerImpl = "local"
@@ -56,6 +59,7 @@ class BuildOptions:
     absorbed_mla: bool = False
     compiled: bool = False
     split_dsa_selection: bool = True
+    shared_expert_overlap: bool = False
 
     def spec_provider(self):
         if self.transformer_impl == "transformer_engine":
@@ -137,6 +141,7 @@ def megatron_config(cfg: ModelConfig, sizes: ParallelSizes, options: BuildOption
         moe_router_load_balancing_type=options.moe_aux_loss if options.moe_aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=options.moe_aux_loss_coeff,
         moe_token_dispatcher_type=backend.moe_dispatcher,
+        moe_shared_expert_overlap=options.shared_expert_overlap,
         moe_grouped_gemm=False,
     )
 

@@ -126,6 +126,11 @@ class ModelConfig:
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim  # NoPE: no rotary part
 
+    def layer_kind(self, i: int) -> tuple[str, str, str]:
+        """Layer ``i``'s attention, indexer and MLP types: layers of one kind have the same
+        FLOPs and activation bytes (``flops.step_work`` and the planner compute them once)."""
+        return self.layer_types[i], self.indexer_types[i], self.mlp_layer_types[i]
+
     @property
     def shared_expert_size(self) -> int:
         return self.moe_intermediate_size * self.n_shared_experts

@@ -302,7 +302,7 @@ def step_work(cfg: ModelConfig, memory, *, T: int, batch: int = 1, indexer_loss_
     items: dict[tuple, Work] = {}
     kinds: dict[tuple, list[Work]] = {}  # layers of one kind have the same pieces: computed once
     for i in layers if layers is not None else range(cfg.num_hidden_layers):
-        kind = (cfg.layer_types[i], cfg.indexer_types[i], cfg.mlp_layer_types[i])
+        kind = cfg.layer_kind(i)
         if kind not in kinds:
             pieces = layer_work(cfg, i, T, batch, indexer_loss_mode=indexer_loss_mode, chunk=chunk, gpu=gpu)
             kinds[kind] = with_recompute(pieces, memory, cfg.mlp_layer_types[i] != DENSE, merge)

@@ -234,7 +234,12 @@ def build_model(cfg: ModelConfig, pg: ProcessGroupCollection, sizes: ParallelSiz
     options = BuildOptions(transformer_impl=transformer_impl, dtype=dtype, kernel_backend=backend,
                            moe_aux_loss_coeff=moe_aux_loss_coeff, moe_aux_loss=moe_aux_loss,
                            absorbed_mla=backend.gpu if absorbed_mla is None else absorbed_mla,
-                           compiled=compiled, split_dsa_selection=getattr(sizes, "split_dsa_selection", True))
+                           compiled=compiled, split_dsa_selection=getattr(sizes, "split_dsa_selection", True),
+                           shared_expert_overlap=getattr(sizes, "moe_shared_expert_overlap", False))
+    if options.shared_expert_overlap and profile.moe_dispatcher != "alltoall":
+        raise GenomeLMError(f"parallel.moe_shared_expert_overlap needs megatron-core's all-to-all token dispatcher "
+                            f"(CUDA streams, the GPU backend); this run's {profile.name} backend uses the "
+                            f"{profile.moe_dispatcher} dispatcher: set it to false")
     if not profile.cpu_initialization:
         # megatron-core initialises its parallel layers on the GPU from the CUDA RNG tracker's
         # states (data-, tensor- and expert-parallel), which must be seeded first; the callers'

@@ -194,7 +194,7 @@ def layer_bytes(cfg: ModelConfig, s: act.Shard, seq_len: int = 0, batch: int = 1
         2 * act.saved_merge(cfg, s)
     kinds: dict[tuple, LayerBytes] = {}  # layers of one kind hold the same bytes: computed once
     for i in range(cfg.num_hidden_layers):
-        kind = (cfg.layer_types[i], cfg.mlp_layer_types[i], cfg.indexer_types[i])
+        kind = cfg.layer_kind(i)
         if kind in kinds:
             layers.append(kinds[kind])
             continue

@@ -254,6 +254,11 @@ def time_table(timing) -> Table:
     for item in sorted(timing.items, key=lambda i: -i.seconds):
         if item.seconds >= 0.005 * step:
             table.add_row(item.name, f"{item.seconds:,.2f} s", f"{item.resource}, {item.seconds / step:.1%}")
+    if timing.hidden:
+        table.add_section()
+        for item in timing.hidden:  # overlapped: not in the step time above
+            table.add_row(f"[dim]hidden: {item.name}[/dim]", f"[dim]{item.seconds:,.2f} s[/dim]",
+                          "[dim]overlapped, not in the step time[/dim]")
     return table
 
 

@@ -6,7 +6,9 @@ search keeps the config's data, model and training settings (global batch, micro
 loss) and varies:
 
     layout   tp (up to a node), cp, pp (up to 8, dividing the layers), ep, etp; sequence
-             parallel whenever tp > 1; every
+             parallel whenever tp > 1; the DSA selection shared out, the gradient reduction
+             overlapped with backward and the shared expert with the all-to-alls (the time
+             model's overlaps: free where they apply); every
              rank's micro-batches whole (global batch / (micro-batch x data parallel))
     memory   recompute (none, selective attention, full), activation offload, optimizer
              offload, MoE in the config's chunks (recomputed one by one or not) or whole
@@ -68,9 +70,8 @@ class Candidate:
 
     def bound(self) -> str:
         """The resource with the most time, its share and its largest part, in a few words."""
-        resource, seconds = next(iter(self.timing.by("resource").items()))
-        top = max((i for i in self.timing.items if i.resource == resource), key=lambda i: i.seconds)
-        return f"{resource} {seconds / self.timing.step_seconds:.0%}: {top.name}"
+        resource, share, top = self.timing.bound()
+        return f"{resource} {share:.0%}: {top.name}"
 
     def as_dict(self) -> dict:
         return {"label": self.label, "layout": self.layout(), "memory": self.memory(), "peak_bytes": self.peak,
@@ -95,7 +96,7 @@ def layouts(run: RunConfig, hw: Hardware):
             if cfg.n_routed_experts % ep or gpus % (ep * etp * pp) or ep * etp * pp > gpus:
                 continue
             yield {"tp": tp, "cp": cp, "pp": pp, "ep": ep, "etp": etp, "sequence_parallel": tp > 1,
-                   "split_dsa_selection": True}
+                   "split_dsa_selection": True, "overlap_grad_reduce": True, "moe_shared_expert_overlap": ep > 1}
 
 
 def memory_settings(run: RunConfig):

@@ -2,10 +2,10 @@
 
     timing = estimate_time(run, Hardware(...))
 
-A roofline sum, no overlap: genome-lm's trainer runs every part of a step one after the other
-on one CUDA stream (communication on the default stream, ``overlap_grad_reduce`` off,
-offload through ``torch.autograd.graph.save_on_cpu``, whose device-to-host copy blocks), so
-the step time is the sum of its parts on the busiest GPU:
+A roofline sum with two overlaps: genome-lm's trainer runs the parts of a step one after the
+other on one CUDA stream (communication on the default stream, offload through
+``torch.autograd.graph.save_on_cpu``, whose device-to-host copy blocks), so the step time is the
+sum of its parts on the busiest GPU, less what the config overlaps (below):
 
     compute        per piece of ``model.flops`` (recompute included), this GPU's share of the
                    FLOPs / (bf16 tensor-core peak x efficiency of its class: "gemm" for the
@@ -31,6 +31,22 @@ the step time is the sum of its parts on the busiest GPU:
                    host cache after each step), optimizer offload (gradients down,
                    parameters up, Adam on the CPU at host memory bandwidth)
 
+What overlaps with what (each overlapped part is listed in ``Timing.hidden`` and left out of the
+sum; its item keeps the exposed rest):
+
+    parallel.overlap_grad_reduce   megatron-core DDP reduces (or reduce-scatters) each gradient
+                   bucket over data parallel as soon as the last micro-batch's backward has filled
+                   it: the fp32 gradient part of "data parallel" runs under that backward's
+                   compute, except the last bucket's (DDP's bucket, 40M parameters or 1M x dp,
+                   whichever is larger), which nothing follows; the bf16 parameter all-gather
+                   after the optimizer step stays exposed (``overlap_param_gather`` is not used)
+    parallel.moe_shared_expert_overlap   megatron-core's MoE layer runs the shared expert on a
+                   second stream while the routed tokens' all-to-alls run: the shared expert's
+                   compute hides that much of "expert parallel" (or all of it, if smaller)
+
+Overlapped communication is assumed not to slow the compute it runs under, nor the other
+communication (no shared-link contention is modelled).
+
 Every rate is a figure of ``engine.devices.SPECS`` times one efficiency of ``CONSTANTS``; each
 constant is used once, in ``estimate_time``. One of them, ``kernel``, is fitted to the published
 run's 13,700 tokens/s at 1M (``fit_kernel_efficiency``); the others are public measurements
@@ -54,6 +70,7 @@ KERNELS = {"KDA recurrence", "DSA indexer selection", "DSA indexer loss target",
            "DSA sparse attention", "DSA sparse attention (dense blocks)", "DSA sparse attention (gathered)"}
 SCORE_BYTES = 8  # per query-pool pair of the DSA selection: the fp32 score written, then read by the top-k
 ADAM_BYTES = 28  # per parameter of an Adam step: fp32 parameter, gradient, two moments read; parameter, moments written
+DDP_BUCKET = 40_000_000  # parameters per megatron-core DDP bucket under overlap_grad_reduce (at least 1M x dp)
 
 
 @dataclass(frozen=True)
@@ -91,6 +108,16 @@ class Timing:
     tokens_per_step: int
     items: list[TimeItem] = field(default_factory=list)
     model_flops_per_gpu: float = 0.0  # forward + backward of the step's work, no recompute, mean GPU
+    hidden: list[TimeItem] = field(default_factory=list)  # overlapped parts, not in the step's sum
+
+    def overlap(self, name: str, seconds: float, under: str) -> None:
+        """Hide ``seconds`` of item ``name`` under other work (``under``: what it runs beside):
+        the item keeps the exposed rest, the hidden part is listed in ``hidden``."""
+        item = next(i for i in self.items if i.name == name)
+        seconds = min(seconds, item.seconds)
+        if seconds > 0:
+            item.seconds -= seconds
+            self.hidden.append(TimeItem(f"{name} under {under}", item.layer, item.resource, seconds))
 
     @property
     def step_seconds(self) -> float:
@@ -120,12 +147,16 @@ class Timing:
             out[name] = out.get(name, 0.0) + item.seconds
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
+    def bound(self) -> tuple[str, float, TimeItem]:
+        """The resource with the most time, its share of the step and its largest part."""
+        resource, seconds = next(iter(self.by("resource").items()))
+        top = max((i for i in self.items if i.resource == resource), key=lambda i: i.seconds)
+        return resource, seconds / self.step_seconds, top
+
     @property
     def bottleneck(self) -> str:
         """The resource with the most time, and its largest part."""
-        resource, seconds = next(iter(self.by("resource").items()))
-        top = max((i for i in self.items if i.resource == resource), key=lambda i: i.seconds)
-        share = seconds / self.step_seconds
+        resource, share, top = self.bound()
         return f"{resource} ({share:.0%} of the step; largest part: {top.name}, {top.seconds / self.step_seconds:.0%})"
 
     def as_dict(self) -> dict:
@@ -133,7 +164,7 @@ class Timing:
                 "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "tflops_per_gpu": self.tflops_per_gpu,
                 "mfu": self.mfu, "bottleneck": self.bottleneck, "gpu": self.gpu.name, "gpus": self.gpus,
                 "by_resource": self.by("resource"), "by_layer": self.by("layer"),
-                "items": [vars(i) for i in self.items]}
+                "items": [vars(i) for i in self.items], "hidden": [vars(i) for i in self.hidden]}
 
 
 def _link(peer_stride: int, gpus_per_node: int, gpu: GPUSpec, c: Constants) -> float:
@@ -216,8 +247,17 @@ def estimate_time(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
     dp_dense, dp_expert = gpus // (p.tp * p.pp), gpus // (p.ep * p.etp * p.pp)
     grad_bytes = sum(n * (4 + 2) * (d - 1) / d for n, d in ((dense, dp_dense), (experts, dp_expert)) if d > 1)
     if grad_bytes:  # once per step: fp32 gradients reduce-scattered, bf16 parameters all-gathered
-        add(TimeItem("data parallel (gradients, parameters)", "", "communication",
-                     grad_bytes / _link(p.tp * p.cp * p.pp, node, gpu, c)))
+        dp_item = "data parallel (gradients, parameters)"
+        add(TimeItem(dp_item, "", "communication", grad_bytes / _link(p.tp * p.cp * p.pp, node, gpu, c)))
+        if getattr(p, "overlap_grad_reduce", False):
+            # the gradient part (4 of the 6 bytes) under the last micro-batch's backward, but its last bucket
+            reduce = timing.items[-1].seconds * 4 / 6
+            last_bucket = reduce * min(1.0, max(DDP_BUCKET, 1e6 * max(dp_dense, dp_expert)) / (dense + experts))
+            backward = sum(compute_seconds(w, w.total - w.count * w.forward, par, gpu, c) for w in work)
+            timing.overlap(dp_item, min(reduce - last_bucket, backward), "the last micro-batch's backward")
+    if getattr(p, "moe_shared_expert_overlap", False) and p.ep > 1 and moe_layers:
+        shared_expert = sum(i.seconds for i in timing.items if i.name == "MoE shared expert")
+        timing.overlap("expert parallel (all-to-all)", shared_expert, "the shared expert")
     if p.pp > 1:  # 1F1B: every stage idles for pp - 1 micro-batch slots of forward and backward
         busy = sum(i.seconds for i in timing.items if i.resource != "host")
         add(TimeItem("pipeline bubble", "", "idle", (p.pp - 1) / micro * busy))
@@ -318,9 +358,8 @@ def all_to_all_seconds(cfg, p, local: float, a: int, hw: Hardware, gpu: GPUSpec,
     """One MoE dispatch (or combine) all-to-all on the busiest expert rank, which receives
     ``moe_imbalance`` times the mean, over the network for the part of its group outside its node."""
     received = local / p.tp * cfg.num_experts_per_tok * cfg.hidden_size * a * hw.moe_imbalance
-    in_node = min(p.ep, max(1, hw.gpus_per_node // p.etp))  # members of this GPU's expert group on its node
-    remote = received * (1 - in_node / p.ep)
-    seconds = max(remote / (gpu.network * c.network), (received - remote) / (gpu.nvlink * c.nvlink))
+    # the share routed to this rank's own experts stays; the rest comes from the other members
+    seconds = _group_seconds(received * (p.ep - 1) / p.ep, p.etp, p.ep, hw.gpus_per_node, gpu, c)
     if p.etp > 1:  # the expert-tensor-parallel pair gathers each other's tokens, inside the node
         seconds += received * (p.etp - 1) / p.etp / (gpu.nvlink * c.nvlink)
     return seconds

@@ -26,7 +26,8 @@ longer has the gradient's shape.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Callable
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 import torch
 
@@ -54,11 +55,14 @@ def _backward(tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
                                             accumulate_grad=True)
 
 
-def run_1f1b(model: GLM5Model, n_micro: int, shape: tuple[int, ...], forward: StageForward, comm=None) -> None:
+def run_1f1b(model: GLM5Model, n_micro: int, shape: tuple[int, ...], forward: StageForward, comm=None,
+             sync: Callable[[int], ContextManager] | None = None) -> None:
     """Forward and backward of ``n_micro`` micro-batches through this rank's stage.
 
     ``shape``: the streams' shape for every micro-batch (``GLM5Model.stream_shape``). Gradients
-    accumulate in the parameters (or megatron-core DDP's buffers) as in a plain loop."""
+    accumulate in the parameters (or megatron-core DDP's buffers) as in a plain loop. ``sync(i)``:
+    a context entered around micro-batch ``i``'s backward (the trainer's deferred gradient
+    reduction: ``step.StepSpec.no_sync``); backward runs in micro-batch order on every stage."""
     from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
 
     comm = comm or communicator(model)
@@ -67,6 +71,7 @@ def run_1f1b(model: GLM5Model, n_micro: int, shape: tuple[int, ...], forward: St
     warmup = min(stages - stage - 1, n_micro)
     steady = n_micro - warmup
     pending: deque = deque()  # (input, output, loss) of micro-batches whose backward is still to run
+    done = [0]  # backward passes run
 
     def run_forward(i: int, received):
         if received is not None:
@@ -86,7 +91,9 @@ def run_1f1b(model: GLM5Model, n_micro: int, shape: tuple[int, ...], forward: St
             tensors.append(loss)
             grads.append(torch.ones_like(loss))
         if tensors:
-            _backward(tensors, grads)
+            with sync(done[0]) if sync is not None else nullcontext():
+                _backward(tensors, grads)
+        done[0] += 1
         return None if received is None else received.grad
 
     for i in range(warmup):

@@ -20,8 +20,9 @@ caller zeroes them first and reduces them across ranks after.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -59,6 +60,9 @@ class StepSpec:
     indexer_coeff: float = 1.0  # factor on each micro-batch's indexer losses in what backward runs on
     indexer_tokens: int | None = None  # positions the indexer loss covers (the rest is context-parallel padding)
     tp_group: Any = None  # the vocabulary-parallel cross-entropy's group (None: the whole vocabulary here)
+    # entered around the backward of every micro-batch but the last: megatron-core DDP's ``no_sync``
+    # under ``parallel.overlap_grad_reduce``, so that buckets are reduced during the last backward only
+    no_sync: Callable[[], ContextManager] | None = None
 
 
 class StepSums(NamedTuple):
@@ -74,10 +78,11 @@ def forward_backward(model: GLM5Model, micro: Sequence[TokenBatch], spec: StepSp
     if model.pg.pp.size() > 1:
         return _pipeline_forward_backward(model, micro, spec)
     lm_sum, indexer = torch.zeros(()), torch.zeros(())
-    for batch in micro:
+    for i, batch in enumerate(micro):
         with _offload(spec.memory):  # the saved tensors of one micro-batch at a time
             parts = forward_loss(model, batch, spec)
-            parts.total.backward()
+            with _deferred_sync(spec, last=i == len(micro) - 1):
+                parts.total.backward()
         lm_sum += parts.lm_sum.float().cpu()
         indexer += parts.indexer.float().cpu() / len(micro)
     return StepSums(lm_sum, indexer)
@@ -115,7 +120,8 @@ def _pipeline_forward_backward(model: GLM5Model, micro: Sequence[TokenBatch], sp
         return _stage_forward(model, micro, spec, sums, i, streams)
 
     with _offload(spec.memory):  # the 1F1B schedule interleaves micro-batches: the whole step at once
-        run_1f1b(model, len(micro), model.stream_shape(*micro[0].tokens.shape), stage_forward)
+        run_1f1b(model, len(micro), model.stream_shape(*micro[0].tokens.shape), stage_forward,
+                 sync=lambda i: _deferred_sync(spec, last=i == len(micro) - 1))
     return StepSums(sums["lm"], sums["indexer"])
 
 
@@ -135,6 +141,11 @@ def _stage_forward(model: GLM5Model, micro: Sequence[TokenBatch], spec: StepSpec
     parts = head_loss(model, out, batch, losses, spec)
     sums["lm"] += parts.lm_sum.float().cpu()
     return None, parts.total
+
+
+def _deferred_sync(spec: StepSpec, last: bool):
+    """Around one micro-batch's backward: ``spec.no_sync`` unless it is the step's last."""
+    return spec.no_sync() if spec.no_sync is not None and not last else nullcontext()
 
 
 def _offload(memory: MemoryConfig):

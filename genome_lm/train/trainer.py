@@ -217,7 +217,8 @@ class Trainer:
         apply_memory(model, cfg.memory)
         model.tf_config.calculate_per_token_loss = True  # the loss is already normalised globally: sum grads
         self.ddp = DistributedDataParallel(
-            model.tf_config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            model.tf_config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                           overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
                                                            use_distributed_optimizer=backend.distributed_optimizer),
             model, pg_collection=pg)
         self.optimizer = make_optimizer(cfg, self.ddp, pg, backend)
@@ -268,6 +269,8 @@ class Trainer:
         lm_sum, idx_sum = self._forward_backward(micro, step, weight, positions)
         release_host_cache()
         moe_load = _moe_load(self.model, pg.tp_dp_cp, pg.pp)  # read before finalize_model_grads resets the counts
+        if cfg.parallel.overlap_grad_reduce:  # wait for the buckets in flight before touching their gradients
+            self.ddp.finish_grad_sync()
         allreduce_sequence_parallel_grads(self.model)
         finalize_model_grads([self.ddp], pg_collection=pg)
         lm = float(global_sum(lm_sum, pg.dp_cp) / weight)
@@ -310,7 +313,8 @@ class Trainer:
         # indexer_tokens: the model already divides each CP rank's indexer loss by cp
         spec = StepSpec(memory=cfg.memory, mode=mode, global_weight=weight, tp_group=pg.tp,
                         indexer_tokens=positions if pg.cp.size() > 1 else None,
-                        indexer_coeff=cfg.train.indexer_loss_coeff / (self.dp_size * len(micro)))
+                        indexer_coeff=cfg.train.indexer_loss_coeff / (self.dp_size * len(micro)),
+                        no_sync=self.ddp.no_sync if cfg.parallel.overlap_grad_reduce else None)
         sums = forward_backward(self.model, micro, spec)
         return global_sum(sums.lm_sum, pg.pp), global_sum(sums.indexer, pg.pp)
 

@@ -103,3 +103,44 @@ def test_preflight_slice_prediction_is_the_step_without_the_optimizer():
     optimizer = sum(i.seconds for i in whole.items if i.name.startswith("optimizer"))
     assert optimizer > 0 and step == pytest.approx(whole.step_seconds - optimizer)
     assert predicted_gpu_step_seconds(run, "H100") > step  # same FLOP rate, slower memory and HBM
+
+
+def _item(timing, name: str) -> float:
+    return sum(i.seconds for i in timing.items if i.name == name)
+
+
+def test_overlapped_parts_leave_the_sum_and_no_more_than_they_can_hide(monkeypatch):
+    """``parallel.overlap_grad_reduce``: the fp32 gradient part (4 of the data-parallel item's 6
+    bytes a parameter) hides under the last micro-batch's backward, all but its last bucket; the
+    parameter all-gather stays. ``parallel.moe_shared_expert_overlap``: the shared expert's compute
+    hides that much of the expert all-to-all. What is hidden leaves the step time, no more."""
+    run = with_changes(load_config("glm-5.3-flash-256k-64xb200-searched"),
+                       parallel={"overlap_grad_reduce": False, "moe_shared_expert_overlap": False})
+    hw = Hardware(gpus=64)
+    off = tm.estimate_time(run, hw)
+    dp, a2a = "data parallel (gradients, parameters)", "expert parallel (all-to-all)"
+    grads = tm.estimate_time(with_changes(run, parallel={"overlap_grad_reduce": True}), hw)
+    hidden = {i.name.split(" under ")[0]: i.seconds for i in grads.hidden}
+    assert set(hidden) == {dp} and 0 < hidden[dp] < _item(off, dp) * 4 / 6
+    assert _item(grads, dp) == pytest.approx(_item(off, dp) - hidden[dp])
+    assert grads.step_seconds == pytest.approx(off.step_seconds - hidden[dp])
+    assert _item(grads, a2a) == _item(off, a2a)
+    # the last bucket cannot hide: with one bucket holding every gradient nothing does
+    monkeypatch.setattr(tm, "DDP_BUCKET", 10**15)
+    assert not tm.estimate_time(with_changes(run, parallel={"overlap_grad_reduce": True}), hw).hidden
+    monkeypatch.undo()
+    shared = tm.estimate_time(with_changes(run, parallel={"moe_shared_expert_overlap": True}), hw)
+    expected = min(_item(off, "MoE shared expert"), _item(off, a2a))
+    assert [i.seconds for i in shared.hidden] == [pytest.approx(expected)] and expected > 0
+    assert shared.step_seconds == pytest.approx(off.step_seconds - expected)
+    # nothing to overlap: one data-parallel rank, no expert parallel
+    alone = with_changes(load_config("glm-5.3-flash-4layer-1gpu", ["model.checkpoint=null"]),
+                         parallel={"overlap_grad_reduce": True, "moe_shared_expert_overlap": True})
+    assert not tm.estimate_time(alone).hidden
+
+
+def test_the_published_setting_overlaps_nothing():
+    from genome_lm.plan.published import TIME_FIGURES
+
+    for fig in TIME_FIGURES:
+        assert not tm.estimate_time(fig.run()).hidden
