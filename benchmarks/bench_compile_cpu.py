@@ -70,13 +70,15 @@ def hyper_connection_case(S: int, B: int):
     from genome_lm.model.presets import get_preset
 
     torch.manual_seed(0)
-    hc = HyperConnection(get_preset("tiny-long"))
+    from genome_lm_kernels import resolve_backend
+
+    hc = HyperConnection(get_preset("tiny-long"), native_ok=resolve_backend("torch", "cpu").native)
     x = torch.randn(S, B, 4, 64, requires_grad=True)
     block_out = torch.randn(S, B, 64, requires_grad=True)
 
     def piece(x, block_out):
         post, comb, block_in = hc(x)
-        return HyperConnection.merge(post, comb, block_out, x), block_in
+        return hc.merge(post, comb, block_out, x), block_in
 
     def make(fn):
         def step():

@@ -50,7 +50,7 @@ class BackendProfile:
 
     def describe(self) -> str:
         return (f"backend: {self.name} ({self.process_groups} process groups, {self.transformer_impl} specs, "
-                f"{self.moe_dispatcher} MoE dispatcher, {self.optimizer} optimizer, {self.kernel_backend} kernels)")
+                f"{self.moe_dispatcher} MoE dispatcher, {self.optimizer} optimizer, kernels: {self.kernel_backend})")
 
     def as_params(self) -> dict[str, str]:
         """The profile as MLflow parameters (``backend.*``)."""

@@ -180,11 +180,11 @@ def _tokens_last(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, n, n).permute(1, 2, 0).contiguous()
 
 
-def _native_mhc(*tensors: torch.Tensor) -> bool:
+def _c_takes(*tensors: torch.Tensor) -> bool:
     """Whether mHC's C kernels (``genome_lm_kernels/cpu/mhc.c``: the Sinkhorn, collapse, merge)
-    take these inputs: every one fp32 on the CPU, and the C kernels built here
-    (``GENOME_LM_NATIVE=0`` turns them off)."""
-    return native.wanted("mhc", None, all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors))
+    take these inputs: every one fp32 on the CPU. They run where this holds and the backend's
+    ``native`` is on (``HyperConnection(native_ok=...)``)."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
 def _run_tokens(fn: str, tokens: int, args_for) -> None:
@@ -202,9 +202,9 @@ class _Sinkhorn(torch.autograd.Function):
     BLOCK = 1 << 16  # tokens per recomputation block
 
     @staticmethod
-    def forward(ctx, z, iters: int, eps: float, compiled: bool = False):
+    def forward(ctx, z, iters: int, eps: float, compiled: bool = False, native_ok: bool = False):
         ctx.save_for_backward(z)
-        ctx.iters, ctx.eps, ctx.native = iters, eps, _native_mhc(z)
+        ctx.iters, ctx.eps, ctx.native = iters, eps, native_ok and _c_takes(z)
         if ctx.native:  # genome_lm_kernels' C kernel, forward and backward
             return _sinkhorn_native("mhc_sinkhorn_fwd", z, None, iters, eps)
         steps_fn, ctx.grad_fn = compiled_sinkhorn() if compiled else (_sinkhorn_steps, _sinkhorn_grad)
@@ -216,13 +216,13 @@ class _Sinkhorn(torch.autograd.Function):
     def backward(ctx, grad):
         (z,) = ctx.saved_tensors
         if ctx.native:
-            return _sinkhorn_native("mhc_sinkhorn_bwd", z, grad, ctx.iters, ctx.eps), None, None, None
+            return _sinkhorn_native("mhc_sinkhorn_bwd", z, grad, ctx.iters, ctx.eps), None, None, None, None
         zt, gt = _tokens_last(z), _tokens_last(grad)
         dz = torch.empty_like(zt)
         for a in range(0, zt.shape[-1], _Sinkhorn.BLOCK):
             dz[..., a:a + _Sinkhorn.BLOCK] = ctx.grad_fn(zt[..., a:a + _Sinkhorn.BLOCK],
                                                          gt[..., a:a + _Sinkhorn.BLOCK], ctx.iters, ctx.eps)
-        return dz.permute(2, 0, 1).reshape(z.shape), None, None, None
+        return dz.permute(2, 0, 1).reshape(z.shape), None, None, None, None
 
 
 def _sinkhorn_grad(z: torch.Tensor, g: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -315,10 +315,11 @@ def compiled_sinkhorn() -> tuple:
     return _COMPILED
 
 
-def sinkhorn(z: torch.Tensor, iters: int, eps: float, compiled: bool = False) -> torch.Tensor:
+def sinkhorn(z: torch.Tensor, iters: int, eps: float, compiled: bool = False, native_ok: bool = False
+             ) -> torch.Tensor:
     """[.., N, N] logits -> approximately doubly stochastic [.., N, N] (see ``HyperConnection``);
     ``compiled``: through ``compiled_sinkhorn``."""
-    return _Sinkhorn.apply(z, iters, eps, compiled)
+    return _Sinkhorn.apply(z, iters, eps, compiled, native_ok)
 
 
 class HyperConnection(nn.Module):
@@ -332,9 +333,10 @@ class HyperConnection(nn.Module):
     and scale are kept in fp32.
     """
 
-    def __init__(self, cfg: ModelConfig, compiled: bool = False):
+    def __init__(self, cfg: ModelConfig, compiled: bool = False, native_ok: bool = False):
         super().__init__()
         self.compiled = compiled  # the Sinkhorn steps through torch.compile (BuildOptions.compiled)
+        self.native = native_ok  # C kernels for fp32 CPU inputs (the kernel backend's ``native``)
         n = cfg.hc_mult
         self.n, self.iters, self.eps, self.norm_eps = n, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
         self.fn = nn.Parameter(torch.empty((2 + n) * n, n * cfg.hidden_size, dtype=torch.float32))
@@ -354,17 +356,17 @@ class HyperConnection(nn.Module):
         pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps
         post = 2 * torch.sigmoid(post_w * post_s + post_b)
         comb = sinkhorn(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), self.iters, self.eps,
-                        self.compiled)
-        if _native_mhc(pre, streams):
+                        self.compiled, self.native)
+        if self.native and _c_takes(pre, streams):
             block_in = _Collapse.apply(pre, streams)
         else:
             block_in = (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
         return post, comb, block_in
 
-    @staticmethod
-    def merge(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    def merge(self, post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor
+              ) -> torch.Tensor:
         """New streams: post * block output + comb^T @ old streams."""
-        if _native_mhc(post, comb, block_out, streams):
+        if self.native and _c_takes(post, comb, block_out, streams):
             return _Merge.apply(post, comb, block_out, streams)
         dtype = streams.dtype
         return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + comb.to(dtype).transpose(-1, -2) @ streams

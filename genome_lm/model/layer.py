@@ -26,8 +26,8 @@ class DecoderLayer(nn.Module):
         from megatron.core.transformer.spec_utils import build_module
 
         self.is_kda = cfg.layer_types[layer_idx] == LINEAR
-        self.attn_hc = HyperConnection(cfg, options.compiled)
-        self.ffn_hc = HyperConnection(cfg, options.compiled)
+        self.attn_hc = HyperConnection(cfg, options.compiled, options.kernel_backend.native)
+        self.ffn_hc = HyperConnection(cfg, options.compiled, options.kernel_backend.native)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.dtype)
         extra = {} if self.is_kda else {"tp_cp_group": pg.tp_cp}
@@ -66,7 +66,7 @@ class DecoderLayer(nn.Module):
             out, idx, loss = self.self_attention(x, idx, indexer_loss, indexer_tokens)
         if sp_len is not None:
             out = scatter_positions(out, self.tp_group)
-        streams = HyperConnection.merge(post, comb, out, streams)
+        streams = self.attn_hc.merge(post, comb, out, streams)
         post, comb, x = self.ffn_hc(streams)
         x = self.post_attention_layernorm(x)
         if sp_len is not None and getattr(self, "moe_sequence_parallel", False):
@@ -86,7 +86,7 @@ class DecoderLayer(nn.Module):
                                                        group=self.tp_group)[:S]
         else:
             out = self.mlp(x)[0]
-        return HyperConnection.merge(post, comb, out, streams), idx, loss
+        return self.ffn_hc.merge(post, comb, out, streams), idx, loss
 
 
 def gather_positions(x: torch.Tensor, length: int, group) -> torch.Tensor:

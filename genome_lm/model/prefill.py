@@ -187,7 +187,7 @@ class DSACache:
         B, S = q_BSHD.shape[:2]
         scale = q_BSHD.shape[-1] ** -0.5
         kp_BND = self.pooled.view() if self.pooled.data is not None else q_BSHD.new_zeros(B, 0, q_BSHD.shape[-1])
-        if native.wanted("dsa", None, backend.dsa == "torch" and native.usable(q_BSHD, w_BSH)):
+        if backend.native and native.usable(q_BSHD, w_BSH):
             # as the full forward's select_tokens runs on a CPU: per query, whatever the chunk
             return dsa_indexer.native_select(q_BSHD, kp_BND, w_BSH, kpool=self.kpool, topk=self.topk, scale=scale,
                                              n_pick=self.n_pick, t0=t0)

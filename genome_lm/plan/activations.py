@@ -52,9 +52,10 @@ class Shard:
         return 0.0 if self.a == F32 else width * F32
 
     @property
-    def torch_on_cpu(self) -> bool:
-        """The torch backend on a CPU: where the C kernels of ``genome_lm_kernels/cpu`` can run."""
-        return self.backend.name == "torch" and self.backend.device == "cpu"
+    def c_kernels(self) -> bool:
+        """The backend runs the C kernels of ``genome_lm_kernels/cpu`` (the torch path on a CPU,
+        where they are built: ``KernelBackend.native``)."""
+        return self.backend.native
 
     @property
     def gpu_kernels(self) -> bool:
@@ -90,9 +91,9 @@ def saved_rmsnorm(width: int, s: Shard) -> float:
 
 
 def kda_in_c(cfg: ModelConfig, s: Shard) -> bool:
-    """Whether KDA runs as the C token recurrence (``genome_lm_kernels/kda/native.py``): the torch
-    backend on a CPU, with heads small enough and the C kernels built on this machine."""
-    if not s.torch_on_cpu:
+    """Whether KDA runs as the C token recurrence (``genome_lm_kernels/kda/native.py``): a backend
+    with the C kernels, and heads small enough."""
+    if not s.c_kernels:
         return False
     native_kda = importlib.import_module("genome_lm_kernels.kda.native")
     return native_kda.runs_in_c(cfg.linear_head_dim, cfg.linear_head_dim)
@@ -271,9 +272,9 @@ def backward_streams(cfg: ModelConfig, s: Shard) -> float:
 
 
 def mhc_in_c(s: Shard) -> bool:
-    """Whether mHC's collapse and merge run in C (``model.common._Merge``): fp32 streams with the
-    torch backend on a CPU, and the C kernels built here."""
-    return native.wanted("mhc", None, s.torch_on_cpu and s.a == F32)
+    """Whether mHC's collapse and merge run in C (``model.common._Merge``): fp32 streams with a
+    backend that runs the C kernels."""
+    return s.c_kernels and s.a == F32
 
 
 DSA_DEFAULT_CHUNK = 64  # model.dsa.DSAAttention.query_chunk unless memory.dsa_query_chunk sets it

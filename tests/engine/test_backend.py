@@ -95,3 +95,15 @@ def test_the_model_reads_auto_from_the_profile(monkeypatch):
     assert resolved.name == "triton-fp32" and model.options.absorbed_mla
     layers = [m for m in model.modules() if hasattr(m, "backend")]
     assert layers and all(m.backend is resolved for m in layers)
+
+
+def test_the_profile_says_whether_the_c_kernels_run():
+    """The CPU profile's kernels are the torch path with the C kernels of this install (the
+    backend resolution decides; the description and the MLflow parameter say so)."""
+    from genome_lm_kernels.cpu import native
+
+    cpu = profile(gpu=False)
+    assert cpu.kernel_backend.native == native.available()
+    expected = f"torch with C kernels ({native.level()} build)" if native.available() else "torch"
+    assert f"kernels: {expected})" in cpu.describe()
+    assert cpu.as_params()["backend.kernels"] == expected

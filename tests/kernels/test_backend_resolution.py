@@ -39,7 +39,8 @@ def test_a_name_compared_with_a_backend_is_an_error():
     b = resolve_backend("torch", "cpu")
     with pytest.raises(TypeError, match=r"\.name"):
         _ = b == "torch"
-    assert b == KernelBackend(name="torch", device="cpu") and b != resolve_backend("reference", "cpu")
+    assert b == KernelBackend(name="torch", device="cpu", native=b.native) and b != resolve_backend("reference", "cpu")
+    assert b != resolve_backend("torch", "cpu", native=not b.native)  # the C choice is part of the backend
     assert len({b, resolve_backend("torch", "cpu")}) == 1
 
 

@@ -63,8 +63,6 @@ def cpu_path(name: str | None):
     if name is None:
         yield
         return
-    if name == "C" and native.library("kda") is None:
-        pytest.skip("no C compiler here")
     ran, apply, before = [], native_kda._KDA.apply, os.environ.get("GENOME_LM_NATIVE")
     os.environ["GENOME_LM_NATIVE"] = "1" if name == "C" else "0"
     native_kda._KDA.apply = lambda *a: ran.append(1) or apply(*a)

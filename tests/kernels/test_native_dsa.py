@@ -1,8 +1,7 @@
 """The C sparse attention (cpu/dsa.c) against the fp64 dense reference and the torch path: fresh
 random inputs, uneven lengths, repeated / out-of-order / empty slots, both compiled widths
-(16, and any other), rows split over threads, outputs poisoned with NaN; and its build: cached,
-rebuilt when the source changes, and a missing compiler or GENOME_LM_NATIVE=0 falls back to the
-torch path with a warning, never an error."""
+(16, and any other), rows split over threads, outputs poisoned with NaN; and what runs it: the
+backend's ``native`` (resolved once), fp64 on the torch path whatever it says."""
 
 import importlib
 
@@ -16,7 +15,6 @@ from .conftest import assert_rel_close
 native = importlib.import_module("genome_lm_kernels.cpu.native")
 impl = importlib.import_module("genome_lm_kernels.dsa.sparse_attention")
 
-needs_native = pytest.mark.skipif(native.library("dsa") is None, reason="no C compiler here")
 
 
 def _case(generator, B, T, S, H, D, Dv, dtype=torch.float32):
@@ -38,7 +36,6 @@ def _grads(fn, q, k, v, do, dlse, dtype):
     return (o, lse, *torch.autograd.grad(loss, leaves))
 
 
-@needs_native
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("B,T,S,H,D,Dv", [(2, 97, 11, 3, 8, 5), (1, 300, 37, 4, 16, 16), (3, 64, 259, 2, 16, 16),
                                          (2, 1, 3, 1, 4, 4)])
@@ -64,7 +61,6 @@ def test_native_matches_reference(generator, nan_poison, monkeypatch, threads, B
     assert torch.isneginf(got[1][:, min(5, T - 1)]).all() and (got[0][:, min(5, T - 1)] == 0).all()
 
 
-@needs_native
 def test_native_bf16_inputs(generator, nan_poison):
     """bf16 inputs are computed in fp32 (as the torch path does) and returned in bf16."""
     q, k, v, idx, do, dlse = _case(generator, 2, 130, 17, 2, 16, 16, torch.bfloat16)
@@ -78,7 +74,6 @@ def test_native_bf16_inputs(generator, nan_poison):
         assert_rel_close(a[finite].float(), b[finite].float(), torch.bfloat16, name)
 
 
-@needs_native
 def test_native_repeats_count_once(generator):
     """A row listing every key twice, the first copy descending, gives the row listing it once."""
     q, k, v, idx, do, dlse = _case(generator, 1, 80, 9, 2, 16, 16)
@@ -91,53 +86,18 @@ def test_native_repeats_count_once(generator):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
 
 
-def test_auto_choice_and_fallback(monkeypatch, tmp_path):
-    """fp64 stays on the torch path; with the kernels off (GENOME_LM_NATIVE=0) or unbuildable (no
-    compiler: a warning, once) every dtype does, and use_native=True is a clear error."""
+def test_fp64_stays_on_the_torch_path_whatever_the_backend_says(monkeypatch):
+    """The C sparse attention runs where ``use_native`` (the backend's ``native``) is on and the
+    inputs are not fp64 (the precision reference)."""
     q = torch.randn(1, 20, 2, 8, dtype=torch.float64)
     idx = torch.arange(20)[None, :, None].expand(1, 20, 3).contiguous()
     seen = []
     original = impl.SparseAttention.apply
     monkeypatch.setattr(impl.SparseAttention, "apply", lambda *a: seen.append(a[-1]) or original(*a))
-    impl.sparse_attention(q, q, q, idx, scale=0.3)
-    assert seen == [False]
-
-    monkeypatch.setenv("GENOME_LM_NATIVE", "0")
+    impl.sparse_attention(q, q, q, idx, scale=0.3, use_native=True)
+    impl.sparse_attention(q.float(), q.float(), q.float(), idx, scale=0.3, use_native=True)
     impl.sparse_attention(q.float(), q.float(), q.float(), idx, scale=0.3)
-    assert seen[-1] is False
-    with pytest.raises(RuntimeError, match="C kernels are off"):
-        impl.sparse_attention(q.float(), q.float(), q.float(), idx, scale=0.3, use_native=True)
-
-    monkeypatch.delenv("GENOME_LM_NATIVE")
-    monkeypatch.setenv("GENOME_LM_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    native._load.cache_clear()
-    try:
-        with pytest.warns(RuntimeWarning, match="torch path runs instead"):
-            assert native.library("dsa") is None
-        o, _ = impl.sparse_attention(q.float(), q.float(), q.float(), idx, scale=0.3)
-        assert seen[-1] is False and torch.isfinite(o).all()
-    finally:
-        native._load.cache_clear()
-
-
-@needs_native
-def test_build_is_cached_and_keyed_by_source(monkeypatch, tmp_path):
-    first = native.build("dsa", tmp_path)
-    stamp = first.stat().st_mtime_ns
-    assert native.build("dsa", tmp_path) == first and first.stat().st_mtime_ns == stamp  # not rebuilt
-    monkeypatch.setattr(native, "FLAGS", native.FLAGS + ("-DGENOME_LM_TEST_REBUILD",))
-    second = native.build("dsa", tmp_path)
-    assert second != first and second.exists()
-    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".so", ".so"]  # no temporary left behind
-
-
-def test_build_failure_names_the_source(monkeypatch, tmp_path):
-    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    monkeypatch.setattr(native, "_compiler", lambda: "false")
-    with pytest.raises(RuntimeError, match="false failed on dsa.c"):
-        native.build("dsa", tmp_path)
-    assert list(tmp_path.iterdir()) == []
+    assert seen == [False, True, False]
 
 
 # ---------------------------------------------------------------- the dense indexer loss in C
@@ -157,7 +117,6 @@ def _loss_and_grads(fn, leaves, dtype):
     return (loss.detach(), *torch.autograd.grad(loss * 1.7, list(xs.values())))  # a gradient other than 1
 
 
-@needs_native
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("B,T,H,D,Hi,Di,kpool", [(2, 97, 3, 8, 2, 8, 4), (1, 300, 4, 16, 4, 16, 4),
                                                 (2, 130, 2, 16, 3, 16, 3), (3, 70, 1, 16, 9, 16, 1),
@@ -198,16 +157,20 @@ def test_native_indexer_loss_matches_reference(generator, nan_poison, monkeypatc
         assert_rel_close(a.reshape(-1), c.reshape(-1), torch.float32, f"{name} vs torch path")
 
 
-def test_native_indexer_loss_only_where_it_applies(generator):
-    """The C loss takes the dense mode of one process's heads: sparse mode, a reduce_target or
-    absorbed queries run the torch path (auto), and asking for C there is an error."""
+def test_native_indexer_loss_only_where_it_applies(generator, monkeypatch):
+    """The C loss takes the dense mode of one process's heads: sparse mode or a reduce_target run
+    the torch path even when the backend runs C."""
     leaves, (q, k) = _loss_case(generator, 1, 40, 2, 16, 2, 16, 4)
     args = (leaves["q_idx_BTHD"], leaves["k_idx_BTD"], leaves["w_BTH"], q, k)
     idx = torch.arange(40)[None, :, None].expand(1, 40, 3).contiguous()
+    calls = []
+    original = loss_impl.NativeDenseIndexerLoss.apply
+    monkeypatch.setattr(loss_impl.NativeDenseIndexerLoss, "apply", lambda *a: calls.append(1) or original(*a))
     for kw in (dict(idx_BTS=idx), dict(reduce_target=lambda p, block: p)):
-        with pytest.raises(RuntimeError, match="dense mode"):
-            loss_impl.indexer_loss(*args, kpool=4, scale=0.25, use_native=True, **kw)
-        assert torch.isfinite(loss_impl.indexer_loss(*args, kpool=4, scale=0.25, **kw))
+        assert torch.isfinite(loss_impl.indexer_loss(*args, kpool=4, scale=0.25, use_native=True, **kw))
+    assert calls == []
+    loss_impl.indexer_loss(*args, kpool=4, scale=0.25, use_native=True)
+    assert calls == [1]
 
 
 # ---------------------------------------------------------------- token selection in C
@@ -215,7 +178,6 @@ def test_native_indexer_loss_only_where_it_applies(generator):
 indexer_impl = importlib.import_module("genome_lm_kernels.dsa.indexer")
 
 
-@needs_native
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("levels", [None, 3], ids=["distinct", "many-ties"])
 @pytest.mark.parametrize("B,T,Hi,Di,kpool,topk", [(2, 97, 3, 8, 4, 16), (1, 700, 4, 16, 4, 64),
@@ -242,30 +204,19 @@ def test_native_select_matches_torch_path(generator, monkeypatch, threads, level
     assert torch.equal(got, want), f"{int((got != want).any(-1).sum())} rows differ"
 
 
-@needs_native
-def test_native_select_is_the_default_on_cpu(monkeypatch):
-    """fp32 CPU inputs take the C selection without being asked; fp64 and a custom score_fn do not."""
+def test_native_select_runs_where_the_backend_says(monkeypatch):
+    """fp32 CPU inputs take the C selection when the backend's ``native`` is on (through the
+    public op) and not when it is off; fp64 and a custom score_fn never do."""
+    from genome_lm_kernels import dsa, resolve_backend
+
     calls = []
-    monkeypatch.setattr(indexer_impl, "native_select", lambda *a, **k: calls.append(1) or torch.zeros(1, dtype=torch.long))
+    monkeypatch.setattr(indexer_impl, "native_select",
+                        lambda *a, **k: calls.append(1) or torch.zeros(1, 20, 11, dtype=torch.int32))
     q, k, w = torch.randn(1, 20, 2, 8), torch.randn(1, 20, 8), torch.randn(1, 20, 2)
-    indexer_impl.select_tokens(q, k, w, kpool=4, topk=8)
+    dsa.select_tokens(q, k, w, kpool=4, topk=8, backend=resolve_backend("torch", "cpu", native=True))
     assert calls == [1]
-    indexer_impl.select_tokens(q.double(), k.double(), w.double(), kpool=4, topk=8)
-    indexer_impl.select_tokens(q, k, w, kpool=4, topk=8, score_fn=lambda *a: indexer_impl.torch_scores(*a))
+    dsa.select_tokens(q, k, w, kpool=4, topk=8, backend=resolve_backend("torch", "cpu", native=False))
+    indexer_impl.select_tokens(q.double(), k.double(), w.double(), kpool=4, topk=8, use_native=True)
+    indexer_impl.select_tokens(q, k, w, kpool=4, topk=8, score_fn=lambda *a: indexer_impl.torch_scores(*a),
+                               use_native=True)
     assert calls == [1]
-
-
-def test_build_retries_without_march_native(monkeypatch, tmp_path):
-    """A compiler that refuses -march=native (some Clang builds for arm64) still builds, portably."""
-    import shutil
-
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        pytest.skip("no C compiler here")
-    wrapper = tmp_path / "cc"
-    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -march=native ] && {{ echo "unsupported option '
-                       f'-march=native" >&2; exit 1; }}; done\nexec {cc} "$@"\n')
-    wrapper.chmod(0o755)
-    monkeypatch.setattr(native, "_compiler", lambda: str(wrapper))
-    lib = native.build("dsa", tmp_path / "out")
-    assert lib.exists()

@@ -1,2 +1,2 @@
-"""Native CPU kernels: small C files compiled once per machine with the system's C compiler and
-called through ctypes (``native.py``). The torch paths stay the reference and the fallback."""
+"""Native CPU kernels: small C files built at install into cffi extension modules (``build.py``)
+and called through ``native.py``. The torch paths stay the reference and the fallback."""

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "kernels.h"
 
 static int cmp_i64(const void *a, const void *b) {
     int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
@@ -82,11 +83,16 @@ static void row_exp(float *restrict s, int64_t n, int64_t S, int64_t H, const fl
 }
 
 /* o [R, H, Dv], lse [R, H] for rows r0..r1-1. */
-static inline __attribute__((always_inline)) void sparse_fwd(
+static inline __attribute__((always_inline)) int sparse_fwd(
     const float *q, const float *k, const float *v, const int32_t *idx, int64_t r0, int64_t r1, int64_t T,
     int64_t S, int64_t H, int64_t D, int64_t Dv, float scale, float *o, float *lse) {
     float *s = malloc(sizeof(float) * (size_t)(S * H + 2 * H));
     int64_t *keys = malloc(sizeof(int64_t) * (size_t)S);
+    if (!s || !keys) {
+        free(s);
+        free(keys);
+        return GENOME_LM_NO_MEMORY;
+    }
     float *mx = s + S * H, *sum = mx + H;
     for (int64_t r = r0; r < r1; r++) {
         int64_t base = r / T * T, n = row_keys(idx + r * S, S, keys);
@@ -117,16 +123,22 @@ static inline __attribute__((always_inline)) void sparse_fwd(
     }
     free(s);
     free(keys);
+    return 0;
 }
 
 /* Gradients for rows r0..r1-1: dq [R, H, D] written, dk [R, H, D] and dv [R, H, Dv] added to
  * (the caller gives each thread its own dk, dv). delta [R, H] = rowsum(do * o) - dlse. */
-static inline __attribute__((always_inline)) void sparse_bwd(
+static inline __attribute__((always_inline)) int sparse_bwd(
     const float *q, const float *k, const float *v, const int32_t *idx, const float *lse, const float *dout,
     const float *delta, int64_t r0, int64_t r1, int64_t T, int64_t S, int64_t H, int64_t D, int64_t Dv,
     float scale, float *dq, float *dk, float *dv) {
     float *s = malloc(sizeof(float) * (size_t)(S * H));
     int64_t *keys = malloc(sizeof(int64_t) * (size_t)S);
+    if (!s || !keys) {
+        free(s);
+        free(keys);
+        return GENOME_LM_NO_MEMORY;
+    }
     for (int64_t r = r0; r < r1; r++) {
         int64_t base = r / T * T, n = row_keys(idx + r * S, S, keys);
         const float *qr = q + r * H * D, *dor = dout + r * H * Dv;
@@ -156,25 +168,26 @@ static inline __attribute__((always_inline)) void sparse_bwd(
     }
     free(s);
     free(keys);
+    return 0;
 }
 
 /* The exported entry points: head widths of 16 (the tiny presets) get a copy of the loops compiled
  * for that width (fully unrolled dot products, about 2x faster); any other width the general one. */
-void dsa_sparse_fwd(const float *q, const float *k, const float *v, const int32_t *idx, int64_t r0, int64_t r1,
+int dsa_sparse_fwd(const float *q, const float *k, const float *v, const int32_t *idx, int64_t r0, int64_t r1,
                     int64_t T, int64_t S, int64_t H, int64_t D, int64_t Dv, float scale, float *o, float *lse) {
     if (D == 16 && Dv == 16)
-        sparse_fwd(q, k, v, idx, r0, r1, T, S, H, 16, 16, scale, o, lse);
+        return sparse_fwd(q, k, v, idx, r0, r1, T, S, H, 16, 16, scale, o, lse);
     else
-        sparse_fwd(q, k, v, idx, r0, r1, T, S, H, D, Dv, scale, o, lse);
+        return sparse_fwd(q, k, v, idx, r0, r1, T, S, H, D, Dv, scale, o, lse);
 }
 
-void dsa_sparse_bwd(const float *q, const float *k, const float *v, const int32_t *idx, const float *lse,
+int dsa_sparse_bwd(const float *q, const float *k, const float *v, const int32_t *idx, const float *lse,
                     const float *dout, const float *delta, int64_t r0, int64_t r1, int64_t T, int64_t S,
                     int64_t H, int64_t D, int64_t Dv, float scale, float *dq, float *dk, float *dv) {
     if (D == 16 && Dv == 16)
-        sparse_bwd(q, k, v, idx, lse, dout, delta, r0, r1, T, S, H, 16, 16, scale, dq, dk, dv);
+        return sparse_bwd(q, k, v, idx, lse, dout, delta, r0, r1, T, S, H, 16, 16, scale, dq, dk, dv);
     else
-        sparse_bwd(q, k, v, idx, lse, dout, delta, r0, r1, T, S, H, D, Dv, scale, dq, dk, dv);
+        return sparse_bwd(q, k, v, idx, lse, dout, delta, r0, r1, T, S, H, D, Dv, scale, dq, dk, dv);
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -233,11 +246,12 @@ static inline __attribute__((always_inline)) void scores_along_keys(const float 
     }
 }
 
-static inline __attribute__((always_inline)) void indexer_loss_dense(
+static inline __attribute__((always_inline)) int indexer_loss_dense(
     const float *q, const float *kT, const float *qi, const float *kp, const float *kpT, const float *w,
     int64_t r0, int64_t r1, int64_t T, int64_t N, int64_t H, int64_t D, int64_t Hi, int64_t Di, int64_t kpool,
     float scale, float idx_scale, float *kl, float *dqi, float *dw, float *dkp) {
     float *buf = malloc(sizeof(float) * (size_t)(2 * T + (Hi + 3) * N));
+    if (!buf) return GENOME_LM_NO_MEMORY;
     float *attn = buf + T, *p = attn + T, *I = p + N, *dI = I + N, *s = dI + N;
     for (int64_t r = r0; r < r1; r++) {
         int64_t b = r / T, t = r % T, n = t + 1, M = n / kpool < N ? n / kpool : N;
@@ -339,17 +353,18 @@ static inline __attribute__((always_inline)) void indexer_loss_dense(
         }
     }
     free(buf);
+    return 0;
 }
 
-void dsa_indexer_loss_dense(const float *q, const float *kT, const float *qi, const float *kp, const float *kpT,
+int dsa_indexer_loss_dense(const float *q, const float *kT, const float *qi, const float *kp, const float *kpT,
                             const float *w, int64_t r0, int64_t r1, int64_t T, int64_t N, int64_t H, int64_t D,
                             int64_t Hi, int64_t Di, int64_t kpool, float scale, float idx_scale, float *kl,
                             float *dqi, float *dw, float *dkp) {
     if (D == 16 && Di == 16)
-        indexer_loss_dense(q, kT, qi, kp, kpT, w, r0, r1, T, N, H, 16, Hi, 16, kpool, scale, idx_scale, kl, dqi,
+        return indexer_loss_dense(q, kT, qi, kp, kpT, w, r0, r1, T, N, H, 16, Hi, 16, kpool, scale, idx_scale, kl, dqi,
                            dw, dkp);
     else
-        indexer_loss_dense(q, kT, qi, kp, kpT, w, r0, r1, T, N, H, D, Hi, Di, kpool, scale, idx_scale, kl, dqi,
+        return indexer_loss_dense(q, kT, qi, kp, kpT, w, r0, r1, T, N, H, D, Hi, Di, kpool, scale, idx_scale, kl, dqi,
                            dw, dkp);
 }
 
@@ -437,11 +452,12 @@ static int64_t pick_top(const float *I, int64_t M, int64_t k, int64_t kpool, flo
     return slot;
 }
 
-static inline __attribute__((always_inline)) void select_tokens(
+static inline __attribute__((always_inline)) int select_tokens(
     const float *qi, const float *kpT, const float *w, int64_t r0, int64_t r1, int64_t T, int64_t N, int64_t Hi,
     int64_t Di, int64_t kpool, int64_t topk, int64_t n_pick, int64_t t0, float scale, int32_t *out) {
     int64_t S = topk + kpool - 1;
     float *buf = malloc(sizeof(float) * (size_t)(3 * N + N / PICK_BLOCK + 2));
+    if (!buf) return GENOME_LM_NO_MEMORY;
     float *I = buf, *sh = I + N, *work = sh + N;
     for (int64_t r = r0; r < r1; r++) {
         int64_t b = r / T, t = t0 + r % T, M = (t + 1) / kpool < N ? (t + 1) / kpool : N;
@@ -463,13 +479,14 @@ static inline __attribute__((always_inline)) void select_tokens(
         for (int64_t i = 0; i < kpool - 1 && start + i <= t; i++) row[n_pick * kpool + i] = (int32_t)(start + i);
     }
     free(buf);
+    return 0;
 }
 
-void dsa_select_tokens(const float *qi, const float *kpT, const float *w, int64_t r0, int64_t r1, int64_t T,
+int dsa_select_tokens(const float *qi, const float *kpT, const float *w, int64_t r0, int64_t r1, int64_t T,
                        int64_t N, int64_t Hi, int64_t Di, int64_t kpool, int64_t topk, int64_t n_pick, int64_t t0,
                        float scale, int32_t *out) {
     if (Di == 16)
-        select_tokens(qi, kpT, w, r0, r1, T, N, Hi, 16, kpool, topk, n_pick, t0, scale, out);
+        return select_tokens(qi, kpT, w, r0, r1, T, N, Hi, 16, kpool, topk, n_pick, t0, scale, out);
     else
-        select_tokens(qi, kpT, w, r0, r1, T, N, Hi, Di, kpool, topk, n_pick, t0, scale, out);
+        return select_tokens(qi, kpT, w, r0, r1, T, N, Hi, Di, kpool, topk, n_pick, t0, scale, out);
 }

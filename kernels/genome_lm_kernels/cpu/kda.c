@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #define BT 64 /* tokens per saved state */
 
@@ -60,12 +61,13 @@ static inline __attribute__((always_inline)) void token_write(float *S, const fl
     }
 }
 
-static inline __attribute__((always_inline)) void kda_fwd_rows(
+static inline __attribute__((always_inline)) int kda_fwd_rows(
     const float *q, const float *k, const float *v, const float *g, const float *beta, float scale,
     const float *S0, int64_t B, int64_t T, int64_t H, int64_t K, int64_t V, int64_t r0, int64_t r1, float *o,
     float *S_final, float *S_blocks) {
     int64_t nblk = (T + BT - 1) / BT;
     float *S = malloc(sizeof(float) * (size_t)(K * V + 2 * V + K));
+    if (!S) return GENOME_LM_NO_MEMORY;
     float *u = S + K * V, *d = u + V, *e = d + V;
     for (int64_t r = r0; r < r1; r++) {
         int64_t b = r / H, h = r % H;
@@ -88,15 +90,17 @@ static inline __attribute__((always_inline)) void kda_fwd_rows(
         if (S_final) memcpy(S_final + r * K * V, S, sizeof(float) * (size_t)(K * V));
     }
     free(S);
+    return 0;
 }
 
-static inline __attribute__((always_inline)) void kda_bwd_rows(
+static inline __attribute__((always_inline)) int kda_bwd_rows(
     const float *q, const float *k, const float *v, const float *g, const float *beta, float scale,
     const float *S_blocks, const float *dO, const float *dS_final, int64_t B, int64_t T, int64_t H, int64_t K,
     int64_t V, int64_t r0, int64_t r1, float *dq, float *dk, float *dv, float *dg, float *dbeta, float *dS0) {
     int64_t nblk = (T + BT - 1) / BT;
     /* per block: the decayed states S'_t, u_t, d_t, exp(g_t); then S, dS, dd, du */
     float *buf = malloc(sizeof(float) * (size_t)(BT * (K * V + 2 * V + K) + 2 * K * V + 2 * V));
+    if (!buf) return GENOME_LM_NO_MEMORY;
     float *Sd = buf, *us = Sd + BT * K * V, *ds = us + BT * V, *es = ds + BT * V;
     float *S = es + BT * K, *dS = S + K * V, *dd = dS + K * V, *du = dd + V;
     for (int64_t r = r0; r < r1; r++) {
@@ -162,26 +166,27 @@ static inline __attribute__((always_inline)) void kda_bwd_rows(
         if (dS0) memcpy(dS0 + r * K * V, dS, sizeof(float) * (size_t)(K * V));
     }
     free(buf);
+    return 0;
 }
 
 /* The exported entry points: K = V = 16 (the CPU presets' heads) get loops compiled for them. */
-void kda_fwd(const float *q, const float *k, const float *v, const float *g, const float *beta, float scale,
+int kda_fwd(const float *q, const float *k, const float *v, const float *g, const float *beta, float scale,
              const float *S0, int64_t B, int64_t T, int64_t H, int64_t K, int64_t V, int64_t r0, int64_t r1, float *o,
              float *S_final, float *S_blocks) {
     if (K == 16 && V == 16)
-        kda_fwd_rows(q, k, v, g, beta, scale, S0, B, T, H, 16, 16, r0, r1, o, S_final, S_blocks);
+        return kda_fwd_rows(q, k, v, g, beta, scale, S0, B, T, H, 16, 16, r0, r1, o, S_final, S_blocks);
     else
-        kda_fwd_rows(q, k, v, g, beta, scale, S0, B, T, H, K, V, r0, r1, o, S_final, S_blocks);
+        return kda_fwd_rows(q, k, v, g, beta, scale, S0, B, T, H, K, V, r0, r1, o, S_final, S_blocks);
 }
 
-void kda_bwd(const float *q, const float *k, const float *v, const float *g, const float *beta, float scale,
+int kda_bwd(const float *q, const float *k, const float *v, const float *g, const float *beta, float scale,
              const float *S_blocks, const float *dO, const float *dS_final, int64_t B, int64_t T, int64_t H, int64_t K,
              int64_t V, int64_t r0, int64_t r1, float *dq, float *dk, float *dv, float *dg, float *dbeta,
              float *dS0) {
     if (K == 16 && V == 16)
-        kda_bwd_rows(q, k, v, g, beta, scale, S_blocks, dO, dS_final, B, T, H, 16, 16, r0, r1, dq, dk, dv, dg, dbeta,
+        return kda_bwd_rows(q, k, v, g, beta, scale, S_blocks, dO, dS_final, B, T, H, 16, 16, r0, r1, dq, dk, dv, dg, dbeta,
                      dS0);
     else
-        kda_bwd_rows(q, k, v, g, beta, scale, S_blocks, dO, dS_final, B, T, H, K, V, r0, r1, dq, dk, dv, dg, dbeta,
+        return kda_bwd_rows(q, k, v, g, beta, scale, S_blocks, dO, dS_final, B, T, H, K, V, r0, r1, dq, dk, dv, dg, dbeta,
                      dS0);
 }

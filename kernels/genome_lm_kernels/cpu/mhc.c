@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #define TB 64 /* tokens per block */
 
@@ -65,9 +66,11 @@ static inline __attribute__((always_inline)) void normalise(float *c, int64_t N,
     }
 }
 
-static inline __attribute__((always_inline)) void sinkhorn_fwd(const float *z, int64_t M, int64_t N, int64_t iters,
+static inline __attribute__((always_inline)) int sinkhorn_fwd(const float *z, int64_t M, int64_t N, int64_t iters,
                                                                float eps, int64_t m0, int64_t m1, float *out) {
-    float *c = malloc(sizeof(float) * (size_t)(N * N * TB + N * TB)), *den = c + N * N * TB;
+    float *c = malloc(sizeof(float) * (size_t)(N * N * TB + N * TB));
+    if (!c) return GENOME_LM_NO_MEMORY;
+    float *den = c + N * N * TB;
     for (int64_t t0 = m0; t0 < m1; t0 += TB) {
         int64_t nt = m1 - t0 < TB ? m1 - t0 : TB;
         softmax_rows(z + t0, M, N, nt, c);
@@ -77,14 +80,16 @@ static inline __attribute__((always_inline)) void sinkhorn_fwd(const float *z, i
         for (int64_t e = 0; e < N * N; e++) memcpy(out + e * M + t0, c + e * TB, sizeof(float) * (size_t)nt);
     }
     free(c);
+    return 0;
 }
 
-static inline __attribute__((always_inline)) void sinkhorn_bwd(const float *z, const float *grad, int64_t M,
+static inline __attribute__((always_inline)) int sinkhorn_bwd(const float *z, const float *grad, int64_t M,
                                                                int64_t N, int64_t iters, float eps, int64_t m0,
                                                                int64_t m1, float *dz) {
     int64_t steps = 2 * iters - 1, NN = N * N;
     /* ys[s]: the output of step s; dens[s]: its denominators; p: the softmax; g: the gradient */
     float *buf = malloc(sizeof(float) * (size_t)((steps + 3) * NN * TB + steps * N * TB + TB));
+    if (!buf) return GENOME_LM_NO_MEMORY;
     float *ys = buf, *p = ys + steps * NN * TB, *g = p + NN * TB, *c = g + NN * TB, *dens = c + NN * TB;
     float *acc = dens + steps * N * TB;
     for (int64_t t0 = m0; t0 < m1; t0 += TB) {
@@ -130,22 +135,23 @@ static inline __attribute__((always_inline)) void sinkhorn_bwd(const float *z, c
         }
     }
     free(buf);
+    return 0;
 }
 
-void mhc_sinkhorn_fwd(const float *z, int64_t M, int64_t N, int64_t iters, float eps, int64_t m0, int64_t m1,
+int mhc_sinkhorn_fwd(const float *z, int64_t M, int64_t N, int64_t iters, float eps, int64_t m0, int64_t m1,
                       float *out) {
     if (N == 4)
-        sinkhorn_fwd(z, M, 4, iters, eps, m0, m1, out);
+        return sinkhorn_fwd(z, M, 4, iters, eps, m0, m1, out);
     else
-        sinkhorn_fwd(z, M, N, iters, eps, m0, m1, out);
+        return sinkhorn_fwd(z, M, N, iters, eps, m0, m1, out);
 }
 
-void mhc_sinkhorn_bwd(const float *z, const float *grad, int64_t M, int64_t N, int64_t iters, float eps,
+int mhc_sinkhorn_bwd(const float *z, const float *grad, int64_t M, int64_t N, int64_t iters, float eps,
                       int64_t m0, int64_t m1, float *dz) {
     if (N == 4)
-        sinkhorn_bwd(z, grad, M, 4, iters, eps, m0, m1, dz);
+        return sinkhorn_bwd(z, grad, M, 4, iters, eps, m0, m1, dz);
     else
-        sinkhorn_bwd(z, grad, M, N, iters, eps, m0, m1, dz);
+        return sinkhorn_bwd(z, grad, M, N, iters, eps, m0, m1, dz);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -247,22 +253,26 @@ static inline __attribute__((always_inline)) void merge_bwd(const float *post, c
     else                                   \
         call_any;
 
-void mhc_collapse_fwd(const float *pre, const float *s, int64_t N, int64_t D, int64_t m0, int64_t m1, float *x) {
+int mhc_collapse_fwd(const float *pre, const float *s, int64_t N, int64_t D, int64_t m0, int64_t m1, float *x) {
     MHC_DISPATCH(collapse_fwd(pre, s, 4, 64, m0, m1, x), collapse_fwd(pre, s, N, D, m0, m1, x))
+    return 0;
 }
 
-void mhc_collapse_bwd(const float *pre, const float *s, const float *g, int64_t N, int64_t D, int64_t m0, int64_t m1,
+int mhc_collapse_bwd(const float *pre, const float *s, const float *g, int64_t N, int64_t D, int64_t m0, int64_t m1,
                       float *dpre, float *ds) {
     MHC_DISPATCH(collapse_bwd(pre, s, g, 4, 64, m0, m1, dpre, ds), collapse_bwd(pre, s, g, N, D, m0, m1, dpre, ds))
+    return 0;
 }
 
-void mhc_merge_fwd(const float *post, const float *comb, const float *y, const float *s, int64_t N, int64_t D,
+int mhc_merge_fwd(const float *post, const float *comb, const float *y, const float *s, int64_t N, int64_t D,
                    int64_t m0, int64_t m1, float *out) {
     MHC_DISPATCH(merge_fwd(post, comb, y, s, 4, 64, m0, m1, out), merge_fwd(post, comb, y, s, N, D, m0, m1, out))
+    return 0;
 }
 
-void mhc_merge_bwd(const float *post, const float *comb, const float *y, const float *s, const float *g, int64_t N,
+int mhc_merge_bwd(const float *post, const float *comb, const float *y, const float *s, const float *g, int64_t N,
                    int64_t D, int64_t m0, int64_t m1, float *dpost, float *dcomb, float *dy, float *ds) {
     MHC_DISPATCH(merge_bwd(post, comb, y, s, g, 4, 64, m0, m1, dpost, dcomb, dy, ds),
                  merge_bwd(post, comb, y, s, g, N, D, m0, m1, dpost, dcomb, dy, ds))
+    return 0;
 }

@@ -91,7 +91,8 @@ def select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate_BTD=None, ape_KD=None, 
 
         score_fn = _triton.pool_scores_chunk
     return _indexer.select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate_BTD, ape_KD, kpool=kpool, topk=topk,
-                                  scale=scale, chunk=chunk, score_fn=score_fn, queries=queries)
+                                  scale=scale, chunk=chunk, score_fn=score_fn, queries=queries,
+                                  use_native=backend.native)
 
 
 def sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, *, scale: float, backend: KernelBackend, chunk: int = 64):
@@ -101,7 +102,8 @@ def sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, *, scale: float, backend: 
     if path == "reference":
         return _reference.sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale=scale)
     if path == "torch":
-        return _sparse.sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale=scale, chunk=chunk)
+        return _sparse.sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale=scale, chunk=chunk,
+                                        use_native=backend.native)
     from . import triton as _triton
 
     return _triton.sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale=scale)
@@ -130,4 +132,4 @@ def indexer_loss(q_idx_BTHD, k_idx_BTD, w_idx_BTH, q_BTHD, k_BTHD, idx_BTS=None,
                                        kpool=kpool, idx_scale=idx_scale, scale=scale)
     return _loss.indexer_loss(q_idx_BTHD, k_idx_BTD, w_idx_BTH, q_BTHD, k_BTHD, idx_BTS, gate_BTD=gate_BTD,
                               ape_KD=ape_KD, kpool=kpool, idx_scale=idx_scale, scale=scale, chunk=chunk,
-                              reduce_target=reduce_target, w_uk_HED=w_uk_HED)
+                              reduce_target=reduce_target, w_uk_HED=w_uk_HED, use_native=backend.native)

@@ -218,21 +218,21 @@ def query_range(queries: tuple[int, int] | None, T: int, chunk: int) -> tuple[in
 @torch.no_grad()
 def select_tokens(q_BTHD, k_BTD, w_BTH, gate_BTD=None, ape_KD=None, *, kpool: int, topk: int,
                   scale: float | None = None, chunk: int = 64, score_fn: ScoreFn = torch_scores,
-                  use_native: bool | None = None, queries: tuple[int, int] | None = None):
+                  use_native: bool = False, queries: tuple[int, int] | None = None):
     """Selected token indices [B, T, S] (int32, -1 = empty) and validity mask [B, T, S].
 
     q [B, T, Hi, D] indexer queries; k [B, T, D] indexer keys (shared by the heads);
     w [B, T, Hi] head weights (transformers: ``weights_proj(x) * Hi**-0.5``);
     gate [B, T, D] pool gate logits (``x @ index_kpool_compress_gate.T``); ape [kpool, D];
     scale defaults to D**-0.5. S = topk + kpool - 1.
-    ``use_native``: scores and top-k in C (``cpu/dsa.c``, fp32); None = whenever the torch
-    scores are asked for, the inputs are CPU tensors not in fp64 and the C kernels build here.
+    ``use_native`` (the backend's ``native``): scores and top-k in C (``cpu/dsa.c``, fp32) when
+    the torch scores are asked for and the inputs are CPU tensors not in fp64.
     ``queries`` = (first, end): select for those queries only ([B, end - first, S]) over the
     whole sequence's pools, as the whole call would (see ``query_range``)."""
     B, T, _, D = q_BTHD.shape
     q0, q1 = query_range(queries, T, chunk)
     scale = D**-0.5 if scale is None else scale
-    use_native = native.wanted("dsa", use_native, score_fn is torch_scores and native.usable(q_BTHD, k_BTD, w_BTH))
+    use_native = use_native and score_fn is torch_scores and native.usable(q_BTHD, k_BTD, w_BTH)
     kp_BND = pool_keys(k_BTD, gate_BTD, ape_KD, kpool=kpool)
     n_pick = min(topk // kpool, kp_BND.shape[1])
     if use_native:

@@ -221,19 +221,17 @@ def _candidate_keys(kp_BND, pools_BCM, dense: bool):
 
 def indexer_loss(q_idx_BTHD, k_idx_BTD, w_BTH, q_BTHD, k_BTHD, idx_BTS=None, *, gate_BTD=None, ape_KD=None,
                  kpool: int, idx_scale: float | None = None, scale: float, chunk: int = 64, reduce_target=None,
-                 w_uk_HED=None, use_native: bool | None = None):
+                 w_uk_HED=None, use_native: bool = False):
     """Scalar KL loss; ``idx_BTS=None`` is the dense warm-up mode, else the sparse mode.
     Shapes as in ``select_tokens`` (indexer) and ``sparse_attention`` (main q, k: this rank's
     heads, summed over the ranks by ``reduce_target`` when given; k [B, T, 1, D] is one key
     head shared by every query head, as absorbed MLA's latent; then ``w_uk_HED`` [H, E, D] lets q
     be the per-head queries [B, T, H, E], absorbed one query block at a time).
-    ``use_native``: the dense mode in C (``NativeDenseIndexerLoss``); None = whenever it applies
-    (dense mode, no reduce_target or w_uk, CPU tensors not in fp64, the C kernels built here)."""
+    ``use_native`` (the backend's ``native``): the dense mode in C (``NativeDenseIndexerLoss``)
+    where it applies (dense mode, no reduce_target or w_uk, CPU tensors not in fp64)."""
     idx_scale = q_idx_BTHD.shape[-1] ** -0.5 if idx_scale is None else idx_scale
-    use_native = native.wanted("dsa", use_native, idx_BTS is None and reduce_target is None and w_uk_HED is None
-                               and native.usable(q_idx_BTHD, k_idx_BTD, w_BTH, q_BTHD, k_BTHD),
-                               why="the C indexer loss takes the dense mode on one process's heads (no idx, "
-                                   "reduce_target or w_uk) in fp32, bf16 or fp16 on the CPU")
+    use_native = (use_native and idx_BTS is None and reduce_target is None and w_uk_HED is None
+                  and native.usable(q_idx_BTHD, k_idx_BTD, w_BTH, q_BTHD, k_BTHD))
     # Pool keys in fp32 (not the input dtype, as selection does): a bf16 rounding of the keys
     # flips ReLUs and makes the gradient noisy; the gradient still flows back to bf16 leaves.
     kp_BND = pool_keys(k_idx_BTD.to(compute_dtype(k_idx_BTD.dtype)), gate_BTD, ape_KD, kpool=kpool)

@@ -256,11 +256,11 @@ def _flush_dense(heads_major, dk_BTX, dv_BTX):
 
 
 def sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, *, scale: float, chunk: int = 64,
-                     use_native: bool | None = None):
+                     use_native: bool = False):
     """q, k [B, T, H, Dqk], v [B, T, H, Dv], idx [B, T, S] int32 -> o [B, T, H, Dv], lse [B, T, H]
     (fp32, fp64 for fp64 inputs; -inf and o = 0 for a query with no selected key).
 
-    ``use_native``: run forward and backward in C (``cpu/dsa.c``); None = whenever the inputs
-    are CPU tensors in fp32 / bf16 / fp16 and the C kernels build here, False = the torch path."""
-    use_native = native.wanted("dsa", use_native, native.usable(q_BTHD, k_BTHD, v_BTHD))
+    ``use_native`` (the backend's ``native``): forward and backward in C (``cpu/dsa.c``) when the
+    inputs are CPU tensors in fp32 / bf16 / fp16 (fp64 stays on the torch path)."""
+    use_native = use_native and native.usable(q_BTHD, k_BTHD, v_BTHD)
     return SparseAttention.apply(q_BTHD, k_BTHD, v_BTHD, idx_BTS, scale, chunk, use_native)

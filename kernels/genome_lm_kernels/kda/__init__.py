@@ -84,7 +84,7 @@ def kda(
         q, k = l2norm(q), l2norm(k)
     if path == "reference":
         from .reference import kda_reference as run
-    elif path == "torch" and _native_applies(q_in, v, g, beta):
+    elif path == "torch" and backend.native and _native_applies(q_in, v, g, beta):
         from .native import kda_native as run  # the token recurrence in C (small heads)
     elif path == "torch":
         from .chunked import kda_chunked as run

@@ -23,9 +23,9 @@ BLOCK = 64  # tokens per saved state: cpu/kda.c's BT
 
 
 def runs_in_c(K: int, V: int) -> bool:
-    """Whether heads of K x V take the C recurrence on a CPU here: a state of at most
-    ``MAX_STATE`` floats, and the C kernels built (``GENOME_LM_NATIVE=0`` turns them off)."""
-    return native.wanted("kda", None, K * V <= MAX_STATE)
+    """Whether heads of K x V take the C recurrence (with a backend whose ``native`` is on): a
+    state of at most ``MAX_STATE`` floats."""
+    return K * V <= MAX_STATE
 
 
 def applies(q: torch.Tensor, v: torch.Tensor, *inputs: torch.Tensor) -> bool:
@@ -47,10 +47,10 @@ class _KDA(torch.autograd.Function):
         blocks = torch.empty(B * H, -(-T // BLOCK), K, V, **f32) if any(ctx.needs_input_grad) else None
         lib = native.library("kda")
         ptrs = [native.ptr(x) for x in (q, k, v, g, beta)]
-        s0 = None if S0 is None else native.ptr(S0)
+        s0 = native.ptr(S0)
         native.run_rows(lib.kda_fwd, native.split_rows(B * H, 1), lambda i, r0, r1: (
             *ptrs, scale, s0, B, T, H, K, V, r0, r1, native.ptr(o), native.ptr(S_final),
-            None if blocks is None else native.ptr(blocks)))
+            native.ptr(blocks)))
         ctx.save_for_backward(q, k, v, g, beta, blocks)
         ctx.scale, ctx.has_S0 = scale, S0 is not None
         return o, S_final
@@ -67,8 +67,8 @@ class _KDA(torch.autograd.Function):
         lib = native.library("kda")
         ptrs = [native.ptr(x) for x in (q, k, v, g, beta)]
         native.run_rows(lib.kda_bwd, native.split_rows(B * H, 1), lambda i, r0, r1: (
-            *ptrs, ctx.scale, native.ptr(blocks), native.ptr(do), None if dS_final is None else native.ptr(dS_final),
-            B, T, H, K, V, r0, r1, *(native.ptr(x) for x in grads), None if dS0 is None else native.ptr(dS0)))
+            *ptrs, ctx.scale, native.ptr(blocks), native.ptr(do), native.ptr(dS_final),
+            B, T, H, K, V, r0, r1, *(native.ptr(x) for x in grads), native.ptr(dS0)))
         return (*grads, dS0, None)
 
 

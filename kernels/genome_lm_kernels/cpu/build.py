@@ -1,0 +1,65 @@
+"""The C kernels as Python extension modules, built at install by cffi in API mode.
+
+``pip install -e .`` (``setup.py``: ``cffi_modules``) compiles ``dsa.c``, ``kda.c`` and ``mhc.c``
+once per instruction-set level into ``genome_lm_kernels.cpu._native_<level>``; ``native.py``
+imports the highest level this CPU runs (``genome_lm_cpu_level``, asked of the baseline module). The
+Python side's declarations (the cdef) are ``kernels.h``, which every source includes, so a
+definition that drifts from its declaration fails to compile, and cffi compiles every call from
+Python against the same declaration (no hand-written argument types). No ``-march=native``: the
+levels are fixed targets, the same on the machine that builds and the one that runs.
+
+Run it directly to build the modules into this folder (what ``setup.py build_ext --inplace``
+does): ``python kernels/genome_lm_kernels/cpu/build.py``.
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+from pathlib import Path
+
+from cffi import FFI
+
+HERE = Path(__file__).resolve().parent
+SOURCES = ("dsa.c", "kda.c", "mhc.c")  # and level.c, the CPU probe
+# what the kernels' loops need to vectorise: reassociation and contraction of float sums, no errno
+FLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
+         "-ffp-contract=fast", "-Wall", "-Wno-unused-function", "-Wno-psabi", "-Werror=implicit-function-declaration",
+         "-Werror=incompatible-pointer-types", "-Werror=int-conversion"]
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+# level name -> -march (None: the compiler's default target, the baseline every build has)
+LEVELS = {"base": None, **({"v3": "x86-64-v3", "v4": "x86-64-v4"} if X86 else {})}
+
+
+def declarations(source_dir: Path = HERE) -> str:
+    """``kernels.h`` without its preprocessor lines and comments: what cffi's cdef reads."""
+    text = re.sub(r"/\*.*?\*/", "", (source_dir / "kernels.h").read_text(), flags=re.S)
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    return "\n".join(lines) + "\n#define GENOME_LM_NO_MEMORY 1\n"
+
+
+def builder(level: str, source_dir: Path = HERE) -> FFI:
+    """The cffi builder of one level's module (from the sources in ``source_dir``)."""
+    ffi = FFI()
+    ffi.cdef(declarations(source_dir))
+    march = LEVELS[level]
+    sources = [*SOURCES, "level.c"]
+    # relative paths where it can (setuptools runs from the project root and refuses absolute ones)
+    root = source_dir.relative_to(Path.cwd()) if source_dir.is_relative_to(Path.cwd()) else source_dir
+    ffi.set_source(f"genome_lm_kernels.cpu._native_{level}", '#include "kernels.h"',
+                   sources=[str(root / s) for s in sources], include_dirs=[str(root)],
+                   extra_compile_args=FLAGS + ([f"-march={march}"] if march else []), libraries=["m"])
+    return ffi
+
+
+# what setup.py's cffi_modules name: "kernels/genome_lm_kernels/cpu/build.py:ffi_base", ...
+for _level in LEVELS:
+    globals()[f"ffi_{_level}"] = builder(_level)
+
+
+if __name__ == "__main__":
+    import os
+
+    os.chdir(HERE.parents[2])  # the project root, as under setup.py
+    for _level in LEVELS:
+        print(builder(_level).compile(tmpdir=str(HERE.parents[1]), verbose=False))
