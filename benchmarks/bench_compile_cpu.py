@@ -2,7 +2,7 @@
 against compiled in the same process, forward + backward, with the compile time and the ratio.
 
 Pieces: the mHC Sinkhorn normalisation's steps and recomputing gradient
-(``genome_lm.model.common._sinkhorn_steps`` / ``_sinkhorn_grad``, what ``model.compile``
+(``genome_lm_kernels.mhc.recompute.steps`` / ``grad``, what ``model.compile``
 compiles), KDA's per-chunk preparation (``genome_lm_kernels.kda.chunked._chunk_prepare``, the
 pairwise decays, the UT transform and the WY pair for a group of chunks) and one mHC
 hyper-connection with its merge (``genome_lm.model.common.HyperConnection``), at the long
@@ -51,13 +51,13 @@ def kda_prepare_case(N: int):
 
 
 def sinkhorn_case(M: int):
-    from genome_lm.model import common
+    from genome_lm_kernels.mhc import recompute
 
     gen = torch.Generator().manual_seed(0)
     z, g = torch.randn(4, 4, M, generator=gen), torch.randn(4, 4, M, generator=gen)
 
     def pieces(z, g):
-        return common._sinkhorn_steps(z, 20, 1e-6), common._sinkhorn_grad(z, g, 20, 1e-6)
+        return recompute.steps(z, 20, 1e-6), recompute.grad(z, g, 20, 1e-6)
 
     def make(fn):
         return lambda: fn(z, g)
@@ -72,7 +72,7 @@ def hyper_connection_case(S: int, B: int):
     torch.manual_seed(0)
     from genome_lm_kernels import resolve_backend
 
-    hc = HyperConnection(get_preset("tiny-long"), native_ok=resolve_backend("torch", "cpu").native)
+    hc = HyperConnection(get_preset("tiny-long"), resolve_backend("torch", "cpu"))
     x = torch.randn(S, B, 4, 64, requires_grad=True)
     block_out = torch.randn(S, B, 64, requires_grad=True)
 

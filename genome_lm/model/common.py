@@ -1,4 +1,4 @@
-"""Pieces shared by the layers: megatron-core's config and spec provider, RMSNorm, mHC.
+"""Pieces shared by the layers: megatron-core's config and spec provider, RMSNorm, mHC's module.
 
 Layout: inside the stack activations are sequence-first, ``[S, B, ...]``, as megatron-core's
 modules expect; the mHC residual streams are ``[S, B, N, hidden]`` with N = ``hc_mult``.
@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from genome_lm_kernels import KernelBackend, resolve_backend
-from genome_lm_kernels.cpu import native
+from genome_lm_kernels import KernelBackend, mhc, resolve_backend
 
 from .config import ModelConfig
 
@@ -42,7 +41,7 @@ class BuildOptions:
         (``genome_lm_kernels.dsa.sparse_mla``, tensor cores on a GPU) instead of per-head keys
         and values (``sparse_attention``); the same function, another order of products.
     compiled: the mHC Sinkhorn normalisation (forward and its backward's recomputation) runs
-        through ``torch.compile`` (``compiled_sinkhorn``): the same arithmetic in a few fused
+        through ``torch.compile`` (``genome_lm_kernels.mhc.recompute.compiled``): the same arithmetic in a few fused
         kernels instead of about 270 small ops per hyper-connection and step (``model.compile``).
     split_dsa_selection: the DSA selection and indexer loss are shared out over the tensor x
         context parallel group instead of repeated on every rank (``dsa.py``; the same results).
@@ -159,169 +158,6 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def _sinkhorn_steps(z: torch.Tensor, iters: int, eps: float, keep: list | None = None) -> torch.Tensor:
-    """softmax over columns + eps, then column, (row, column) x (iters - 1) normalisations, each
-    x / (sum + eps), on token-last matrices: ``z`` [N (row i), N (column j), M tokens]. Keeping the
-    tokens innermost lets every sum and division run vectorised over the tokens (with N = 4 last,
-    each op worked on 4-element rows, about 4x slower at 2k tokens). ``keep`` collects (output,
-    sum + eps, dim) of every normalisation."""
-    c = torch.softmax(z, dim=1) + eps
-    for dim in [0] + [1, 0] * (iters - 1):
-        denom = c.sum(dim, keepdim=True) + eps
-        c = c / denom if keep is not None else c.div_(denom)
-        if keep is not None:
-            keep.append((c, denom, dim))
-    return c
-
-
-def _tokens_last(x: torch.Tensor) -> torch.Tensor:
-    """[.., N, N] -> [N, N, M] contiguous (M = the leading dims flattened)."""
-    n = x.shape[-1]
-    return x.reshape(-1, n, n).permute(1, 2, 0).contiguous()
-
-
-def _c_takes(*tensors: torch.Tensor) -> bool:
-    """Whether mHC's C kernels (``genome_lm_kernels/cpu/mhc.c``: the Sinkhorn, collapse, merge)
-    take these inputs: every one fp32 on the CPU. They run where this holds and the backend's
-    ``native`` is on (``HyperConnection(native_ok=...)``)."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
-
-
-def _run_tokens(fn: str, tokens: int, args_for) -> None:
-    """``cpu/mhc.c``'s ``fn`` over ``tokens`` tokens, split over torch's threads; ``args_for(m0, m1)``."""
-    native.run_rows(getattr(native.library("mhc"), fn), native.split_rows(tokens), lambda i, m0, m1: args_for(m0, m1))
-
-
-class _Sinkhorn(torch.autograd.Function):
-    """The mHC Sinkhorn normalisation with a backward that recomputes the iterations: it saves
-    only its input (N * N values per token) where autograd through the loop keeps every
-    iteration (about 5 KiB per token per call at N = 4, 20 iterations), and runs a few fused
-    steps per iteration instead of autograd's graph. Tokens are processed in blocks in backward
-    so the recomputed iterations stay bounded."""
-
-    BLOCK = 1 << 16  # tokens per recomputation block
-
-    @staticmethod
-    def forward(ctx, z, iters: int, eps: float, compiled: bool = False, native_ok: bool = False):
-        ctx.save_for_backward(z)
-        ctx.iters, ctx.eps, ctx.native = iters, eps, native_ok and _c_takes(z)
-        if ctx.native:  # genome_lm_kernels' C kernel, forward and backward
-            return _sinkhorn_native("mhc_sinkhorn_fwd", z, None, iters, eps)
-        steps_fn, ctx.grad_fn = compiled_sinkhorn() if compiled else (_sinkhorn_steps, _sinkhorn_grad)
-        # contiguous, tokens first again: a batched matmul on a tokens-last view (merge's comb^T @
-        # streams) falls back to one small product per token on CPU, 15x slower
-        return steps_fn(_tokens_last(z), iters, eps).permute(2, 0, 1).reshape(z.shape).contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        (z,) = ctx.saved_tensors
-        if ctx.native:
-            return _sinkhorn_native("mhc_sinkhorn_bwd", z, grad, ctx.iters, ctx.eps), None, None, None, None
-        zt, gt = _tokens_last(z), _tokens_last(grad)
-        dz = torch.empty_like(zt)
-        for a in range(0, zt.shape[-1], _Sinkhorn.BLOCK):
-            dz[..., a:a + _Sinkhorn.BLOCK] = ctx.grad_fn(zt[..., a:a + _Sinkhorn.BLOCK],
-                                                         gt[..., a:a + _Sinkhorn.BLOCK], ctx.iters, ctx.eps)
-        return dz.permute(2, 0, 1).reshape(z.shape), None, None, None, None
-
-
-def _sinkhorn_grad(z: torch.Tensor, g: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """The gradient of ``_sinkhorn_steps`` at token-last ``z`` for the output gradient ``g``:
-    the iterations recomputed, then walked back."""
-    steps: list = []
-    _sinkhorn_steps(z, iters, eps, steps)
-    for y, denom, dim in reversed(steps):  # y = x / denom, denom = sum(x) + eps
-        g = (g - (g * y).sum(dim, keepdim=True)) / denom
-    p = torch.softmax(z, dim=1)
-    return p * (g - (g * p).sum(1, keepdim=True))
-
-
-def _sinkhorn_native(fn: str, z: torch.Tensor, grad: torch.Tensor | None, iters: int, eps: float) -> torch.Tensor:
-    """The Sinkhorn forward (``grad`` None) or its gradient at z, in C on token-last matrices;
-    threads over tokens. Matches ``_sinkhorn_steps`` / ``_sinkhorn_grad``."""
-    n = z.shape[-1]
-    zt = _tokens_last(z)
-    args = (zt,) if grad is None else (zt, _tokens_last(grad.float()))
-    M = zt.shape[-1]
-    out = torch.empty_like(zt)
-    ptrs = [native.ptr(a) for a in args]
-    _run_tokens(fn, M, lambda m0, m1: (*ptrs, M, n, iters, eps, m0, m1, native.ptr(out)))
-    return out.permute(2, 0, 1).reshape(z.shape).contiguous()
-
-
-class _Collapse(torch.autograd.Function):
-    """The block's input sum_n pre[n] * streams[n] in C: pre [.., N] and streams [.., N, D] fp32
-    -> [.., D]; backward in one pass per token too."""
-
-    @staticmethod
-    def forward(ctx, pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-        pre, streams = native.f32(pre), native.f32(streams)
-        ctx.save_for_backward(pre, streams)
-        N, D = streams.shape[-2:]
-        x = streams.new_empty(streams.shape[:-2] + (D,))
-        _run_tokens("mhc_collapse_fwd", pre.numel() // N, lambda m0, m1: (
-            native.ptr(pre), native.ptr(streams), N, D, m0, m1, native.ptr(x)))
-        return x
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        pre, streams = ctx.saved_tensors
-        g = native.f32(g)
-        N, D = streams.shape[-2:]
-        dpre, ds = torch.empty_like(pre), torch.empty_like(streams)
-        _run_tokens("mhc_collapse_bwd", pre.numel() // N, lambda m0, m1: (
-            native.ptr(pre), native.ptr(streams), native.ptr(g), N, D, m0, m1, native.ptr(dpre), native.ptr(ds)))
-        return dpre, ds
-
-
-class _Merge(torch.autograd.Function):
-    """``HyperConnection.merge`` in C: post [.., N], comb [.., N, N], block_out [.., D] and
-    streams [.., N, D], all fp32 -> the new streams [.., N, D]; backward in one pass per token."""
-
-    @staticmethod
-    def forward(ctx, post, comb, block_out, streams):
-        post, comb, block_out, streams = (native.f32(t) for t in (post, comb, block_out, streams))
-        ctx.save_for_backward(post, comb, block_out, streams)
-        N, D = streams.shape[-2:]
-        out = torch.empty_like(streams)
-        _run_tokens("mhc_merge_fwd", post.numel() // N, lambda m0, m1: (
-            *(native.ptr(t) for t in (post, comb, block_out, streams)), N, D, m0, m1, native.ptr(out)))
-        return out
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        post, comb, block_out, streams = ctx.saved_tensors
-        g = native.f32(g)
-        N, D = streams.shape[-2:]
-        grads = [torch.empty_like(t) for t in (post, comb, block_out, streams)]
-        _run_tokens("mhc_merge_bwd", post.numel() // N, lambda m0, m1: (
-            *(native.ptr(t) for t in (post, comb, block_out, streams, g)), N, D, m0, m1,
-            *(native.ptr(t) for t in grads)))
-        return tuple(grads)
-
-
-_COMPILED: tuple | None = None
-
-
-def compiled_sinkhorn() -> tuple:
-    """(``_sinkhorn_steps``, ``_sinkhorn_grad``) through ``torch.compile`` (dynamic shapes: one
-    compilation serves every number of tokens), made once per process. On 2 CPU cores at 2,048
-    tokens the forward took 0.17 ms instead of 0.46 and the gradient 0.39 ms instead of 4.2, with
-    bit-identical results; compiling takes about 30 s the first time (inductor writes C++ and
-    caches it on disk), a few seconds after."""
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = (torch.compile(_sinkhorn_steps, dynamic=True), torch.compile(_sinkhorn_grad, dynamic=True))
-    return _COMPILED
-
-
-def sinkhorn(z: torch.Tensor, iters: int, eps: float, compiled: bool = False, native_ok: bool = False
-             ) -> torch.Tensor:
-    """[.., N, N] logits -> approximately doubly stochastic [.., N, N] (see ``HyperConnection``);
-    ``compiled``: through ``compiled_sinkhorn``."""
-    return _Sinkhorn.apply(z, iters, eps, compiled, native_ok)
-
-
 class HyperConnection(nn.Module):
     """Manifold-constrained hyper-connection (mHC) around one block (attention or MLP).
 
@@ -330,13 +166,14 @@ class HyperConnection(nn.Module):
     [.., N] (spreads the block's output over the streams) and ``comb`` [.., N, N] (mixes the
     residual streams; Sinkhorn-normalised to be doubly stochastic so the residual cannot grow).
     Parameters and arithmetic follow transformers' ``Glm5NextTextHyperConnection``; fn, base
-    and scale are kept in fp32.
+    and scale are kept in fp32. The Sinkhorn, the collapse into the block's input and the merge
+    are ``genome_lm_kernels.mhc``'s ops, run as the kernel backend says.
     """
 
-    def __init__(self, cfg: ModelConfig, compiled: bool = False, native_ok: bool = False):
+    def __init__(self, cfg: ModelConfig, backend: KernelBackend, compiled: bool = False):
         super().__init__()
+        self.backend = backend  # what its ops run (genome_lm_kernels.mhc): reference, torch, C where native
         self.compiled = compiled  # the Sinkhorn steps through torch.compile (BuildOptions.compiled)
-        self.native = native_ok  # C kernels for fp32 CPU inputs (the kernel backend's ``native``)
         n = cfg.hc_mult
         self.n, self.iters, self.eps, self.norm_eps = n, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
         self.fn = nn.Parameter(torch.empty((2 + n) * n, n * cfg.hidden_size, dtype=torch.float32))
@@ -355,21 +192,14 @@ class HyperConnection(nn.Module):
         pre_s, post_s, comb_s = self.scale.unbind(0)
         pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps
         post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = sinkhorn(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), self.iters, self.eps,
-                        self.compiled, self.native)
-        if self.native and _c_takes(pre, streams):
-            block_in = _Collapse.apply(pre, streams)
-        else:
-            block_in = (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
-        return post, comb, block_in
+        comb = mhc.sinkhorn(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), self.iters, self.eps,
+                            backend=self.backend, compiled=self.compiled)
+        return post, comb, mhc.collapse(pre, streams, backend=self.backend)
 
     def merge(self, post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor
               ) -> torch.Tensor:
         """New streams: post * block output + comb^T @ old streams."""
-        if self.native and _c_takes(post, comb, block_out, streams):
-            return _Merge.apply(post, comb, block_out, streams)
-        dtype = streams.dtype
-        return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + comb.to(dtype).transpose(-1, -2) @ streams
+        return mhc.merge(post, comb, block_out, streams, backend=self.backend)
 
 
 def column_linear(spec, tf_config, tp_group, n_in: int, n_out: int):

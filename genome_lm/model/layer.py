@@ -26,8 +26,8 @@ class DecoderLayer(nn.Module):
         from megatron.core.transformer.spec_utils import build_module
 
         self.is_kda = cfg.layer_types[layer_idx] == LINEAR
-        self.attn_hc = HyperConnection(cfg, options.compiled, options.kernel_backend.native)
-        self.ffn_hc = HyperConnection(cfg, options.compiled, options.kernel_backend.native)
+        self.attn_hc = HyperConnection(cfg, options.kernel_backend, options.compiled)
+        self.ffn_hc = HyperConnection(cfg, options.kernel_backend, options.compiled)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options.dtype)
         extra = {} if self.is_kda else {"tp_cp_group": pg.tp_cp}

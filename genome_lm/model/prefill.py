@@ -34,10 +34,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from genome_lm_kernels.cpu import native
+from genome_lm_kernels import dsa as dsa_ops
 from genome_lm_kernels.dsa import indexer as dsa_indexer
 from genome_lm_kernels.dsa.indexer import compute_dtype
-from genome_lm_kernels.dsa.reference import slot_width
 from genome_lm_kernels.dsa.sparse_attention import GATHER_ELEMENTS, gather_rows, own_keys
 
 if TYPE_CHECKING:
@@ -177,34 +176,12 @@ class DSACache:
 
     def _select(self, q_BSHD, w_BSH, t0: int, backend: KernelBackend, block: int) -> torch.Tensor:
         """Selected tokens of queries t0 .. t0+S-1: [B, S, slots] (``select_tokens``' layout), in
-        query blocks at the same multiples of ``block`` as the full forward's."""
-        if backend.dsa == "triton":
-            from genome_lm_kernels.dsa import triton as dsa_triton
-
-            score_fn = dsa_triton.pool_scores_chunk
-        else:
-            score_fn = dsa_indexer.torch_scores
-        B, S = q_BSHD.shape[:2]
-        scale = q_BSHD.shape[-1] ** -0.5
+        query blocks at the same multiples of ``block`` as the full forward's (the public DSA op,
+        run as the backend says)."""
+        B = q_BSHD.shape[0]
         kp_BND = self.pooled.view() if self.pooled.data is not None else q_BSHD.new_zeros(B, 0, q_BSHD.shape[-1])
-        if backend.native and native.usable(q_BSHD, w_BSH):
-            # as the full forward's select_tokens runs on a CPU: per query, whatever the chunk
-            return dsa_indexer.native_select(q_BSHD, kp_BND, w_BSH, kpool=self.kpool, topk=self.topk, scale=scale,
-                                             n_pick=self.n_pick, t0=t0)
-        idx_BSK = torch.empty(B, S, slot_width(self.topk, self.kpool), dtype=dsa_indexer.SELECTION_DTYPE,
-                              device=q_BSHD.device)
-        a0 = t0
-        while a0 < t0 + S:
-            a1 = min((a0 // block + 1) * block, t0 + S)
-            n_visible = min(kp_BND.shape[1], a1 // self.kpool)
-            rows = slice(a0 - t0, a1 - t0)
-            scores = score_fn(q_BSHD[:, rows], kp_BND[:, :n_visible], w_BSH[:, rows], a0, scale, self.kpool)
-            pools = dsa_indexer.pick_pools(scores, min(self.n_pick, n_visible))
-            if pools.shape[-1] < self.n_pick:
-                pools = torch.nn.functional.pad(pools, (0, self.n_pick - pools.shape[-1]), value=-1)
-            idx_BSK[:, rows] = dsa_indexer.expand_to_tokens(pools, a0, kpool=self.kpool, topk=self.topk)
-            a0 = a1
-        return idx_BSK
+        return dsa_ops.select_from_pools(q_BSHD, kp_BND, w_BSH, kpool=self.kpool, topk=self.topk,
+                                         n_pick=self.n_pick, t0=t0, backend=backend, chunk=block)
 
 
 def absorbed_sparse_attention(q_BSHD, latent_BTR, idx_BSK, wk_HDR, wv_HVR, *, scale: float) -> torch.Tensor:

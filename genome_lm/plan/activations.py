@@ -18,9 +18,7 @@ import importlib
 from dataclasses import dataclass, field
 
 from genome_lm_kernels import KernelBackend, resolve_backend
-from genome_lm_kernels.cpu import native
 
-from genome_lm.model import common
 from genome_lm.model.config import ModelConfig
 
 F32, I64, I32 = 4, 8, 4
@@ -67,10 +65,11 @@ class Shard:
 def saved_hyper_connection(cfg: ModelConfig, s: Shard) -> float:
     """One mHC (``common.HyperConnection``): its input streams, the fp32 flattened streams and
     their normalised copy (the linear's input), the mixing logits, the gate sigmoids and the
-    Sinkhorn's saved tensors (its input only with the recomputing ``_Sinkhorn``; every
-    iteration's quotient and divisor with autograd through the loop)."""
+    Sinkhorn's saved tensors (its input only with the recomputing torch and C paths of
+    ``genome_lm_kernels.mhc``; every iteration's quotient and divisor with the reference, autograd
+    through the loop)."""
     n, D = cfg.hc_mult, cfg.hidden_size
-    if hasattr(common, "sinkhorn"):
+    if s.backend.name != "reference":
         sinkhorn = n * n * F32
     else:
         sinkhorn = n * n * F32 + (2 * cfg.hc_sinkhorn_iters - 1) * (n * n + n) * F32
@@ -272,7 +271,7 @@ def backward_streams(cfg: ModelConfig, s: Shard) -> float:
 
 
 def mhc_in_c(s: Shard) -> bool:
-    """Whether mHC's collapse and merge run in C (``model.common._Merge``): fp32 streams with a
+    """Whether mHC's collapse and merge run in C (``genome_lm_kernels.mhc.native``): fp32 streams with a
     backend that runs the C kernels."""
     return s.c_kernels and s.a == F32
 

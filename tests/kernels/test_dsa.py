@@ -437,3 +437,27 @@ def test_chunked_paths_never_build_T_by_T(generator):
             dsa.indexer_loss(*leaves, q, k, mode, kpool=kpool, scale=0.25, backend=backend_of("torch"), chunk=chunk).backward()
     for what, m in (("select", m_sel), ("attention", m_attn), ("loss", m_loss)):
         assert m.delta < tt_bytes / 8, f"{what}: peak growth {m.delta / 2**20:.0f} MiB, [T, T] is 1 GiB"
+
+
+@pytest.mark.parametrize("name,native", [("reference", False), ("torch", False), ("torch", True)])
+def test_select_from_pools_chunk_by_chunk_is_the_whole_selection(generator, name, native):
+    """A chunked prefill's selection (``select_from_pools`` over the pooled keys complete so far,
+    uneven steps) equals ``select_tokens`` over the whole sequence, on each CPU path."""
+    from genome_lm_kernels import resolve_backend
+
+    backend = resolve_backend(name, "cpu", native=native)
+    B, T, Hi, Di, kpool, topk = 2, 150, 2, 16, 4, 24
+    r = lambda *s: torch.randn(*s, generator=generator)  # noqa: E731
+    q, k, w, gate, ape = r(B, T, Hi, Di), r(B, T, Di), r(B, T, Hi), r(B, T, Di), r(kpool, Di)
+    whole, _ = dsa.select_tokens(q, k, w, gate, ape, kpool=kpool, topk=topk, backend=backend, chunk=32)
+    kp = reference.pool_keys(k, gate, ape, kpool)
+    n_pick = min(topk // kpool, kp.shape[1])
+    pieces, t0 = [], 0
+    for step in (37, 1, 64, 48):
+        complete = (t0 + step) // kpool  # the pools the prefill has seen whole by then
+        pieces.append(dsa.select_from_pools(q[:, t0:t0 + step], kp[:, :complete], w[:, t0:t0 + step],
+                                                kpool=kpool, topk=topk, n_pick=n_pick, t0=t0, backend=backend,
+                                                chunk=32))
+        t0 += step
+    assert t0 == T
+    assert torch.equal(torch.cat(pieces, 1).int(), whole.int())

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import importlib
+
+from genome_lm_kernels import resolve_backend
 from genome_lm_kernels.cpu import native
 
-from genome_lm.model import common
 from genome_lm.model.common import HyperConnection
+
+mhc_native = importlib.import_module("genome_lm_kernels.mhc.native")
 
 
 SHAPES = [(37, 3, 4, 64), (5, 1, 4, 64), (29, 2, 3, 20), (1, 1, 2, 7)]  # S, B, N, D
@@ -54,8 +58,8 @@ def test_collapse_and_merge_match_the_torch_formulas(generator, nan_poison, monk
     monkeypatch.setattr(native, "MIN_ROWS_PER_THREAD", 1)  # split even a few tokens over the threads
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     x = _inputs(generator, S, B, N, D)
-    _check(common._Collapse.apply, _collapse_torch, [x["pre"], x["streams"]], (S, B, D), generator)
-    _check(common._Merge.apply, _merge_torch, [x["post"], x["comb"], x["block_out"], x["streams"]], (S, B, N, D),
+    _check(mhc_native.Collapse.apply, _collapse_torch, [x["pre"], x["streams"]], (S, B, D), generator)
+    _check(mhc_native.Merge.apply, _merge_torch, [x["post"], x["comb"], x["block_out"], x["streams"]], (S, B, N, D),
            generator)
 
 
@@ -66,15 +70,15 @@ def test_hyper_connection_runs_the_c_path_and_matches_torch(generator, monkeypat
 
     cfg = get_preset("tiny")
     torch.manual_seed(0)
-    hc = HyperConnection(cfg)
+    hc = HyperConnection(cfg, resolve_backend("torch", "cpu"))
     streams = torch.randn(50, 2, cfg.hc_mult, cfg.hidden_size, generator=generator)
     block_out = torch.randn(50, 2, cfg.hidden_size, generator=generator)
     runs = {}
     for path in ("C", "torch"):
-        hc.native = path == "C"
+        hc.backend = resolve_backend("torch", "cpu", native=path == "C")
         calls = []
-        for name in ("_Collapse", "_Merge"):
-            cls = getattr(common, name)
+        for name in ("Collapse", "Merge"):
+            cls = getattr(mhc_native, name)
             monkeypatch.setattr(cls, "apply", lambda *a, f=cls.apply, n=name: calls.append(n) or f(*a))
         hc.zero_grad()
         s = streams.clone().requires_grad_()
@@ -83,7 +87,7 @@ def test_hyper_connection_runs_the_c_path_and_matches_torch(generator, monkeypat
         (new.square().sum() + x.sum()).backward()
         runs[path] = (new.detach(), s.grad, *(p.grad.clone() for p in hc.parameters()), calls)
         monkeypatch.undo()
-    assert runs["C"][-1] == ["_Collapse", "_Merge"] and runs["torch"][-1] == []
+    assert runs["C"][-1] == ["Collapse", "Merge"] and runs["torch"][-1] == []
     # fp32 both ways, summed in other orders: measured 0.5-1.5e-7 of each tensor's norm (the
     # parameters' gradients sum 100 tokens' terms of up to 1e4)
     for name, a, b in zip(["streams", "streams grad", "fn grad", "base grad", "scale grad"], runs["C"], runs["torch"]):

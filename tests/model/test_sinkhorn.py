@@ -1,12 +1,18 @@
-"""mHC's Sinkhorn normalisation with its recomputing backward against autograd through the plain
-loop (written out here as transformers' glm5_next writes it), in float64 and float32."""
+"""mHC's Sinkhorn normalisation (``genome_lm_kernels.mhc``) with its recomputing backward, torch
+and C, and the reference path, against autograd through the plain loop (written out here as
+transformers' glm5_next writes it), in float64 and float32."""
+
+import importlib
 
 import pytest
 import torch
 
 from genome_lm.model import common
-from genome_lm.model.common import sinkhorn
+from genome_lm_kernels import mhc, resolve_backend
 from genome_lm_kernels.cpu import native
+
+recompute = importlib.import_module("genome_lm_kernels.mhc.recompute")
+mhc_native = importlib.import_module("genome_lm_kernels.mhc.native")
 
 
 def _loop(z, iters, eps):
@@ -19,7 +25,7 @@ def _loop(z, iters, eps):
 
 
 @pytest.mark.parametrize("dtype,tol,path", [(torch.float64, 1e-12, "torch"), (torch.float32, 1e-5, "torch"),
-                                            (torch.float32, 1e-5, "C")])
+                                            (torch.float32, 1e-5, "C"), (torch.float32, 1e-5, "reference")])
 @pytest.mark.parametrize("iters", [1, 2, 20])
 @pytest.mark.parametrize("n", [2, 4])
 def test_matches_autograd_through_the_loop(monkeypatch, dtype, tol, path, iters, n):
@@ -27,24 +33,29 @@ def test_matches_autograd_through_the_loop(monkeypatch, dtype, tol, path, iters,
     float32; n = 4 has its own compiled loops): 5 x 29 tokens, over two threads, in uneven
     blocks (7 tokens in torch's backward, 64 in C's)."""
     monkeypatch.setattr(native, "MIN_ROWS_PER_THREAD", 1)
-    monkeypatch.setattr(common._Sinkhorn, "BLOCK", 7)  # several uneven backward blocks
+    monkeypatch.setattr(recompute, "BLOCK", 7)  # several uneven backward blocks
     g = torch.Generator().manual_seed(iters * 10 + n)
     z = (3 * torch.randn(5, 29, n, n, generator=g, dtype=dtype)).requires_grad_()
     upstream = torch.randn(5, 29, n, n, generator=g, dtype=dtype)
     ran = []
-    monkeypatch.setattr(common, "_sinkhorn_native", lambda *a, f=common._sinkhorn_native: ran.append(a[0]) or f(*a))
-    got = sinkhorn(z, iters, 1e-6, native_ok=path == "C")
+    monkeypatch.setattr(mhc_native, "sinkhorn_c", lambda *a, f=mhc_native.sinkhorn_c: ran.append(a[0]) or f(*a))
+    steps = []
+    monkeypatch.setattr(recompute, "steps", lambda *a, f=recompute.steps: steps.append(1) or f(*a))
+    backend = resolve_backend("reference" if path == "reference" else "torch", "cpu", native=path == "C")
+    got = mhc.sinkhorn(z, iters, 1e-6, backend=backend)
     (dz_got,) = torch.autograd.grad(got, z, upstream)
     want = _loop(z, iters, 1e-6)
     (dz_want,) = torch.autograd.grad(want, z, upstream)
     assert (got - want).abs().max() <= tol
     assert (dz_got - dz_want).abs().max() <= tol * dz_want.abs().max()
     assert ran == (["mhc_sinkhorn_fwd", "mhc_sinkhorn_bwd"] if path == "C" else [])
+    assert bool(steps) == (path == "torch")  # the reference runs neither recomputing path
 
 
 def test_gradcheck():
     z = torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x: sinkhorn(x, 4, 1e-6), (z,))
+    backend = resolve_backend("torch", "cpu")
+    assert torch.autograd.gradcheck(lambda x: mhc.sinkhorn(x, 4, 1e-6, backend=backend), (z,))
 
 
 @pytest.mark.slow  # compiles (about 30 s the first time on 2 cores; inductor caches it on disk)
@@ -57,20 +68,20 @@ def test_compiled_matches_the_loop_across_lengths(monkeypatch):
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")  # tests/conftest.py turns dynamo off; read by torch.compile
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    monkeypatch.setattr(common, "_COMPILED", None)
+    monkeypatch.setattr(recompute, "_COMPILED", None)
     g = torch.Generator().manual_seed(0)
     for tokens in (64, 200, 333):
         if tokens == 333:
-            monkeypatch.setattr(common._Sinkhorn, "BLOCK", 100)
+            monkeypatch.setattr(recompute, "BLOCK", 100)
         z = (3 * torch.randn(tokens, 4, 4, generator=g)).requires_grad_()
         upstream = torch.randn(tokens, 4, 4, generator=g)
-        got = sinkhorn(z, 20, 1e-6, compiled=True)
+        got = mhc.sinkhorn(z, 20, 1e-6, backend=resolve_backend("torch", "cpu", native=False), compiled=True)
         (dz_got,) = torch.autograd.grad(got, z, upstream)
         want = _loop(z, 20, 1e-6)
         (dz_want,) = torch.autograd.grad(want, z, upstream)
         assert (got - want).abs().max() <= 1e-5
         assert (dz_got - dz_want).abs().max() <= 1e-5 * dz_want.abs().max()
-    assert common._COMPILED is not None
+    assert recompute._COMPILED is not None
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     # the steps and the gradient, once more for the gradient on strided backward blocks; not
     # one per token count (64, 200, then blocks of 100 and 33)

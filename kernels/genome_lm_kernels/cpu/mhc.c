@@ -1,5 +1,5 @@
-/* mHC's Sinkhorn normalisation for a CPU, fused (genome_lm/model/common.py's _sinkhorn_steps and
- * _sinkhorn_grad, which this matches): matrices laid out tokens-last, z [N][N][M], so every step
+/* mHC's Sinkhorn normalisation for a CPU, fused (../mhc/recompute.py's steps and grad, which this
+ * matches): matrices laid out tokens-last, z [N][N][M], so every step
  * runs vectorised over a block of tokens held in cache; torch's path makes one pass over all M
  * tokens per step (about 160 passes per call at 20 iterations).
  *

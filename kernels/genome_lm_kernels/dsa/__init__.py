@@ -9,6 +9,9 @@ kernels here, with fp32 products under "triton-fp32"):
                   queries=(first, end) | None)
         -> idx [B,T,S] int32 (-1 = empty slot), valid [B,T,S] bool;  S = topk + kpool - 1
         (with queries: [B, end - first, S], those queries' rows of the whole call)
+    select_from_pools(q_idx [B,S,Hi,Di], kp [B,N,Di], w_idx [B,S,Hi], *, kpool, topk, n_pick, t0=0,
+                      scale=None, backend, chunk=64) -> idx [B,S,slots] int32
+        (queries t0 .. t0+S-1 from the pooled keys so far: a chunked prefill's selection)
     sparse_attention(q [B,T,H,Dqk], k [B,T,H,Dqk], v [B,T,H,Dv], idx [B,T,S], *, scale,
                      backend, chunk=64) -> o [B,T,H,Dv], lse [B,T,H]
     sparse_mla(q [B,T,H,D], kv [B,T,D], idx [B,T,S], *, scale, dv, backend, chunk=64)
@@ -93,6 +96,26 @@ def select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate_BTD=None, ape_KD=None, 
     return _indexer.select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate_BTD, ape_KD, kpool=kpool, topk=topk,
                                   scale=scale, chunk=chunk, score_fn=score_fn, queries=queries,
                                   use_native=backend.native)
+
+
+def select_from_pools(q_idx_BSHD, kp_BND, w_idx_BSH, *, kpool: int, topk: int, n_pick: int, t0: int = 0,
+                      scale: float | None = None, backend: KernelBackend, chunk: int = 64):
+    """``select_tokens`` for queries t0 .. t0+S-1 given the pooled keys complete so far (kp
+    [B, N, D], ``pool_keys``' output) and ``n_pick`` pool slots: what a chunked prefill calls
+    chunk by chunk, getting the whole sequence's selection (blocks end at multiples of ``chunk``)."""
+    path = resolved(backend, "select_from_pools").dsa
+    scale = q_idx_BSHD.shape[-1] ** -0.5 if scale is None else scale
+    if path == "reference":
+        return _reference.select_from_pools(q_idx_BSHD, kp_BND, w_idx_BSH, kpool=kpool, topk=topk, scale=scale,
+                                            n_pick=n_pick, t0=t0)
+    if path == "torch":
+        score_fn = _indexer.torch_scores
+    else:
+        from . import triton as _triton
+
+        score_fn = _triton.pool_scores_chunk
+    return _indexer.select_from_pools(q_idx_BSHD, kp_BND, w_idx_BSH, kpool=kpool, topk=topk, scale=scale,
+                                      n_pick=n_pick, t0=t0, chunk=chunk, score_fn=score_fn, use_native=backend.native)
 
 
 def sparse_attention(q_BTHD, k_BTHD, v_BTHD, idx_BTS, *, scale: float, backend: KernelBackend, chunk: int = 64):

@@ -232,25 +232,39 @@ def select_tokens(q_BTHD, k_BTD, w_BTH, gate_BTD=None, ape_KD=None, *, kpool: in
     B, T, _, D = q_BTHD.shape
     q0, q1 = query_range(queries, T, chunk)
     scale = D**-0.5 if scale is None else scale
-    use_native = use_native and score_fn is torch_scores and native.usable(q_BTHD, k_BTD, w_BTH)
     kp_BND = pool_keys(k_BTD, gate_BTD, ape_KD, kpool=kpool)
-    n_pick = min(topk // kpool, kp_BND.shape[1])
-    if use_native:
-        idx_BTS = native_select(q_BTHD[:, q0:q1], kp_BND, w_BTH[:, q0:q1], kpool=kpool, topk=topk, scale=scale,
-                                n_pick=n_pick, t0=q0)
-        return idx_BTS, idx_BTS >= 0
-    S = slot_width(topk, kpool)
-    idx_BTS = torch.empty(B, q1 - q0, S, dtype=SELECTION_DTYPE, device=q_BTHD.device)
-    for t0 in range(q0, q1, chunk):
-        t1 = min(t0 + chunk, q1)
-        # Pools ending after t1 - 1 are invisible to the whole chunk: skip them.
-        N_c = min(kp_BND.shape[1], t1 // kpool)
-        I_BCN = score_fn(q_BTHD[:, t0:t1], kp_BND[:, :N_c], w_BTH[:, t0:t1], t0, scale, kpool)
-        pools = pick_pools(I_BCN, min(n_pick, N_c))
+    idx_BTS = select_from_pools(q_BTHD[:, q0:q1], kp_BND, w_BTH[:, q0:q1], kpool=kpool, topk=topk, scale=scale,
+                                n_pick=min(topk // kpool, kp_BND.shape[1]), t0=q0, chunk=chunk, score_fn=score_fn,
+                                use_native=use_native)
+    return idx_BTS, idx_BTS >= 0
+
+
+@torch.no_grad()
+def select_from_pools(q_BTHD, kp_BND, w_BTH, *, kpool: int, topk: int, scale: float, n_pick: int, t0: int = 0,
+                      chunk: int = 64, score_fn: ScoreFn = torch_scores, use_native: bool = False):
+    """Selected tokens [B, T, S] of queries t0 .. t0+T-1 from the pooled keys complete so far
+    (kp [B, N, D]), ``n_pick`` pool slots (``min(topk // kpool, pools of the whole sequence)``):
+    ``select_tokens``' layout. The queries are scored in blocks that end at multiples of
+    ``chunk`` (absolute positions), so a chunked prefill that calls this chunk by chunk scores
+    the blocks a whole-sequence call scores and gets its selection bit for bit. ``use_native``:
+    in C (``native_select``, per query) when the torch scores are asked for."""
+    B, T = q_BTHD.shape[:2]
+    if use_native and score_fn is torch_scores and native.usable(q_BTHD, kp_BND, w_BTH):
+        return native_select(q_BTHD, kp_BND, w_BTH, kpool=kpool, topk=topk, scale=scale, n_pick=n_pick, t0=t0)
+    idx_BTS = torch.empty(B, T, slot_width(topk, kpool), dtype=SELECTION_DTYPE, device=q_BTHD.device)
+    a0 = t0
+    while a0 < t0 + T:
+        a1 = min((a0 // chunk + 1) * chunk, t0 + T)
+        # Pools ending after a1 - 1 are invisible to the whole block: skip them.
+        n_visible = min(kp_BND.shape[1], a1 // kpool)
+        rows = slice(a0 - t0, a1 - t0)
+        scores = score_fn(q_BTHD[:, rows], kp_BND[:, :n_visible], w_BTH[:, rows], a0, scale, kpool)
+        pools = pick_pools(scores, min(n_pick, n_visible))
         if pools.shape[-1] < n_pick:
             pools = torch.nn.functional.pad(pools, (0, n_pick - pools.shape[-1]), value=-1)
-        idx_BTS[:, t0 - q0:t1 - q0] = expand_to_tokens(pools, t0, kpool=kpool, topk=topk)
-    return idx_BTS, idx_BTS >= 0
+        idx_BTS[:, rows] = expand_to_tokens(pools, a0, kpool=kpool, topk=topk)
+        a0 = a1
+    return idx_BTS
 
 
 def native_select(q_BTHD, kp_BND, w_BTH, *, kpool: int, topk: int, scale: float, n_pick: int, t0: int = 0):

@@ -33,33 +33,42 @@ def pool_keys(k_BTD, gate_BTD, ape_KD, kpool: int):
     return (probs * k_BNKD).sum(dim=2)
 
 
-def index_scores(q_BTHD, kp_BND, w_BTH, kpool: int, scale: float):
-    """Dense pool scores I[b, t, n] with -inf where the pool is not visible: [B, T, N]."""
+def index_scores(q_BTHD, kp_BND, w_BTH, kpool: int, scale: float, t0: int = 0):
+    """Dense pool scores I[b, t, n] of queries t0 .. t0+T-1 with -inf where the pool is not
+    visible: [B, T, N]."""
     s_BTHN = torch.einsum("bthd,bnd->bthn", q_BTHD.double(), kp_BND.double())
     I_BTN = (torch.relu(s_BTHN * scale) * w_BTH.double()[..., None]).sum(2)
     T, N = q_BTHD.shape[1], kp_BND.shape[1]
     last_N = torch.arange(N) * kpool + kpool - 1
-    visible_TN = last_N[None, :] <= torch.arange(T)[:, None]
+    visible_TN = last_N[None, :] <= torch.arange(t0, t0 + T)[:, None]
     return I_BTN.masked_fill(~visible_TN, float("-inf"))
 
 
 def select_tokens(q_BTHD, k_BTD, w_BTH, gate_BTD, ape_KD, *, kpool: int, topk: int, scale: float):
     """Token indices [B, T, S] (int32, -1 = empty slot) and validity mask, from dense scores."""
-    B, T = q_BTHD.shape[:2]
     kp_BND = pool_keys(k_BTD, gate_BTD, ape_KD, kpool)
-    I_BTN = index_scores(q_BTHD, kp_BND, w_BTH, kpool, scale)
-    n_pick = min(topk // kpool, kp_BND.shape[1])
+    idx_BTS = select_from_pools(q_BTHD, kp_BND, w_BTH, kpool=kpool, topk=topk, scale=scale,
+                                n_pick=min(topk // kpool, kp_BND.shape[1]))
+    return idx_BTS, idx_BTS >= 0
+
+
+def select_from_pools(q_BTHD, kp_BND, w_BTH, *, kpool: int, topk: int, scale: float, n_pick: int, t0: int = 0):
+    """Token indices [B, T, S] of queries t0 .. t0+T-1 from the pooled keys complete so far,
+    ``n_pick`` pool slots (``select_tokens``' layout), one query at a time."""
+    B, T = q_BTHD.shape[:2]
+    I_BTN = index_scores(q_BTHD, kp_BND, w_BTH, kpool, scale, t0)
     idx_BTS = torch.full((B, T, slot_width(topk, kpool)), -1, dtype=torch.int32)
     for b in range(B):
-        for t in range(T):
+        for r in range(T):
+            t = t0 + r
             # Stable descending sort: among equal scores the lower pool comes first.
-            order = torch.sort(I_BTN[b, t], descending=True, stable=True).indices[:n_pick]
-            pools = sorted(p for p in order.tolist() if I_BTN[b, t, p] > float("-inf"))
+            order = torch.sort(I_BTN[b, r], descending=True, stable=True).indices[:n_pick]
+            pools = sorted(p for p in order.tolist() if I_BTN[b, r, p] > float("-inf"))
             tokens = [p * kpool + j for p in pools for j in range(kpool)]
-            idx_BTS[b, t, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+            idx_BTS[b, r, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
             tail = list(range(t + 1 - (t + 1) % kpool, t + 1))
-            idx_BTS[b, t, n_pick * kpool : n_pick * kpool + len(tail)] = torch.tensor(tail, dtype=torch.int32)
-    return idx_BTS, idx_BTS >= 0
+            idx_BTS[b, r, n_pick * kpool : n_pick * kpool + len(tail)] = torch.tensor(tail, dtype=torch.int32)
+    return idx_BTS
 
 
 def selected_mask(idx_BTS, T: int):
