@@ -39,7 +39,7 @@ def test_this_install_has_the_c_kernels_for_this_cpu():
     else:
         assert native.level() == "base"
     lib = native.library()
-    declared = {line.split("(")[0].split()[-1] for line in build.declarations().splitlines() if "(" in line}
+    declared = {line.split("(")[0].split()[-1].lstrip("*") for line in build.declarations().splitlines() if "(" in line}
     assert declared == {n for n in dir(lib) if n.startswith(("dsa_", "kda_", "mhc_", "genome_lm_"))}
 
 
@@ -58,6 +58,21 @@ def test_the_backend_resolution_decides_whether_c_runs(monkeypatch):
         resolve_backend("torch", "cpu", native=True)
     with pytest.raises(RuntimeError, match="pip install -e"):
         native.library("dsa")
+
+
+def test_a_build_from_other_sources_is_not_used(monkeypatch):
+    """After a source changes without a reinstall the built modules no longer match it: they are
+    not used (a warning says to reinstall), so the C and Python sides cannot disagree."""
+    monkeypatch.setattr(build, "source_hash", lambda source_dir=None: "0123456789abcdef")
+    native._module.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="built from other sources"):
+            assert not native.available()
+        assert not resolve_backend("torch", "cpu").native
+    finally:
+        monkeypatch.undo()
+        native._module.cache_clear()
+    assert native.available()
 
 
 @pytest.mark.slow  # two builds of the three sources, about 10 s on 2 cores

@@ -14,11 +14,11 @@ does): ``python kernels/genome_lm_kernels/cpu/build.py``.
 
 from __future__ import annotations
 
+import hashlib
 import platform
 import re
 from pathlib import Path
 
-from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ("dsa.c", "kda.c", "mhc.c")  # and level.c, the CPU probe
@@ -38,8 +38,19 @@ def declarations(source_dir: Path = HERE) -> str:
     return "\n".join(lines) + "\n#define GENOME_LM_NO_MEMORY 1\n"
 
 
-def builder(level: str, source_dir: Path = HERE) -> FFI:
-    """The cffi builder of one level's module (from the sources in ``source_dir``)."""
+def source_hash(source_dir: Path = HERE) -> str:
+    """A digest of the sources, the declarations and the flags: compiled into every module, and
+    compared by ``native.py`` with the sources beside it (a module built from other sources, as
+    after editing a .c file without reinstalling, is not used)."""
+    names = sorted(p.name for p in source_dir.iterdir() if p.suffix in (".c", ".h"))
+    text = "\0".join([*(n + (source_dir / n).read_text() for n in names), *FLAGS])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def builder(level: str, source_dir: Path = HERE):
+    """The cffi builder (an ``FFI``) of one level's module (from the sources in ``source_dir``)."""
+    from cffi import FFI
+
     ffi = FFI()
     ffi.cdef(declarations(source_dir))
     march = LEVELS[level]
@@ -48,13 +59,16 @@ def builder(level: str, source_dir: Path = HERE) -> FFI:
     root = source_dir.relative_to(Path.cwd()) if source_dir.is_relative_to(Path.cwd()) else source_dir
     ffi.set_source(f"genome_lm_kernels.cpu._native_{level}", '#include "kernels.h"',
                    sources=[str(root / s) for s in sources], include_dirs=[str(root)],
-                   extra_compile_args=FLAGS + ([f"-march={march}"] if march else []), libraries=["m"])
+                   extra_compile_args=FLAGS + ([f"-march={march}"] if march else []), libraries=["m"],
+                   define_macros=[("GENOME_LM_SOURCE_HASH", f'"{source_hash(source_dir)}"')])
     return ffi
 
 
-# what setup.py's cffi_modules name: "kernels/genome_lm_kernels/cpu/build.py:ffi_base", ...
-for _level in LEVELS:
-    globals()[f"ffi_{_level}"] = builder(_level)
+# what setup.py's cffi_modules name ("kernels/genome_lm_kernels/cpu/build.py:ffi_base", ...), made
+# when cffi runs this file to build (its __name__ is then "__cffi__"), not when native.py imports it
+if __name__ == "__cffi__":
+    for _level in LEVELS:
+        globals()[f"ffi_{_level}"] = builder(_level)
 
 
 if __name__ == "__main__":

@@ -49,5 +49,6 @@ int mhc_merge_bwd(const float *post, const float *comb, const float *y, const fl
 
 /* level.c */
 int genome_lm_cpu_level(void);
+const char *genome_lm_source_hash(void);
 
 #endif

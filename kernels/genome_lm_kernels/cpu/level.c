@@ -3,6 +3,8 @@
  * 0 = the baseline every build has. native.py asks the baseline module. */
 #include "kernels.h"
 
+const char *genome_lm_source_hash(void) { return GENOME_LM_SOURCE_HASH; }
+
 int genome_lm_cpu_level(void) {
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
     __builtin_cpu_init();

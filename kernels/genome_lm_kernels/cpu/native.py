@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -32,6 +33,14 @@ def _module():
     try:
         base = importlib.import_module("genome_lm_kernels.cpu._native_base")
     except ImportError:
+        return None
+    from .build import source_hash
+
+    built, here = base.ffi.string(base.lib.genome_lm_source_hash()).decode(), source_hash()
+    if built != here:
+        warnings.warn(f"genome-lm's C kernels were built from other sources ({built}, these are {here}): the torch "
+                      "path runs instead; reinstall with `pip install -e .` to rebuild them", RuntimeWarning,
+                      stacklevel=3)
         return None
     level = LEVELS.get(base.lib.genome_lm_cpu_level())
     if level:
