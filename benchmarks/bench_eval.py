@@ -83,7 +83,8 @@ def parse_size(text: str) -> int:
 
 
 def run_one(length: int, chunk: int, threads: int, timeout: float, full: bool) -> dict:
-    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "MALLOC_MMAP_THRESHOLD_": os.environ.get("BENCH_MMAP_THRESHOLD", "1048576")}
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "MALLOC_MMAP_THRESHOLD_": os.environ.get("BENCH_MMAP_THRESHOLD",
+                                                                                              "1048576")}
     proc = subprocess.Popen([sys.executable, "-c", WORKER, str(length), str(chunk), str(threads), "1" if full else "0"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     row = {"path": "full forward" if full else f"chunked {chunk:,}", "T": length, "status": "ok"}
@@ -98,7 +99,8 @@ def run_one(length: int, chunk: int, threads: int, timeout: float, full: bool) -
                 row["base_rss_mib"] = event["base_rss"] / 2**20
             elif event["event"] == "chunk":
                 last = event
-                print(f"  T={length:,}: {event['done']:,} tokens in {event['seconds']:.0f} s", file=sys.stderr, flush=True)
+                print(f"  T={length:,}: {event['done']:,} tokens in {event['seconds']:.0f} s", file=sys.stderr,
+                      flush=True)
             elif event["event"] == "end":
                 row.update(seconds=event["seconds"], tokens_per_s=(length - 1) / event["seconds"],
                            peak_rss_mib=event["peak_rss"] / 2**20,
@@ -135,13 +137,15 @@ def main() -> None:
     for text in filter(None, args.full.split(",")):
         rows.append(run_one(parse_size(text), chunk, args.threads, args.timeout, True))
     print(f"tiny preset, {args.threads} torch threads, random DNA, one window per row")
-    header = f"{'path':>16} {'T':>10} {'seconds':>9} {'tokens/s':>9} {'peak MiB':>9} {'growth MiB':>10} {'cache MiB':>9}  status"
+    header = (f"{'path':>16} {'T':>10} {'seconds':>9} {'tokens/s':>9} {'peak MiB':>9} {'growth MiB':>10} "
+              f"{'cache MiB':>9}  status")
     print(header)
     for r in rows:
         cells = [f"{r.get(k):,.1f}" if isinstance(r.get(k), float) else "-"
                  for k in ("seconds", "tokens_per_s", "peak_rss_mib", "growth_mib", "cache_mib")]
         status = r["status"] + (f", {r['scored']:,} tokens scored" if "scored" in r else "")
-        print(f"{r['path']:>16} {r['T']:>10,} {cells[0]:>9} {cells[1]:>9} {cells[2]:>9} {cells[3]:>10} {cells[4]:>9}  {status}")
+        print(f"{r['path']:>16} {r['T']:>10,} {cells[0]:>9} {cells[1]:>9} {cells[2]:>9} {cells[3]:>10} "
+              f"{cells[4]:>9}  {status}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
 

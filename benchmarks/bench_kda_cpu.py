@@ -19,6 +19,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+
 from genome_lm_kernels.kda.chunked import kda_chunked, kda_chunked_autograd
 
 PATHS = {"autograd": kda_chunked_autograd, "hand-written": kda_chunked}

@@ -51,7 +51,8 @@ def make_fasta(path: Path, scale: float, seed: int = 0) -> None:
                 body[:, :60] = flat.reshape(-1, 60)
                 text = body.reshape(-1)
                 if n % 60:
-                    text = np.concatenate([text[: (n // 60) * 61], flat[(n // 60) * 60 : n], [ord("\n")]]).astype(np.uint8)
+                    text = np.concatenate([text[: (n // 60) * 61], flat[(n // 60) * 60 : n],
+                                           [ord("\n")]]).astype(np.uint8)
                 out.write(text.tobytes())
 
 
@@ -111,7 +112,8 @@ def main() -> None:
     fasta = args.workdir / f"genome-{args.scale}.fa"
     if not fasta.exists():
         print(f"writing {fasta} ...", flush=True)
-        subprocess.run([sys.executable, __file__, "--make", "--scale", str(args.scale), "--fasta", str(fasta)], check=True)
+        subprocess.run([sys.executable, __file__, "--make", "--scale", str(args.scale), "--fasta", str(fasta)],
+                       check=True)
         # the .fai, shared by all methods and not timed
         subprocess.run([sys.executable, "-c", f"import pyfaidx; pyfaidx.Fasta({str(fasta)!r})"], check=True)
     bases = sum(int(v * args.scale) for v in HG38.values())
@@ -127,7 +129,8 @@ def main() -> None:
         )
     runs["baseline: pyfaidx + numpy LUT"] = timed(me + ["--baseline", "lut", "--out", str(args.workdir / "lut.bin")])
     if not args.skip_dict:
-        runs["baseline: pyfaidx + per-char dict"] = timed(me + ["--baseline", "dict", "--out", str(args.workdir / "dict.bin")])
+        runs["baseline: pyfaidx + per-char dict"] = timed(me + ["--baseline", "dict", "--out",
+                                                                str(args.workdir / "dict.bin")])
 
     ours = min(t for name, (t, _) in runs.items() if name.startswith("genome-lm"))
     print(f"\n{bases / 1e6:.0f} Mbp in chr1+chr2+chr22, window {args.window:,}, {os.cpu_count()} cores")

@@ -76,7 +76,8 @@ def main() -> None:
     sides = {"this": REPO, "baseline": args.baseline.resolve()}
     print(f"this: {REPO}\nbaseline: {sides['baseline']}\ntorch threads: {args.threads}; "
           f"{args.rounds} rounds x {args.steps} timed steps per checkout and shape")
-    print(f"{'step':8s} {'B x T':>9s} {'baseline s':>11s} {'this s':>8s} {'ratio':>6s}  losses (LM, indexer): baseline | this")
+    print(f"{'step':8s} {'B x T':>9s} {'baseline s':>11s} {'this s':>8s} {'ratio':>6s}  "
+          "losses (LM, indexer): baseline | this")
     for name, (B, T) in SHAPES.items():
         times = {side: [] for side in sides}
         losses = {}

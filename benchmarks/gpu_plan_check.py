@@ -21,10 +21,10 @@ import os
 
 def main() -> None:
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    from genome_lm.units import parse_size
     from genome_lm.config import load_config
     from genome_lm.plan.measure import measure_gpu_step, planned_gpu_step
     from genome_lm.plan.memory_model import with_changes
+    from genome_lm.units import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="glm-5.3-flash-4layer-1gpu")

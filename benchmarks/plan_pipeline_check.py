@@ -24,10 +24,10 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="config override, e.g. memory.recompute=full")
     args = ap.parse_args()
 
-    from genome_lm.units import parse_size
     from genome_lm.config import load_config
     from genome_lm.plan.measure import measure_pipeline_step
     from genome_lm.plan.memory_model import Hardware, stage_plans
+    from genome_lm.units import parse_size
 
     print(f"tiny, pp {args.pp}, {args.micro_batches} micro-batches, one process per stage; {' '.join(args.set)}")
     print(f"{'length':>8} {'stage':>5} {'layers':>7} {'in flight':>9} {'planned MiB':>11} {'measured MiB':>12} "

@@ -49,11 +49,13 @@ class DataConfig(Section):
     reverse_complement: float = Field(0.0, ge=0, le=1, description="Probability of reverse-complementing a sequence.")
     max_n_fraction: float = Field(0.5, ge=0, le=1, description="Skip windows with more N than this fraction.")
     seq_len_warmup: list[tuple[int, int]] = Field(
-        default_factory=list, description="[[step, seq_len], ...]: train at seq_len from that step on (e.g. 32k -> 512k).")
+        default_factory=list, description="[[step, seq_len], ...]: train at seq_len from that step on (e.g. 32k -> "
+                                          "512k).")
 
 
 class ModelSection(Section):
-    preset: str = Field("tiny", description="glm-5.3-flash, glm-5.3-flash-4layer, tiny or tiny-long (tiny initialised for the long-context recipe).")
+    preset: str = Field("tiny", description="glm-5.3-flash, glm-5.3-flash-4layer, tiny or tiny-long (tiny initialised "
+                                            "for the long-context recipe).")
     checkpoint: str | None = Field(
         None, description="Weights to start from: a Hugging Face glm5_next folder, a genome-lm training checkpoint "
                           "folder (with meta.json; the same model preset and parallel layout, or export it first) or "
@@ -112,7 +114,8 @@ class ParallelConfig(Section):
                                                          "filled it, while backward goes on; the other micro-batches "
                                                          "accumulate without communicating. The same gradients; "
                                                          "the reduction hides under backward instead of following it.")
-    moe_shared_expert_overlap: bool = Field(False, description="megatron-core's overlap of the MoE shared expert with the "
+    moe_shared_expert_overlap: bool = Field(False, description="megatron-core's overlap of the MoE shared expert with "
+                                                               "the "
                                                                "routed tokens' all-to-all dispatch and combine (CUDA "
                                                                "streams: GPU backend and all-to-all dispatcher only).")
 
@@ -125,9 +128,12 @@ class MemoryConfig(Section):
                                                       "blocks inside each layer, so that a layer's backward holds one "
                                                       "block's activations at a time (lower peak, one more forward of "
                                                       "each block).")
-    offload_activations: bool = Field(False, description="Keep saved activations in host memory between forward and backward.")
-    offload_pinned: bool = Field(True, description="Pinned host memory for offload (faster copies, rounded to powers of two).")
-    optimizer_offload: bool = Field(False, description="Keep optimizer state in host memory (megatron-core's CPU offload).")
+    offload_activations: bool = Field(False, description="Keep saved activations in host memory between forward and "
+                                                         "backward.")
+    offload_pinned: bool = Field(True, description="Pinned host memory for offload (faster copies, rounded to powers "
+                                                   "of two).")
+    optimizer_offload: bool = Field(False, description="Keep optimizer state in host memory (megatron-core's CPU "
+                                                       "offload).")
     moe_chunks: int = Field(1, ge=1, description="Pass the tokens through each MoE layer in this many chunks (the "
                                                  "published run used 64 at 512k).")
     moe_chunk_recompute: bool = Field(False, description="Checkpoint each MoE chunk on its own (needs moe_chunks > 1): "
@@ -135,7 +141,8 @@ class MemoryConfig(Section):
                                                          "for one more forward of the experts.")
     loss_chunk: int | None = Field(None, gt=0, description="Positions per block of the output layer and the loss, "
                                                           "each block's logits recomputed in backward (None = all at "
-                                                          "once; the logits of a large vocabulary dominate long windows).")
+                                                          "once; the logits of a large vocabulary dominate long "
+                                                          "windows).")
     dsa_query_chunk: int | None = Field(None, gt=0, description="Queries per chunk through each DSA layer "
                                                                "(None = all; the published run used 65536).")
     host_heap: Literal["auto", "keep", "return"] = Field(
@@ -173,10 +180,12 @@ class TrainConfig(Section):
     moe_aux_loss: Literal["seq_aux_loss", "aux_loss"] = Field(
         "seq_aux_loss", description="Balance each sequence (seq_aux_loss, as DeepSeek-V3) or each micro-batch "
                                     "(aux_loss).")
-    indexer_loss: Literal["off", "dense", "sparse"] = Field("sparse", description="DSA indexer loss mode after warm-up.")
+    indexer_loss: Literal["off", "dense", "sparse"] = Field("sparse",
+                                                            description="DSA indexer loss mode after warm-up.")
     indexer_dense_steps: int = Field(0, ge=0, description="Steps of dense indexer warm-up before `indexer_loss`.")
     indexer_loss_coeff: float = Field(1.0, ge=0)
-    nonfinite: Literal["skip", "stop"] = Field("skip", description="On a non-finite loss: skip the step (and stop after 3 in "
+    nonfinite: Literal["skip", "stop"] = Field("skip", description="On a non-finite loss: skip the step (and stop "
+                                                                   "after 3 in "
                                                                    "a row) or stop at once.")
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only at the end and on a signal).")
     out_dir: str = Field("runs/default", description="Checkpoints, logs and the resolved config go here.")

@@ -44,9 +44,9 @@ def run_demo(out: Path, window: int, *, config: str = DEMO_CONFIG, overrides: li
     prepared = prepare(PrepareRequest(fasta, out / "dataset", windows=WindowSpec(window, window)), quiet=not progress)
     if on_dataset:
         on_dataset(prepared)
-    return _finetune_and_evaluate(out, config, overrides, dict(chrom="chr22", out=out / "run" / "eval-chr22",
-                                                               max_windows=eval_windows, max_contexts=DEMO_MAX_CONTEXTS),
-                                  progress, on_trained)
+    evaluation = dict(chrom="chr22", out=out / "run" / "eval-chr22", max_windows=eval_windows,
+                      max_contexts=DEMO_MAX_CONTEXTS)
+    return _finetune_and_evaluate(out, config, overrides, evaluation, progress, on_trained)
 
 
 DNA_CONFIG = "dna-finetune-cpu"

@@ -276,7 +276,8 @@ class Tracker:
         if not any(m.step > step for points in history.values() for m in points):
             return
         user_tags = {k: v for k, v in old.data.tags.items() if not k.startswith("mlflow.")}
-        run = self._client.create_run(old.info.experiment_id, run_name=old.info.run_name, start_time=old.info.start_time,
+        run = self._client.create_run(old.info.experiment_id, run_name=old.info.run_name,
+                                      start_time=old.info.start_time,
                                       tags={**user_tags, "genome_lm.continues_run": old.info.run_id,
                                             "genome_lm.resumed_at_step": str(step)})
         new_id = run.info.run_id
@@ -383,7 +384,8 @@ class Tracker:
             self._start(self._experiment_name, self._run_name, None, self._folder)
         except Exception as again:  # noqa: BLE001
             self._note("unavailable", f"tracking: {lost} is unavailable ({_short(err)}) and so is the run folder's "
-                                      f"store {self.tracking_uri} ({_short(again)}); training continues without tracking")
+                                      f"store {self.tracking_uri} ({_short(again)}); training continues without "
+                                      "tracking")
             return True
         self._active = True
         self._note("fallback", f"tracking: {lost} is unavailable ({_short(err)}); logging to the run folder's store "

@@ -29,7 +29,8 @@ def test_every_command_has_help(command):
     assert "Usage" in result.output and len(result.output.splitlines()) > 5
 
 
-@pytest.mark.parametrize("text,value", [("524288", 524_288), ("512k", 524_288), ("1M", 1_048_576), ("32K", 32_768), ("2m", 2 << 20)])
+@pytest.mark.parametrize("text,value", [("524288", 524_288), ("512k", 524_288), ("1M", 1_048_576), ("32K", 32_768),
+                                        ("2m", 2 << 20)])
 def test_parse_size(text, value):
     assert parse_size(text) == value
 
@@ -141,7 +142,8 @@ def test_training_summary_reports_means_over_the_ends_of_the_run(tmp_path):
     from genome_lm.cli.train import print_training
 
     losses = [1.30, 1.20, 1.40] * 13 + [1.50]  # 40 steps: noisy, flat but for a high last step
-    steps = [SimpleNamespace(step=i + 1, lm_loss=x, tokens_per_s=1000.0, peak_host_mib=10.0) for i, x in enumerate(losses)]
+    steps = [SimpleNamespace(step=i + 1, lm_loss=x, tokens_per_s=1000.0, peak_host_mib=10.0) for i,
+             x in enumerate(losses)]
     result = SimpleNamespace(all_steps=steps, history=steps, resumed_from=None, out_dir=tmp_path, steps_done=40,
                              stopped_by=None, checkpoint=tmp_path / "ck", tracking=None)
     with console.capture() as captured:
@@ -173,7 +175,8 @@ def test_dna_study_on_real_sequence_end_to_end(tmp_path):
 
     fasta = shared_genome(DNA_FASTA)
     out = tmp_path / "dna"
-    result = runner.invoke(app, ["demo", "--fasta", str(fasta), "--out", str(out), "--train", "chr2:1,000,001-1,100,000",
+    result = runner.invoke(app, ["demo", "--fasta", str(fasta), "--out", str(out), "--train",
+                                 "chr2:1,000,001-1,100,000",
                                  "--eval", "chr2:1,100,001-1,116,384", *FAST_DNA])
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "dataset" / "manifest.json").read_text())
@@ -191,7 +194,8 @@ def test_dna_study_on_real_sequence_end_to_end(tmp_path):
     assert {"model", "baseline", "markov", "uniform"} <= set(report["results"])
     (cut,) = report["ablation"]["cuts"]
     assert cut["max_context"] == 1024 and cut["beyond"]["from"] == 2048 and cut["beyond"]["all"]["tokens"] > 0
-    assert report["results"]["model"]["softmasked"]["tokens"] > 0 and report["results"]["model"]["unmasked"]["tokens"] > 0
+    model = report["results"]["model"]
+    assert model["softmasked"]["tokens"] > 0 and model["unmasked"]["tokens"] > 0
     text = " ".join(result.output.split())
     assert "the study in short" in text and "Markov chain fitted on the training regions" in text
     assert "6 overlapping windows score each held-out base at several context lengths" in text

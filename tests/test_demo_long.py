@@ -19,7 +19,8 @@ def test_the_long_recipe_runs_both_stages_and_reports_ablation_and_selection(tmp
     first, second = result.stages
     assert first.steps_done == 2 and second.steps_done == 3
     drill = json.loads((out / "drill" / "manifest.json").read_text())
-    assert list(drill["splits"]) == ["train"] and [c["record"] for c in drill["splits"]["train"]["chromosomes"]] == ["drill"]
+    assert list(drill["splits"]) == ["train"]
+    assert [c["record"] for c in drill["splits"]["train"]["chromosomes"]] == ["drill"]
     main = json.loads((out / "dataset" / "manifest.json").read_text())
     assert [c["record"] for c in main["splits"]["train"]["chromosomes"]] == ["chr1", "chr2", "drill"]
     meta = json.loads((second.checkpoint / "meta.json").read_text())

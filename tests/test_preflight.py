@@ -12,7 +12,8 @@ import textwrap
 
 import pytest
 
-from genome_lm.preflight import SECTIONS, Context, environment as env_section
+from genome_lm.preflight import SECTIONS, Context
+from genome_lm.preflight import environment as env_section
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,8 @@ def test_cpu_preflight_runs_every_section(cpu_report):
     assert report["profile"].startswith("cpu") and report["ok"] is True
     sections = {s["name"]: s for s in report["sections"]}
     assert list(sections) == list(SECTIONS)
-    assert all(s["status"] == "ok" for s in sections.values()), {n: (s["status"], s["note"]) for n, s in sections.items()}
+    assert all(s["status"] == "ok" for s in sections.values()), {n: (s["status"], s["note"]) for n,
+                                                                 s in sections.items()}
 
 
 @pytest.mark.slow
@@ -103,7 +105,8 @@ def test_resume_check_runs_without_mlflow_and_ray(tmp_path):
 def test_unknown_section_and_bad_dataset_are_one_line_errors(tmp_path):
     for args, words in ((["--only", "speed,warp"], "unknown section warp"),
                         (["--dataset", str(tmp_path)], "not a prepared dataset")):
-        proc = subprocess.run([sys.executable, "-m", "genome_lm", "preflight", *args, "--out", str(tmp_path / "x.json")],
+        proc = subprocess.run([sys.executable, "-m", "genome_lm", "preflight", *args, "--out",
+                               str(tmp_path / "x.json")],
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode != 0 and words in proc.stderr, proc.stderr
         assert not (tmp_path / "x.json").exists()

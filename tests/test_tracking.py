@@ -231,7 +231,7 @@ def mlflow_server(tmp_path):
 
     try:
         uri = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90  # about 23 s on 2 cores (DESIGN.md section 7)
+        deadline = time.monotonic() + 90  # about 23 s on 2 cores (docs/design.md, section 4)
         while True:
             if proc.poll() is not None:
                 pytest.fail(f"mlflow server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")

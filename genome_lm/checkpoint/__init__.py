@@ -14,7 +14,16 @@ configuration names with its weights.
 """
 
 from .models import build, token_map  # noqa: F401
-from .paths import (ModelPath, check_run_folder, existing_checkpoints, resolve, resume_point,  # noqa: F401
-                    training_checkpoint)
-from .training import (CheckpointCorrupt, latest_checkpoint, load_checkpoint, load_weights,  # noqa: F401
-                       read_weights, rng_state, save_checkpoint, set_rng_state, verify, weight_layout)
+from .paths import ModelPath, check_run_folder, existing_checkpoints, resolve, resume_point, training_checkpoint  # noqa: F401
+from .training import (  # noqa: F401
+                    CheckpointCorrupt,
+                    latest_checkpoint,
+                    load_checkpoint,
+                    load_weights,
+                    read_weights,
+                    rng_state,
+                    save_checkpoint,
+                    set_rng_state,
+                    verify,
+                    weight_layout,
+)

@@ -22,19 +22,16 @@ parameter at a time and writes shards of at most ``max_shard_bytes``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from genome_lm.errors import GenomeLMError
-
 from genome_lm.engine.layout import ep_gather, expert_offset, to_rank0, tp_gather, tp_slice
-
+from genome_lm.errors import GenomeLMError
 from genome_lm.model.config import ModelConfig
 
 if TYPE_CHECKING:

@@ -19,6 +19,7 @@ from .paths import training_checkpoint
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
+
     from genome_lm.config import RunConfig
     from genome_lm.engine.parallel import ParallelSizes
     from genome_lm.model.model import GLM5Model
@@ -34,8 +35,8 @@ def build(cfg: RunConfig, pg: ProcessGroupCollection, sizes: ParallelSizes) -> G
     architecture is the one it recorded, and its model preset must match this run's. The random
     generators are left as a random initialisation would leave them: the new run's seeding is its
     own."""
-    from genome_lm.model import get_preset
     from genome_lm.checkpoint.huggingface import HFCheckpoint, load_hf_checkpoint
+    from genome_lm.model import get_preset
     from genome_lm.model.model import build_model
 
     from .training import load_weights

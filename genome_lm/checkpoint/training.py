@@ -25,14 +25,13 @@ under their own layout, or under any layout when one rank wrote them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import base64
 import json
 import os
 import random
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -43,9 +42,20 @@ from genome_lm.digest import sha256_file
 from genome_lm.engine.backend import on_gpu
 from genome_lm.errors import GenomeLMError
 
-from .sharded import (FORMAT, PieceReader, full_model_tensors, legacy_index, load_model_pieces,
-                      load_optimizer_pieces, model_boxes, model_tensors, optimizer_boxes, optimizer_groups,
-                      set_optimizer_groups, write_pieces)
+from .sharded import (
+    FORMAT,
+    PieceReader,
+    full_model_tensors,
+    legacy_index,
+    load_model_pieces,
+    load_optimizer_pieces,
+    model_boxes,
+    model_tensors,
+    optimizer_boxes,
+    optimizer_groups,
+    set_optimizer_groups,
+    write_pieces,
+)
 
 if TYPE_CHECKING:
     from genome_lm.model.model import GLM5Model

@@ -34,7 +34,7 @@ def main(
     """genome-lm: fine-tune a long-context genome language model."""
 
 
-from . import data, train, eval, variants, plan, check, demo, bench  # noqa: E402,F401  (registration order = --help order)
+from . import bench, check, data, demo, eval, plan, train, variants  # noqa: E402,F401  (registration order = --help order)
 
 
 def run() -> None:  # console-script entry point

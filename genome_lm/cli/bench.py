@@ -20,13 +20,15 @@ def bench_kernels(
     seq_lens: Annotated[str, typer.Option(help="Comma-separated sequence lengths (k=1024).")] = "8k,32k,128k",
     op: Annotated[str, typer.Option(help="Which ops: kda, dsa or all.")] = "all",
     backward: Annotated[bool, typer.Option(help="Time KDA forward+backward too (slow for the reference).")] = True,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write every row, all fields, to this file.")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json",
+                                                     help="Also write every row, all fields, to this file.")] = None,
     compile_for: Annotated[Optional[str], typer.Option(
         help="Instead of timing: compile every Triton kernel for these GPU targets (sm_90, sm_100; no GPU "
              "needed) at the shipped configs' per-rank shapes and report shared memory, registers, spills, "
              "tensor-core instructions and compile time. Exits 1 if a kernel would not launch or spills.")] = None,
 ) -> None:
-    """KDA chunked vs its token-by-token reference (and transformers' torch fallback); DSA sparse vs dense masked attention: time and peak memory on this machine, with the ratio to the baseline."""
+    """KDA chunked vs its token-by-token reference (and transformers' torch fallback); DSA sparse vs dense masked
+    attention: time and peak memory on this machine, with the ratio to the baseline."""
     from genome_lm.compare.bench import kernel_bench
 
     if op not in ("kda", "dsa", "all"):
@@ -81,16 +83,22 @@ def bench_model(
     seq_lens: Annotated[str, typer.Option(help="Comma-separated sequence lengths (k=1024).")] = "2k,8k",
     compare_transformers: Annotated[bool, typer.Option(
         help="Also time transformers' glm5_next with the same weights (slow: only at these lengths).")] = False,
-    repeats: Annotated[int, typer.Option(help="Timed steps after the warm-up (fewer once 30 s of steps have run); the median is shown.", min=1)] = 3,
-    threads: Annotated[Optional[int], typer.Option(help="torch threads in every run; default: the cores this process may use.", min=1)] = None,
-    batch: Annotated[int, typer.Option(help="Sequences per step (the long recipe's first stage: --batch 8 --seq-lens 256).", min=1)] = 1,
+    repeats: Annotated[int, typer.Option(help="Timed steps after the warm-up (fewer once 30 s of steps have run); the "
+                                              "median is shown.", min=1)] = 3,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads in every run; default: the cores this process "
+                                                        "may use.", min=1)] = None,
+    batch: Annotated[int, typer.Option(help="Sequences per step (the long recipe's first stage: --batch 8 --seq-lens "
+                                            "256).", min=1)] = 1,
     indexer_loss: Annotated[str, typer.Option(
         help="Also compute genome-lm's DSA indexer loss in each step, as training with train.indexer_loss does: "
              "off, dense (the long recipe) or sparse. Not with --compare-transformers (glm5_next has none).")] = "off",
-    timeout: Annotated[float, typer.Option(help="Seconds allowed per run (model build + warm-up + timed steps); transformers reports 'timeout' past it.")] = 1200.0,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write every row, all fields, to this file.")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds allowed per run (model build + warm-up + timed steps); "
+                                                "transformers reports 'timeout' past it.")] = 1200.0,
+    json_out: Annotated[Optional[Path], typer.Option("--json",
+                                                     help="Also write every row, all fields, to this file.")] = None,
 ) -> None:
-    """Forward+backward of the whole model (batch 1, random DNA, next-token loss): seconds, tokens/s and peak memory per length, and the speed-up over transformers' glm5_next on the same weights."""
+    """Forward+backward of the whole model (batch 1, random DNA, next-token loss): seconds, tokens/s and peak memory per
+    length, and the speed-up over transformers' glm5_next on the same weights."""
     from genome_lm.compare.bench import bench, check_indexer_loss, default_threads, growth
     from genome_lm.model.presets import PRESETS
 
@@ -119,7 +127,8 @@ def bench_model(
                {"T": "T", "impl": "path", "seconds": "seconds", "tokens_per_s": "tokens/s", "peak_mib": "peak MiB",
                 "speedup": "speed-up", "note": "note"})
     console.print("speed-up = transformers seconds / genome-lm seconds; "
-                  + "; ".join(sorted({f"{r['impl']}: {r['backend']}" for r in rows if r.get("backend")})), highlight=False)
+                  + "; ".join(sorted({f"{r['impl']}: {r['backend']}" for r in rows if r.get("backend")})),
+                  highlight=False)
     losses = {}
     for r in rows:
         if r.get("loss") is not None:
@@ -139,7 +148,8 @@ def bench_model(
 @bench_app.command("sweep")
 def bench_sweep(
     lengths: Annotated[str, typer.Option(help="Comma-separated sequence lengths (k, M suffixes).")] = "4k,8k,16k,32k",
-    settings: Annotated[str, typer.Option(help="Comma-separated memory settings: plain, selective, recompute, nested, moe-chunks.")] = "plain,selective,recompute,nested",
+    settings: Annotated[str, typer.Option(help="Comma-separated memory settings: plain, selective, recompute, nested, "
+                                               "moe-chunks.")] = "plain,selective,recompute,nested",
     threads: Annotated[int, typer.Option(help="torch threads per measured step.")] = 2,
     out: Annotated[Path, typer.Option(help="Folder for sweep.json and sweep.png.")] = Path("runs/bench-sweep"),
 ) -> None:

@@ -14,7 +14,6 @@ from genome_lm.errors import GenomeLMError
 
 from .base import app, console, print_rows, sizes
 
-
 # parity's default bound for the tensor-core backends: bf16 operands round each product's inputs
 # by 2^-9 relative; measured on the shipped tiny-long model against transformers' fp32 model,
 # max |d logit| 0.034 at T = 257 and 0.0065 at T = 1,000 before the first flip (issue 27)
@@ -23,14 +22,17 @@ HALF_PRECISION_TOL = 5e-2
 
 @app.command()
 def parity(
-    hf: Annotated[Path, typer.Option("--hf", help="A glm5_next checkpoint folder written by transformers' save_pretrained.")],
-    lengths: Annotated[str, typer.Option(help="Comma-separated sequence lengths (k=1024).")] = "1,63,64,65,257,1000,4096",
+    hf: Annotated[Path, typer.Option("--hf", help="A glm5_next checkpoint folder written by transformers' "
+                                                  "save_pretrained.")],
+    lengths: Annotated[str,
+                       typer.Option(help="Comma-separated sequence lengths (k=1024).")] = "1,63,64,65,257,1000,4096",
     tol: Annotated[Optional[float], typer.Option(
         help="Largest allowed |logit difference| before the first tie or flip (default: 1e-4 for the fp32 "
              "backends; 0.05 for triton and fla, whose bf16 products round each KDA and MLA output by "
              "about 2^-9 relative, measured 0.034 on the shipped tiny-long model at T = 257).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random DNA tokens.")] = 0,
-    backend: Annotated[str, typer.Option(help="Kernel backend of genome-lm's model: auto, torch, triton, reference.")] = "auto",
+    backend: Annotated[str, typer.Option(
+        help="Kernel backend of genome-lm's model: auto, torch, triton, reference.")] = "auto",
 ) -> None:
     """Check genome-lm's model against transformers' glm5_next on the same checkpoint.
 
@@ -44,11 +46,10 @@ def parity(
     their margins, and parity is judged before the first one. Works for any glm5_next text config that
     genome-lm supports (NoPE MLA without attention bias, the tail pool always selected; any
     router grouping); other configs are refused with the field named."""
-    from genome_lm_kernels import resolve_backend
-
     from genome_lm.compare.parity import run_parity
     from genome_lm.engine import quiet_megatron_import
     from genome_lm.engine.backend import current
+    from genome_lm_kernels import resolve_backend
 
     lengths_ = sizes(lengths, "--lengths")
     if not hf.is_dir():
@@ -101,7 +102,8 @@ def parity(
         console.print(flips)
     failed = [r.length for r in rows if not r.passed]
     if failed:
-        Console(stderr=True).print(f"[bold red]parity failed[/] at T = {', '.join(map(str, failed))} (tolerance {tol:g})")
+        Console(stderr=True).print(f"[bold red]parity failed[/] at T = {', '.join(map(str,
+                                                                                      failed))} (tolerance {tol:g})")
         raise typer.Exit(1)
     console.print(f"parity holds at every length (tolerance {tol:g})")
 
@@ -116,7 +118,10 @@ def preflight(
         help="A prepared dataset for the resume check (default: a small random one, which needs pysam).")] = None,
     quick: Annotated[bool, typer.Option(help="Time 32k only (the full check times 32k and 128k).")] = False,
 ) -> None:
-    """Check one GPU before booking a cluster: versions, the kernels compiled for this GPU, each kernel against its reference at real shapes, KDA and DSA speed against fla and flash attention, the 4-layer slice's peak memory against the plan, and resume through the real trainer. On a CPU the same checks run at tiny shapes under Triton's interpreter."""
+    """Check one GPU before booking a cluster: versions, the kernels compiled for this GPU, each kernel against its
+    reference at real shapes, KDA and DSA speed against fla and flash attention, the 4-layer slice's peak memory against
+    the plan, and resume through the real trainer. On a CPU the same checks run at tiny shapes under Triton's
+    interpreter."""
     from genome_lm.engine.backend import on_gpu
     from genome_lm.preflight import SECTIONS, run_preflight
 
@@ -141,6 +146,7 @@ def preflight(
 
     report = run_preflight(out, only=sections, dataset=dataset, quick=quick, on_section=show)
     failed = [s["name"] for s in report["sections"] if s["status"] == "fail"]
-    console.print(f"wrote {out}" + (f"; failed: {', '.join(failed)}" if failed else "; nothing failed"), highlight=False)
+    console.print(f"wrote {out}" + (f"; failed: {', '.join(failed)}" if failed else "; nothing failed"),
+                  highlight=False)
     if failed:
         raise typer.Exit(1)

@@ -22,38 +22,49 @@ def prepare(
         "data/prepared"
     ),
     train_chroms: Annotated[
-        str, typer.Option(help="Comma-separated chromosomes or regions for training; chr1, 1 and NC_000001.11 all match; a region as samtools writes it, chr2:1-1,800,000 (1-based, inclusive, commas allowed), holds out the rest of the chromosome.")
+        str, typer.Option(help="Comma-separated chromosomes or regions for training; chr1, 1 and NC_000001.11 all "
+                               "match; a region as samtools writes it, chr2:1-1,800,000 (1-based, inclusive, commas "
+                               "allowed), holds out the rest of the chromosome.")
     ] = "chr1,chr2",
-    eval_chroms: Annotated[str, typer.Option(help="Comma-separated chromosomes or regions for evaluation ('' for none), e.g. chr2:1,800,001-2,333,275; train and eval regions must not overlap.")] = "chr22",
+    eval_chroms: Annotated[str, typer.Option(help="Comma-separated chromosomes or regions for evaluation ('' for "
+                                                  "none), e.g. chr2:1,800,001-2,333,275; train and eval regions must "
+                                                  "not overlap.")] = "chr22",
     window: Annotated[str, typer.Option(help="Window length in bases: 524288, 512k, 1M (k=1024, M=1048576).")] = "512k",
     stride: Annotated[
         Optional[str], typer.Option(help="Distance between window starts; default: the window (no overlap).")
     ] = None,
     eval_stride: Annotated[
-        Optional[str], typer.Option(help="Distance between window starts in the evaluation split only; below the window, each held-out base is scored at several context lengths (genome-lm eval bootstraps over blocks of sequence then). Default: --stride.")
+        Optional[str], typer.Option(help="Distance between window starts in the evaluation split only; below the "
+                                         "window, each held-out base is scored at several context lengths (genome-lm "
+                                         "eval bootstraps over blocks of sequence then). Default: --stride.")
     ] = None,
     tail: Annotated[
         str, typer.Option(help="The bases after the last full window: 'keep' as one shorter window, or 'drop'.")
     ] = "keep",
-    min_tail: Annotated[str, typer.Option(help="A kept tail needs at least this many bases, else it is dropped.")] = "4k",
+    min_tail: Annotated[str,
+                        typer.Option(help="A kept tail needs at least this many bases, else it is dropped.")] = "4k",
     max_n: Annotated[
         float, typer.Option(help="Skip (and record) windows whose fraction of N bases is above this.")
     ] = MAX_N_FRACTION,
     workers: Annotated[
-        Optional[int], typer.Option(help="Worker processes on this machine; default: one per core but one (1: no worker processes).", min=1)
+        Optional[int], typer.Option(help="Worker processes on this machine; default: one per core but one (1: no "
+                                         "worker processes).", min=1)
     ] = None,
     ray_address: Annotated[
         Optional[str],
         typer.Option(
-            help="Run the work as Ray tasks on this cluster ('auto', 'host:port'); every node must see the FASTA and --out at the same paths."
+            help="Run the work as Ray tasks on this cluster ('auto', 'host:port'); every node must see the FASTA and "
+                 "--out at the same paths."
         ),
     ] = None,
-    force: Annotated[bool, typer.Option(help="Rebuild even if a finished dataset for the same request exists.")] = False,
+    force: Annotated[bool,
+                     typer.Option(help="Rebuild even if a finished dataset for the same request exists.")] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
 ) -> None:
     """Stream a genome FASTA into tokenized windows (Megatron .bin/.idx + manifest).
 
-    Defaults reproduce the study: chr1 and chr2 for training, chr22 for evaluation, 512k-base windows. One token per base (A C G T N); soft-masked bases keep a per-token flag.
+    Defaults reproduce the study: chr1 and chr2 for training, chr22 for evaluation, 512k-base windows. One token per
+    base (A C G T N); soft-masked bases keep a per-token flag.
     """
     from genome_lm.data.prepare import PrepareRequest
     from genome_lm.data.prepare import prepare as run_prepare

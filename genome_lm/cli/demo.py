@@ -22,9 +22,11 @@ def demo(
     window: Annotated[str, typer.Option(help="Window length for the demo dataset.")] = "32k",
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
     config: Annotated[str, typer.Option(help="Training config (name in configs/ or a path); demo-cpu trains from "
-                                             "random weights instead of the shipped long-context model.")] = DEMO_CONFIG,
+                                             "random weights instead of the shipped long-context model.")
+                      ] = DEMO_CONFIG,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a training field (repeatable).")] = None,
-    eval_windows: Annotated[int, typer.Option(help="Evaluation windows of chr22 to score (each model), evenly spaced; with --fasta every held-out window is scored.")] = 8,
+    eval_windows: Annotated[int, typer.Option(help="Evaluation windows of chr22 to score (each model), evenly spaced; "
+                                                   "with --fasta every held-out window is scored.")] = 8,
     long: Annotated[bool, typer.Option("--long", help="Run the long-context recipe instead (about 25 minutes on 2 "
                                                       "cores): stage 1 learns to copy on a copy drill, stage 2 trains "
                                                       "on a demo genome with dense planted copies; eval cuts the "
@@ -42,9 +44,18 @@ def demo(
 ) -> None:
     """Run the study end to end on the built-in demo genome, on this CPU.
 
-    demo genome -> prepare (chr1, chr2 train; chr22 eval) -> fine-tune the tiny model (config demo-finetune-cpu: from the shipped model that the long-context recipe, --long, trained to copy from earlier in the sequence; tracked in MLflow) -> `genome-lm eval` of the tuned against the starting model on the same chr22 windows: loss by preceding-context length with 95% intervals, the same model with its context cut to 256 bases (what the rest of the window adds), and the loss on planted later copies whose first copy lies inside the window against those whose first copy lies outside it. The report goes to OUT/run/eval-chr22 and to MLflow.
+    demo genome -> prepare (chr1, chr2 train; chr22 eval) -> fine-tune the tiny model (config demo-finetune-cpu: from
+    the shipped model that the long-context recipe, --long, trained to copy from earlier in the sequence; tracked in
+    MLflow) -> `genome-lm eval` of the tuned against the starting model on the same chr22 windows: loss by
+    preceding-context length with 95% intervals, the same model with its context cut to 256 bases (what the rest of the
+    window adds), and the loss on planted later copies whose first copy lies inside the window against those whose first
+    copy lies outside it. The report goes to OUT/run/eval-chr22 and to MLflow.
 
-With --fasta FILE --train REGIONS --eval REGION the same study runs on your own genome (about 28 minutes on 2 cores for 1.8 Mbp of training): the shipped model fine-tuned on whole windows of the training regions, then the held-out region scored in windows that start every quarter window (each base at four context lengths) against its starting weights, the Markov chain fitted on the training regions, and both models with their context cut to 1,024 bases, with a summary in words. The report goes to OUT/run/eval."""
+With --fasta FILE --train REGIONS --eval REGION the same study runs on your own genome (about 28 minutes on 2 cores for
+1.8 Mbp of training): the shipped model fine-tuned on whole windows of the training regions, then the held-out region
+scored in windows that start every quarter window (each base at four context lengths) against its starting weights, the
+Markov chain fitted on the training regions, and both models with their context cut to 1,024 bases, with a summary in
+words. The report goes to OUT/run/eval."""
     from genome_lm.demo import run_demo
     from genome_lm.eval.planted import demo_note
 
@@ -90,7 +101,8 @@ def _dna_demo(fasta: Path | None, train: str | None, eval_region: str | None, ou
 
     missing = [flag for flag, value in (("--fasta", fasta), ("--train", train), ("--eval", eval_region)) if not value]
     if missing:
-        raise GenomeLMError(f"the study on your own genome needs --fasta, --train and --eval; missing {', '.join(missing)}")
+        raise GenomeLMError("the study on your own genome needs --fasta, --train and --eval; "
+                            f"missing {', '.join(missing)}")
     if not Path(fasta).is_file():
         raise GenomeLMError(f"{fasta}: no such FASTA file")
     result = run_dna_demo(out, fasta, split_regions(train), eval_region, window, config=config, overrides=overrides,

@@ -16,37 +16,58 @@ from .base import app, console, size
 
 @app.command("plan")
 def plan(
-    config: Annotated[Optional[str], typer.Option(help="A config in configs/ (e.g. glm-5.3-flash-1m-64xb200) or a YAML path.")] = None,
-    seq_len: Annotated[Optional[str], typer.Option(help="Tokens per sequence: 524288, 512k or 1M (default: the config's).")] = None,
+    config: Annotated[Optional[str], typer.Option(help="A config in configs/ (e.g. glm-5.3-flash-1m-64xb200) or a YAML "
+                                                       "path.")] = None,
+    seq_len: Annotated[Optional[str], typer.Option(help="Tokens per sequence: 524288, 512k or 1M (default: the "
+                                                        "config's).")] = None,
     tp: Annotated[Optional[int], typer.Option(help="Tensor parallel size.")] = None,
     cp: Annotated[Optional[int], typer.Option(help="Context parallel size.")] = None,
     ep: Annotated[Optional[int], typer.Option(help="Expert parallel size.")] = None,
     etp: Annotated[Optional[int], typer.Option(help="Expert tensor parallel size.")] = None,
     pp: Annotated[Optional[int], typer.Option(help="Pipeline parallel size (the plan is the busiest stage's).")] = None,
     recompute: Annotated[Optional[str], typer.Option(help="none, selective or full.")] = None,
-    offload: Annotated[Optional[bool], typer.Option("--offload/--no-offload", help="Offload saved activations to host memory.")] = None,
-    optimizer_offload: Annotated[Optional[bool], typer.Option("--optimizer-offload/--no-optimizer-offload", help="Optimizer state in host memory.")] = None,
+    offload: Annotated[Optional[bool], typer.Option("--offload/--no-offload", help="Offload saved activations to host "
+                                                                                   "memory.")] = None,
+    optimizer_offload: Annotated[Optional[bool], typer.Option("--optimizer-offload/--no-optimizer-offload",
+                                                              help="Optimizer state in host memory.")] = None,
     moe_chunks: Annotated[Optional[int], typer.Option(help="MoE layers in this many chunks.")] = None,
     gpu: Annotated[str, typer.Option(help="B200 (180 GB), H200 (141 GB) or H100 (80 GB).")] = "B200",
     gpu_mem: Annotated[Optional[float], typer.Option(help="GPU memory in GB (overrides --gpu).")] = None,
-    gpus: Annotated[Optional[int], typer.Option(help="GPUs in the run (default: tp x cp x pp x global batch / micro batch, one micro-batch per rank).")] = None,
+    gpus: Annotated[Optional[int], typer.Option(help="GPUs in the run (default: tp x cp x pp x global batch / micro "
+                                                     "batch, one micro-batch per rank).")] = None,
     gpus_per_node: Annotated[int, typer.Option(help="GPUs per node, for host memory per node.")] = 8,
-    moe_imbalance: Annotated[float, typer.Option(help="Busiest expert-parallel rank's tokens over the mean (4 on real genome data).")] = 4.0,
-    headroom: Annotated[float, typer.Option(help="Fraction of GPU memory kept free (CUDA context, NCCL, fragmentation).")] = 0.05,
-    device: Annotated[str, typer.Option(help="gpu, or cpu for the torch path (offload moves nothing there; the memory of a rank is this machine's divided by the ranks on it, --gpus up to --gpus-per-node, unless --gpu-mem).")] = "gpu",
+    moe_imbalance: Annotated[float, typer.Option(help="Busiest expert-parallel rank's tokens over the mean (4 on real "
+                                                      "genome data).")] = 4.0,
+    headroom: Annotated[float, typer.Option(
+        help="Fraction of GPU memory kept free (CUDA context, NCCL, fragmentation).")] = 0.05,
+    device: Annotated[str, typer.Option(help="gpu, or cpu for the torch path (offload moves nothing there; the memory "
+                                             "of a rank is this machine's divided by the ranks on it, --gpus up to "
+                                             "--gpus-per-node, unless --gpu-mem).")] = "gpu",
     sweep: Annotated[bool, typer.Option("--sweep", help="The table over sequence lengths 32k to 1M.")] = False,
-    published: Annotated[bool, typer.Option("--published", help="The published run's figures next to the plan's.")] = False,
+    published: Annotated[bool, typer.Option("--published",
+                                            help="The published run's figures next to the plan's.")] = False,
     kernel_efficiency: Annotated[Optional[float], typer.Option(
         help="Achieved fraction of the bf16 peak for the attention-like kernels (KDA, sparse attention, DSA "
              "indexer); default: the time model's, fitted on the published 1M run (genome-lm preflight sets the "
              "measured step of the 4-layer slice beside the predicted one on a GPU).")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the plan (memory and time) as JSON instead of tables.")] = False,
-    plot: Annotated[Optional[str], typer.Option(help="Write a bar chart of the step's time by part to this PNG.")] = None,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config field: section.field=value.")] = None,
-    search: Annotated[bool, typer.Option("--search", help="Rank every layout (TP, CP, PP, EP, ETP) and memory switch (recompute, offload, MoE chunks) that fits --gpus of --gpu by predicted tokens/s, the published setting among them; with --write, the best as a config.")] = False,
+    json_out: Annotated[bool, typer.Option("--json",
+                                           help="Print the plan (memory and time) as JSON instead of tables.")] = False,
+    plot: Annotated[Optional[str],
+                    typer.Option(help="Write a bar chart of the step's time by part to this PNG.")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set",
+                                                      help="Override any config field: section.field=value.")] = None,
+    search: Annotated[bool, typer.Option("--search", help="Rank every layout (TP, CP, PP, EP, ETP) and memory switch "
+                                                          "(recompute, offload, MoE chunks) that fits --gpus of --gpu "
+                                                          "by predicted tokens/s, the published setting among them; "
+                                                          "with --write, the best as a config.")] = False,
     top: Annotated[int, typer.Option(help="With --search: rows of the ranking to show.")] = 10,
-    write: Annotated[Optional[Path], typer.Option(help="With --search: write the fastest candidate as a config YAML here (the --config file with its parallel and memory sections replaced).")] = None,
-    eval_: Annotated[bool, typer.Option("--eval", help="Plan `genome-lm eval` instead of training: memory per GPU and time of scoring windows of --seq-len with the config's layout (no gradients, no optimizer), and the fewest GPUs of --gpu whose layout fits.")] = False,
+    write: Annotated[Optional[Path], typer.Option(help="With --search: write the fastest candidate as a config YAML "
+                                                       "here (the --config file with its parallel and memory sections "
+                                                       "replaced).")] = None,
+    eval_: Annotated[bool, typer.Option("--eval", help="Plan `genome-lm eval` instead of training: memory per GPU and "
+                                                       "time of scoring windows of --seq-len with the config's layout "
+                                                       "(no gradients, no optimizer), and the fewest GPUs of --gpu "
+                                                       "whose layout fits.")] = False,
 ) -> None:
     """Size the hardware before a run: memory per GPU (parameters, gradients, optimizer state,
     activations per layer type, what recompute and offload save) and host memory per node, from
@@ -57,12 +78,18 @@ def plan(
     from dataclasses import replace
 
     from genome_lm.config import load_config
-
     from genome_lm.engine.devices import SPECS
     from genome_lm.plan.hardware import gpu_memory, gpu_spec
     from genome_lm.plan.memory_model import Hardware, estimate
-    from genome_lm.plan.report import (print_plan, published_table, published_time_table, sweep_table,
-                                       sweep_time_table, time_plot, time_table)
+    from genome_lm.plan.report import (
+        print_plan,
+        published_table,
+        published_time_table,
+        sweep_table,
+        sweep_time_table,
+        time_plot,
+        time_table,
+    )
     from genome_lm.plan.time_model import CONSTANTS, estimate_time
 
     if device not in ("gpu", "cpu"):
@@ -99,8 +126,9 @@ def plan(
     if config is None:
         raise GenomeLMError("--config is required (a shipped config name or a YAML path)")
     fields = {"data.seq_len": size(seq_len, "--seq-len"), "parallel.tp": tp, "parallel.cp": cp, "parallel.ep": ep,
-              "parallel.etp": etp, "parallel.pp": pp, "memory.recompute": recompute, "memory.offload_activations": offload,
-              "memory.optimizer_offload": optimizer_offload, "memory.moe_chunks": moe_chunks}
+              "parallel.etp": etp, "parallel.pp": pp, "memory.recompute": recompute,
+              "memory.offload_activations": offload, "memory.optimizer_offload": optimizer_offload,
+              "memory.moe_chunks": moe_chunks}
     options = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items() if v is not None]
     run = load_config(config, [*(set_ or []), *options])  # validated like the trainer's config
     if write is not None and not search:
@@ -195,7 +223,8 @@ def _plan_search(run, config: str, hw, spec, constants, json_out: bool, top: int
 
     from genome_lm.config import find_config
     from genome_lm.plan.report import gib, length_label
-    from genome_lm.plan.search import config_yaml, differences, search as run_search
+    from genome_lm.plan.search import config_yaml, differences
+    from genome_lm.plan.search import search as run_search
 
     found = run_search(run, hw, spec, constants)
     best = next(c for c in found if c.fits and not c.label)

@@ -14,15 +14,23 @@ from .base import app, console
 
 @app.command()
 def finetune(
-    config: Annotated[str, typer.Option(help="A config name from configs/ (demo-cpu, glm-5.3-flash-512k-64xb200, ...) or a YAML path.")] = "demo-cpu",
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a field: --set train.steps=20 (repeatable).")] = None,
+    config: Annotated[str, typer.Option(help="A config name from configs/ (demo-cpu, glm-5.3-flash-512k-64xb200, ...) "
+                                             "or a YAML path.")] = "demo-cpu",
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a field: --set train.steps=20 "
+                                                                    "(repeatable).")] = None,
     resume: Annotated[bool, typer.Option(help="Continue from the run folder's latest checkpoint.")] = False,
-    resume_from: Annotated[Optional[str], typer.Option(help="Continue from this checkpoint (a folder, or its name such as step-000020) instead of the latest.")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Start a new run in a folder that already holds one, deleting its checkpoints (without it, that is refused).")] = False,
-    tracking_uri: Annotated[Optional[str], typer.Option(help="MLflow server (http://host:5000); default: a SQLite store in the run folder (also used when the server cannot be reached).")] = None,
+    resume_from: Annotated[Optional[str], typer.Option(help="Continue from this checkpoint (a folder, or its name such "
+                                                            "as step-000020) instead of the latest.")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Start a new run in a folder that already holds one, deleting its "
+                                                 "checkpoints (without it, that is refused).")] = False,
+    tracking_uri: Annotated[Optional[str], typer.Option(help="MLflow server (http://host:5000); default: a SQLite "
+                                                             "store in the run folder (also used when the server "
+                                                             "cannot be reached).")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
-    ray_address: Annotated[Optional[str], typer.Option(help="Train on a Ray cluster ('auto', host:port, or 'local' to start one here).")] = None,
-    workers: Annotated[int, typer.Option(help="With --ray-address: ranks to start (one GPU each, or CPU workers without GPUs).", min=1)] = 1,
+    ray_address: Annotated[Optional[str], typer.Option(help="Train on a Ray cluster ('auto', host:port, or 'local' to "
+                                                            "start one here).")] = None,
+    workers: Annotated[int, typer.Option(help="With --ray-address: ranks to start (one GPU each, or CPU workers "
+                                              "without GPUs).", min=1)] = 1,
     cpus_per_worker: Annotated[int, typer.Option(help="With --ray-address: CPUs reserved per rank.", min=1)] = 1,
 ) -> None:
     """Fine-tune the model on a prepared dataset (megatron-core; tracked in MLflow).
@@ -112,7 +120,8 @@ def export(
     run: Annotated[Path, typer.Option(help="A training run folder (train.out_dir).")],
     out: Annotated[Path, typer.Option(help="Folder for the Hugging Face glm5_next safetensors.")],
     checkpoint: Annotated[Optional[str], typer.Option(help="Checkpoint folder name (default: the latest).")] = None,
-    like: Annotated[Optional[Path], typer.Option(help="A Hugging Face checkpoint whose config.json and tensor dtypes to copy.")] = None,
+    like: Annotated[Optional[Path], typer.Option(help="A Hugging Face checkpoint whose config.json and tensor dtypes "
+                                                      "to copy.")] = None,
 ) -> None:
     """Write a training checkpoint as Hugging Face glm5_next safetensors (sharded, with an index)."""
     from genome_lm.engine import quiet_megatron_import

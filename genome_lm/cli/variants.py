@@ -18,35 +18,60 @@ def _names(text: str | None) -> tuple[str, ...]:
 @app.command()
 def variants(
     vcf: Annotated[Path, typer.Option(help="The variants: VCF or bgzip VCF (multi-allelic records are split).")],
-    fasta: Annotated[Path, typer.Option(help="The reference the VCF's coordinates are on (plain or bgzip FASTA; indexed if it has no .fai).")],
-    model: Annotated[str, typer.Option(help="A training run folder, a checkpoint, a Hugging Face folder, builtin:tiny-long or preset:NAME.")],
+    fasta: Annotated[Path, typer.Option(help="The reference the VCF's coordinates are on (plain or bgzip FASTA; "
+                                             "indexed if it has no .fai).")],
+    model: Annotated[str, typer.Option(help="A training run folder, a checkpoint, a Hugging Face folder, "
+                                            "builtin:tiny-long or preset:NAME.")],
     out: Annotated[Path, typer.Option(help="Folder for variants.json, variants.tsv and the plots.")] = Path("variants"),
-    baseline: Annotated[Optional[str], typer.Option(help="A second model scored the same way ('init': the model's starting weights).")] = None,
-    contexts: Annotated[str, typer.Option(help="Preceding context lengths to score every variant at, e.g. '256,1k,4k,16k'.")] = "4k",
-    right: Annotated[str, typer.Option(help="Following context after the variant (bases); with 4k before, the field's 8,192-base window.")] = "4095",
-    rc: Annotated[bool, typer.Option("--rc/--no-rc", help="Also score the reverse strand (the same context lengths read on it) and average.")] = False,
-    score: Annotated[str, typer.Option(help="The ratio the metrics rank by: sum (log-likelihood ratio over the positions the variant changes) or mean (per position).")] = "sum",
-    max_indel: Annotated[int, typer.Option(help="Longest insertion or deletion scored (bases); longer ones are skipped.", min=0)] = 50,
-    label: Annotated[Optional[str], typer.Option(help="INFO field with the class (e.g. FUNC_CLASS); without it only the scores are written.")] = None,
-    positive: Annotated[Optional[str], typer.Option(help="Values of --label that are positive (damaging), e.g. LOF or pathogenic,likely_pathogenic.")] = None,
-    negative: Annotated[Optional[str], typer.Option(help="Values of --label that are negative; default: every other value.")] = None,
-    compare: Annotated[Optional[str], typer.Option(help="INFO fields with other methods' scores to put beside the model (higher = more damaging), e.g. CADD,PHYLOP.")] = None,
-    strict: Annotated[bool, typer.Option(help="A variant that cannot be scored (REF mismatch, N or the record's end in its window) is an error instead of skipped.")] = False,
-    chunk: Annotated[str, typer.Option(help="Chunked prefill of the preceding context: tokens per forward chunk ('0': all at once).")] = "0",
-    max_variants: Annotated[Optional[int], typer.Option(help="Score only the first N variants (a quick look).", min=1)] = None,
+    baseline: Annotated[Optional[str], typer.Option(help="A second model scored the same way ('init': the model's "
+                                                         "starting weights).")] = None,
+    contexts: Annotated[str, typer.Option(help="Preceding context lengths to score every variant at, e.g. "
+                                               "'256,1k,4k,16k'.")] = "4k",
+    right: Annotated[str, typer.Option(help="Following context after the variant (bases); with 4k before, the field's "
+                                            "8,192-base window.")] = "4095",
+    rc: Annotated[bool, typer.Option("--rc/--no-rc", help="Also score the reverse strand (the same context lengths "
+                                                          "read on it) and average.")] = False,
+    score: Annotated[str, typer.Option(help="The ratio the metrics rank by: sum (log-likelihood ratio over the "
+                                            "positions the variant changes) or mean (per position).")] = "sum",
+    max_indel: Annotated[int,
+                         typer.Option(help="Longest insertion or deletion scored (bases); longer ones are skipped.",
+                                      min=0)] = 50,
+    label: Annotated[Optional[str], typer.Option(help="INFO field with the class (e.g. FUNC_CLASS); without it only "
+                                                      "the scores are written.")] = None,
+    positive: Annotated[Optional[str], typer.Option(help="Values of --label that are positive (damaging), e.g. LOF or "
+                                                         "pathogenic,likely_pathogenic.")] = None,
+    negative: Annotated[Optional[str], typer.Option(help="Values of --label that are negative; default: every other "
+                                                         "value.")] = None,
+    compare: Annotated[Optional[str], typer.Option(help="INFO fields with other methods' scores to put beside the "
+                                                        "model (higher = more damaging), e.g. CADD,PHYLOP.")] = None,
+    strict: Annotated[bool, typer.Option(help="A variant that cannot be scored (REF mismatch, N or the record's end in "
+                                              "its window) is an error instead of skipped.")] = False,
+    chunk: Annotated[str, typer.Option(help="Chunked prefill of the preceding context: tokens per forward chunk ('0': "
+                                            "all at once).")] = "0",
+    max_variants: Annotated[Optional[int], typer.Option(help="Score only the first N variants (a quick look).",
+                                                        min=1)] = None,
     resamples: Annotated[int, typer.Option(help="Bootstrap resamples for the 95% intervals.", min=10)] = 1000,
     seed: Annotated[int, typer.Option(help="Seed of the bootstrap.")] = 0,
-    tracking_uri: Annotated[Optional[str], typer.Option(help="MLflow store; default: the training run's, else OUT/mlflow.db.")] = None,
-    tracking: Annotated[bool, typer.Option(help="Log the report to MLflow (a child of the training run when the model is one).")] = True,
+    tracking_uri: Annotated[Optional[str], typer.Option(help="MLflow store; default: the training run's, else "
+                                                             "OUT/mlflow.db.")] = None,
+    tracking: Annotated[bool, typer.Option(help="Log the report to MLflow (a child of the training run when the model "
+                                                "is one).")] = True,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
 ) -> None:
     """Zero-shot variant effects: how much less likely the model finds each variant's allele.
 
-    For every SNV and short indel of the VCF and every preceding context L in --contexts, the model reads L bases before the variant, the allele and --right bases after it, once with the reference allele and once with the alternative; the score is the log-likelihood ratio (alternative minus reference) over the positions the variant can change. The context before the variant is run once per site and shared by its alleles.
+    For every SNV and short indel of the VCF and every preceding context L in --contexts, the model reads L bases before
+    the variant, the allele and --right bases after it, once with the reference allele and once with the alternative;
+    the score is the log-likelihood ratio (alternative minus reference) over the positions the variant can change. The
+    context before the variant is run once per site and shared by its alleles.
 
-    With --label and --positive: AUROC and AUPRC with 95% bootstrap intervals for the model at each context, the order-k Markov chain fitted on the FASTA, the --compare fields and the --baseline model, overall and per CONSEQUENCE class, with paired intervals on the differences. Writes variants.json (schema genome-lm.variants/1), variants.tsv (one row per variant), roc.png and auroc_by_context.png, and an MLflow run.
+    With --label and --positive: AUROC and AUPRC with 95% bootstrap intervals for the model at each context, the order-k
+    Markov chain fitted on the FASTA, the --compare fields and the --baseline model, overall and per CONSEQUENCE class,
+    with paired intervals on the differences. Writes variants.json (schema genome-lm.variants/1), variants.tsv (one row
+    per variant), roc.png and auroc_by_context.png, and an MLflow run.
 
-    Skipped variants (REF not matching the FASTA, N or the record's end inside the window, long indels, symbolic alleles) are counted and listed in the report.
+    Skipped variants (REF not matching the FASTA, N or the record's end inside the window, long indels, symbolic
+    alleles) are counted and listed in the report.
     """
     from genome_lm.variants.run import VariantRequest, run_variants
 

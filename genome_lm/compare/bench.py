@@ -5,7 +5,7 @@ Every measurement runs in a fresh worker subprocess (``python -m genome_lm.compa
 JSON``), so peak memory is that process's own high-water mark (Linux VmHWM, reset after the
 model and the token ids exist) and one run cannot leave memory or thread pools behind for the
 next. transformers runs with flash-linear-attention hidden (``sys.modules["fla"] = None``):
-otherwise glm5_next swaps in fla's Triton kernels, which fail on a CPU (DESIGN.md section 6).
+otherwise glm5_next swaps in fla's Triton kernels, which fail on a CPU (docs/design.md, section 3).
 
 The same work on both sides: batch 1, the same random DNA ids (4..8), fp32, training mode,
 loss = cross entropy of the logits against the next token, ``loss.backward()``; genome-lm's side
@@ -23,8 +23,6 @@ holds the median.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import json
 import os
 import statistics
@@ -33,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -237,9 +236,8 @@ def _time_steps(model: torch.nn.Module, step, cfg: dict) -> dict:
 def _build_genome_lm(cfg: dict, pg: ProcessGroupCollection):
     import torch
 
-    from genome_lm.engine.parallel import ParallelSizes
-
     from genome_lm.checkpoint.huggingface import load_hf_checkpoint
+    from genome_lm.engine.parallel import ParallelSizes
     from genome_lm.model.model import build_model
     from genome_lm.model.presets import get_preset
 
@@ -251,9 +249,8 @@ def _build_genome_lm(cfg: dict, pg: ProcessGroupCollection):
 
 
 def _export(cfg: dict) -> None:
-    from genome_lm.engine.parallel import parallel_context
-
     from genome_lm.checkpoint.huggingface import export_hf_checkpoint
+    from genome_lm.engine.parallel import parallel_context
 
     with parallel_context() as pg:
         export_hf_checkpoint(_build_genome_lm(cfg, pg), cfg["checkpoint"])

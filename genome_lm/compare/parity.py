@@ -315,7 +315,7 @@ def decision_flips(reference: _Decisions, ours: _Decisions, selection_margins: l
 def _import_transformers_model():
     """transformers' glm5_next class, with flash-linear-attention hidden on a CPU machine: when fla
     is importable, glm5_next swaps its torch KDA for fla's Triton kernels, which fail without a
-    GPU (DESIGN.md section 6). The torch path is the independent reference we want."""
+    GPU (docs/design.md, section 3). The torch path is the independent reference we want."""
     if not on_gpu() and "fla" not in sys.modules:
         sys.modules["fla"] = None  # type: ignore[assignment]
     try:

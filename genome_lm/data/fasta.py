@@ -8,7 +8,8 @@ run's work folder (one streaming pass, constant memory) and indexed there.
 htslib is lenient where a training set must not be: it silently drops a duplicated record name
 or a record with no sequence. So before indexing, :func:`open_fasta` makes one streaming pass
 over the (decompressed) bytes that checks the header structure and detects truncated gzip
-streams. ``genome_lm.digest.sha256_file`` gives the file's identity for the manifest. Sequence letters are checked later, window by window, by the tokenizer.
+streams. ``genome_lm.digest.sha256_file`` gives the file's identity for the manifest. Sequence letters are checked
+later, window by window, by the tokenizer.
 """
 
 from __future__ import annotations

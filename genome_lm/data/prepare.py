@@ -32,7 +32,6 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from genome_lm.data.fasta import FastaSource, open_fasta, quick_identity
-from genome_lm.digest import sha256_file
 from genome_lm.data.indexed import write_index
 from genome_lm.data.manifest import MANIFEST, SCHEMA, Manifest, write_manifest
 from genome_lm.data.names import resolve
@@ -40,6 +39,7 @@ from genome_lm.data.regions import Region, parse_region
 from genome_lm.data.shards import Task, TaskResult, run_task
 from genome_lm.data.tokenizer import TokenizerInfo
 from genome_lm.data.windows import STUDY_WINDOW, WindowSpec, plan_windows
+from genome_lm.digest import sha256_file
 from genome_lm.errors import GenomeLMError
 from genome_lm.progress import progress_bar
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from genome_lm.data.fasta import FastaHandle, fetch_bytes
-from genome_lm.data.tokenizer import N, InvalidBaseError, count_ambiguous, describe_byte, softmask, tokenize
+from genome_lm.data.tokenizer import InvalidBaseError, N, count_ambiguous, describe_byte, softmask, tokenize
 from genome_lm.data.windows import too_many_n
 from genome_lm.errors import GenomeLMError
 

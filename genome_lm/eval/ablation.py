@@ -30,8 +30,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from .buckets import (SUBSETS, WindowSums, bucket_centres, difference_interval, errorbars, finite,
-                      resample_weights, subset_and_bucket_sums, subset_sums, units_text, window_units)
+from .buckets import (
+    SUBSETS,
+    WindowSums,
+    bucket_centres,
+    difference_interval,
+    errorbars,
+    finite,
+    resample_weights,
+    subset_and_bucket_sums,
+    subset_sums,
+    units_text,
+    window_units,
+)
 from .score import TokenScores
 
 
@@ -61,9 +72,11 @@ def _cut_sums(whole: TokenScores, cut: TokenScores, N: int, edges, unit, n_units
     for scores in (cut, whole) if tokens_of is None else (cut, whole, tokens_of):
         if not whole.same_tokens(scores):
             raise ValueError(f"the context-{N} scores are not on the whole-window scores' tokens")
-    parts = list(zip(subset_and_bucket_sums(whole, unit, n_units, edges), subset_and_bucket_sums(cut, unit, n_units, edges)))
+    parts = list(zip(subset_and_bucket_sums(whole, unit, n_units, edges), subset_and_bucket_sums(cut, unit, n_units,
+                                                                                                 edges)))
     far = 2 * N
-    parts.append((subset_sums(whole, unit, n_units, whole.context >= far), subset_sums(cut, unit, n_units, cut.context >= far)))
+    parts.append((subset_sums(whole, unit, n_units, whole.context >= far), subset_sums(cut, unit, n_units,
+                                                                                       cut.context >= far)))
     return parts
 
 
@@ -85,7 +98,8 @@ def _deltas(base: WindowSums, own: WindowSums, weights, level) -> list[dict]:
              "ci": [finite(lo[g]), finite(hi[g])]} for g in range(len(mean))]
 
 
-def _gains(whole: WindowSums, cut: WindowSums, base_whole: WindowSums, base_cut: WindowSums, weights, level) -> list[dict]:
+def _gains(whole: WindowSums, cut: WindowSums, base_whole: WindowSums, base_cut: WindowSums, weights,
+           level) -> list[dict]:
     """Per group: tokens, the model's cut - whole minus the baseline's, and its paired interval."""
     model = WindowSums(cut.sums - whole.sums, whole.counts)
     base = WindowSums(base_cut.sums - base_whole.sums, whole.counts)
@@ -104,7 +118,8 @@ def beyond_line(cut: dict) -> str | None:
                                                                   ("softmasked", "soft-masked (repeats)"))
              if far[key]["tokens"] and far[key]["delta"] is not None]
     return (f"context cut to {cut['max_context']:,}, on the {far['all']['tokens']:,} bases with at least "
-            f"{far['from']:,} bases of context: {fmt_delta_ci(far['all'])} nats/base" + (f" ({'; '.join(parts)})" if parts else "")
+            f"{far['from']:,} bases of context: {fmt_delta_ci(far['all'])} nats/base"
+            + (f" ({'; '.join(parts)})" if parts else "")
             + " [95% CI; above 0: the context beyond the cut lowers the loss]")
 
 
@@ -204,7 +219,8 @@ def csv_rows(ablation: dict) -> list[dict]:
     model's minus the baseline's, as models "baseline" and "model - baseline")."""
     rows = []
     for cut in ablation["cuts"]:
-        for model, entry in ((ablation["model"], cut), ("baseline", cut.get("baseline")), ("model - baseline", cut.get("gain"))):
+        for model, entry in ((ablation["model"], cut), ("baseline", cut.get("baseline")), ("model - baseline",
+                                                                                           cut.get("gain"))):
             if entry:
                 rows += _csv_rows(model, cut["max_context"], entry)
     return rows

@@ -70,9 +70,11 @@ def _windows_of(split_windows, chrom: str | None, source: str) -> list[int]:
     exact = [c for c in present if c == region.name]
     match = exact or [c for c in present if canonical(c) == canonical(region.name)]
     if len(match) != 1:
-        raise GenomeLMError(f"{source}: no evaluation windows on chromosome {region.name!r}; present: {', '.join(present)}")
+        raise GenomeLMError(f"{source}: no evaluation windows on chromosome {region.name!r}; "
+                            f"present: {', '.join(present)}")
     end = float("inf") if region.end is None else region.end
-    chosen = [i for i, w in enumerate(split_windows) if w.chrom == match[0] and region.start <= w.start and w.end <= end]
+    chosen = [i for i,
+              w in enumerate(split_windows) if w.chrom == match[0] and region.start <= w.start and w.end <= end]
     if not chosen:
         raise GenomeLMError(f"{source}: no evaluation window lies wholly inside {chrom}")
     return chosen
@@ -135,6 +137,8 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict |
     Over many ranks (torchrun, or ``eval_on_ray``: every rank calls this) the model is split by
     ``eval_layout`` and the windows shared out (``eval.parallel``); rank 0 writes the report and
     returns it, the other ranks return None."""
+    import torch.distributed as dist
+
     from genome_lm import __version__
     from genome_lm.data.manifest import Manifest
     from genome_lm.engine import quiet_megatron_import
@@ -144,11 +148,8 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict |
     from .buckets import default_edges, parse_edges
     from .cache import WindowCache, score_key
     from .models import load_model
-    from .score import score_split, select_windows
-
-    import torch.distributed as dist
-
     from .parallel import score_into_cache
+    from .score import score_split, select_windows
 
     out = Path(req.out)
     started_ms = int(datetime.datetime.now(datetime.timezone.utc).timestamp() * 1000)
@@ -234,7 +235,8 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict |
     if req.max_contexts:
         from . import ablation as abl
 
-        cuts = {name: {cut: scored[label] for label, who, cut in jobs if cut is not None and who == name} for name in loaded}
+        cuts = {name: {cut: scored[label] for label, who,
+                       cut in jobs if cut is not None and who == name} for name in loaded}
         baseline = (scores["baseline"], cuts["baseline"]) if "baseline" in loaded else None
         ablation = abl.summarize(scores["model"], cuts["model"], edges, resamples=req.resamples, seed=req.seed,
                                  units=(unit, n_units), baseline=baseline)

@@ -15,11 +15,10 @@ many ranks loads into this process's layout (``checkpoint.sharded``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 

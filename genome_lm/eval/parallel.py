@@ -30,8 +30,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from genome_lm.errors import GenomeLMError
-
 if TYPE_CHECKING:
     from genome_lm.engine.parallel import ParallelSizes
 

@@ -18,11 +18,10 @@ the distance from source base to copy base, with the copy advantage and its inte
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -111,7 +110,8 @@ def analyse(scores: dict[str, TokenScores], windows, planted: list[dict], *, res
             diff = samples["out_of_context"] - samples["in_context"]
             ci = np.percentile(diff, [lo_q, hi_q])
             value = groups["out_of_context"]["nats"] - groups["in_context"]["nats"]
-            advantage = {"nats": value, "ci": [float(ci[0]), float(ci[1])], "excludes_zero": bool(ci[0] > 0 or ci[1] < 0)}
+            advantage = {"nats": value, "ci": [float(ci[0]), float(ci[1])],
+                         "excludes_zero": bool(ci[0] > 0 or ci[1] < 0)}
         background = s.nll[~on_copy]
         by_distance = []
         for a, b in zip(edges[:-1], edges[1:]):

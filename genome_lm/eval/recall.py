@@ -27,11 +27,10 @@ both numbers can be reported side by side.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -76,7 +75,6 @@ class SequencePool:
         """Every N-free run of at least ``min_run`` bases in the split's windows (uppercase: the
         soft-mask is not part of the token ids)."""
         from genome_lm.data.loader import SplitReader
-
         from genome_lm.errors import GenomeLMError
 
         reader = SplitReader(dataset, split)

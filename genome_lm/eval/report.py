@@ -33,8 +33,18 @@ from pathlib import Path
 
 import numpy as np
 
-from .buckets import (SUBSETS, bucket_centres, change_interval, errorbars, finite, mean_interval, resample_weights,
-                      subset_and_bucket_sums, units_text, window_units)
+from .buckets import (
+    SUBSETS,
+    bucket_centres,
+    change_interval,
+    errorbars,
+    finite,
+    mean_interval,
+    resample_weights,
+    subset_and_bucket_sums,
+    units_text,
+    window_units,
+)
 from .score import TokenScores
 
 SCHEMA = "genome-lm.eval/1"
@@ -135,9 +145,11 @@ def study_summary(report: dict) -> list[str]:
     if model["nats"] is not None and markov and markov["nats"] is not None:
         lo, hi = model["bits_ci"]
         verdict = ("beats it" if hi is not None and hi < markov["bits"] else
-                   "does not beat it" if lo is not None and lo > markov["bits"] else "is level with it (within the interval)")
+                   "does not beat it" if lo is not None and lo > markov["bits"] else "is level with it (within the "
+                                                                                     "interval)")
         lines.append(f"against the order-{models['markov']['order']} Markov chain fitted on the training regions "
-                     f"({markov['bits']:.4f} bits/base), the model ({model['bits']:.4f} [{lo:.4f}, {hi:.4f}]) {verdict}")
+                     f"({markov['bits']:.4f} bits/base), the model ({model['bits']:.4f} [{lo:.4f}, {hi:.4f}]) "
+                     f"{verdict}")
     if comparison:
         buckets = [b for b, r in zip(comparison["buckets"], results["model"]["buckets"])
                    if r["tokens"] and b["change"] is not None and b["ci"][0] is not None]
@@ -256,7 +268,8 @@ def loss_figure(report: dict, axes=None):
     ax.set_xscale("log")
     ax.set_xlabel("preceding context in the window (bases)")
     ax.set_ylabel("loss (bits per base)")
-    ax.set_title(f"{report['data'].get('chrom') or report['data']['split']}: loss by context (95% CI over {units_text(report)})")
+    where = report['data'].get('chrom') or report['data']['split']
+    ax.set_title(f"{where}: loss by context (95% CI over {units_text(report)})")
     ax.legend()
     if comparison and len(axes) > 1:
         ax = axes[1]
@@ -268,7 +281,8 @@ def loss_figure(report: dict, axes=None):
         ax.set_xlabel("preceding context in the window (bases)")
         ax.set_ylabel("change vs baseline (%)")
         overall = comparison["all"]["change"]
-        ax.set_title(f"model vs baseline: {overall * 100:+.2f}% overall" if overall is not None else "model vs baseline")
+        ax.set_title(f"model vs baseline: {overall * 100:+.2f}% overall" if overall is not None
+                     else "model vs baseline")
     fig.tight_layout()
     return fig
 

@@ -12,9 +12,8 @@ over, so memory is bounded by the chunk (plus the carried keys) whatever the win
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -49,7 +48,8 @@ class TokenScores:
     def concat(cls, parts: list["TokenScores"]) -> "TokenScores":
         if not parts:
             return cls.empty()
-        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("nll", "context", "window", "softmasked")))
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("nll", "context", "window",
+                                                                              "softmasked")))
 
 
 def select_windows(windows, *, max_windows: int | None = None, max_n_fraction: float = MAX_N_FRACTION) -> list[int]:

@@ -194,7 +194,8 @@ def parameter_count(cfg: ModelConfig) -> dict[str, int]:
     h = cfg.hidden_size
     hc = cfg.hc_mult
     kda_w = cfg.linear_num_heads * cfg.linear_head_dim
-    kda = (3 * h * kda_w + 3 * kda_w * cfg.linear_conv_kernel_dim + h * cfg.linear_head_dim + cfg.linear_head_dim * kda_w
+    kda = (3 * h * kda_w + 3 * kda_w * cfg.linear_conv_kernel_dim + h * cfg.linear_head_dim
+           + cfg.linear_head_dim * kda_w
            + kda_w + cfg.linear_num_heads + h * cfg.linear_num_heads + h * cfg.linear_head_dim
            + cfg.linear_head_dim * kda_w + cfg.linear_head_dim + kda_w * h)
     heads = cfg.num_attention_heads
@@ -202,7 +203,8 @@ def parameter_count(cfg: ModelConfig) -> dict[str, int]:
                + 2 * cfg.index_head_dim + h * cfg.index_n_heads + cfg.index_kpool * cfg.index_head_dim
                + cfg.index_head_dim * h)
     mla = (h * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * heads * cfg.qk_head_dim
-           + h * cfg.kv_lora_rank + cfg.kv_lora_rank + cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+           + h * cfg.kv_lora_rank + cfg.kv_lora_rank
+           + cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
            + heads * cfg.v_head_dim * h)
     dense = 3 * h * cfg.intermediate_size
     expert = 3 * h * cfg.moe_intermediate_size

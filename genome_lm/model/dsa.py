@@ -48,16 +48,30 @@ from typing import Literal, NamedTuple
 import torch
 from torch import nn
 
+from genome_lm.engine.context_parallel import (
+    gather_sequence,
+    gather_sequence_with_grad,
+    group_size,
+    head_slice,
+    heads_per_rank,
+    heads_to_seq,
+    seq_to_heads,
+)
+from genome_lm.engine.query_share import QueryShare, summed_over
 from genome_lm_kernels import dsa as dsa_ops
 
-from genome_lm.engine.context_parallel import (gather_sequence, gather_sequence_with_grad, group_size, head_slice,
-                                               heads_per_rank, heads_to_seq, seq_to_heads)
-from genome_lm.engine.query_share import QueryShare, summed_over
-
 from . import recompute_memo
-from .common import BuildOptions, RMSNorm, column_linear, replicated_linear, row_linear, tp_shared
+from .common import (
+    AttentionSubmodules,
+    BuildOptions,
+    RMSNorm,
+    attention_submodules,
+    column_linear,
+    replicated_linear,
+    row_linear,
+    tp_shared,
+)
 from .config import SHARED, ModelConfig
-from .common import AttentionSubmodules, attention_submodules
 
 IndexerLossMode = Literal["off", "dense", "sparse"]
 
@@ -195,7 +209,8 @@ class DSAAttention(nn.Module):
             else:
                 reduce_target = self._sum_over_head_ranks if self._head_groups() else None
             loss = dsa_ops.indexer_loss(
-                q_i[:, n], k_i[:, n], w_i[:, n], q_att[:, n], k_att[:, n], idx[:, n] if indexer_loss == "sparse" else None,
+                q_i[:, n], k_i[:, n], w_i[:, n], q_att[:, n], k_att[:, n], idx[:,
+                                                                               n] if indexer_loss == "sparse" else None,
                 gate_BTD=gate_i[:, n], ape_KD=self.indexer.index_kpool_compress_ape, kpool=cfg.index_kpool,
                 scale=self.scale, backend=self.backend, chunk=self.query_chunk, reduce_target=reduce_target,
                 w_uk_HED=w_uk)

@@ -46,12 +46,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from genome_lm.model.config import DENSE, FULL, LINEAR, ModelConfig
 from genome_lm_kernels.dsa.loss import KEEP_TARGET_BYTES, _n_candidates, _target_bytes
 from genome_lm_kernels.dsa.reference import slot_width
 from genome_lm_kernels.dsa.sparse_attention import DENSE_KEYS_PER_SLOT, queries_per_block
-from genome_lm_kernels.kda.chunked import CHUNK as KDA_CHUNK, SUB as KDA_SUB
-
-from genome_lm.model.config import DENSE, FULL, LINEAR, ModelConfig
+from genome_lm_kernels.kda.chunked import CHUNK as KDA_CHUNK
+from genome_lm_kernels.kda.chunked import SUB as KDA_SUB
 
 DSA_CHUNK = 64  # the DSA kernels' default query block (memory.dsa_query_chunk overrides)
 

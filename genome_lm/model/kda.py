@@ -24,13 +24,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genome_lm.engine.context_parallel import group_size, head_slice, heads_per_rank, heads_to_seq, seq_to_heads
 from genome_lm_kernels.kda import kda
 
-from genome_lm.engine.context_parallel import group_size, head_slice, heads_per_rank, heads_to_seq, seq_to_heads
-
-from .common import BuildOptions, column_linear, replicated_linear, row_linear, tp_shared
+from .common import (
+    AttentionSubmodules,
+    BuildOptions,
+    attention_submodules,
+    column_linear,
+    replicated_linear,
+    row_linear,
+    tp_shared,
+)
 from .config import ModelConfig
-from .common import AttentionSubmodules, attention_submodules
 
 
 class KDAState:

@@ -74,8 +74,10 @@ class DecoderLayer(nn.Module):
         elif sp_len is not None:
             out = scatter_positions(self.mlp(gather_positions(x, sp_len, self.tp_group))[0], self.tp_group)
         elif getattr(self, "moe_sequence_parallel", False):
-            from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
-                                                                scatter_to_sequence_parallel_region)
+            from megatron.core.tensor_parallel.mappings import (
+                gather_from_sequence_parallel_region,
+                scatter_to_sequence_parallel_region,
+            )
 
             S, pad = x.shape[0], -x.shape[0] % self.tp_group.size()
             if pad:  # zero rows so the tokens split evenly; their outputs are dropped below

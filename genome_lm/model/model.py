@@ -40,9 +40,10 @@ from .layer import DecoderLayer, gather_positions, scatter_positions  # noqa: F4
 from .specs import decoder_layer_spec
 
 if TYPE_CHECKING:
-    from genome_lm.engine.parallel import ParallelSizes
     from megatron.core.process_groups_config import ProcessGroupCollection
+
     from genome_lm.config import RunConfig
+    from genome_lm.engine.parallel import ParallelSizes
 
 
 class ModelOutput(NamedTuple):
@@ -140,7 +141,8 @@ class GLM5Model(nn.Module):
             sp_len = positions if self.sequence_parallel and caches is None else None
         idx, losses = None, []
         for i, layer in enumerate(self.layers):
-            streams, idx, loss = layer(streams, idx, indexer_loss, indexer_tokens, None if caches is None else caches[i],
+            streams, idx, loss = layer(streams, idx, indexer_loss, indexer_tokens,
+                                       None if caches is None else caches[i],
                                        sp_len=sp_len)
             if loss is not None:
                 losses.append(loss)
@@ -176,8 +178,8 @@ def pipeline_split(cfg: ModelConfig, tf_config) -> list[tuple[int, int]]:
                          f"stages (first layer, count per stage: {splits})")
     for s, (offset, _) in enumerate(splits):
         if offset > 0 and cfg.indexer_types[offset] == SHARED:
-            raise GenomeLMError(f"pipeline stage {s} would start at layer {offset}, a DSA layer that reuses the previous "
-                             "layer's token selection; choose a pipeline size that does not split them")
+            raise GenomeLMError(f"pipeline stage {s} would start at layer {offset}, a DSA layer that reuses the "
+                                "previous layer's token selection; choose a pipeline size that does not split them")
     return splits
 
 
@@ -208,9 +210,8 @@ def build_model(cfg: ModelConfig, pg: ProcessGroupCollection, sizes: ParallelSiz
     is resolved here, once, and the layers read the result from ``BuildOptions``.
     ``absorbed_mla`` None: absorbed with the GPU kernel backends (where it runs on tensor cores),
     per-head on the CPU paths."""
-    from genome_lm_kernels import resolve_backend
-
     from genome_lm.engine.backend import current
+    from genome_lm_kernels import resolve_backend
 
     profile = current()
     device = torch.device(device or profile.device)

@@ -40,9 +40,8 @@ from genome_lm_kernels.dsa.indexer import compute_dtype
 from genome_lm_kernels.dsa.sparse_attention import GATHER_ELEMENTS, gather_rows, own_keys
 
 if TYPE_CHECKING:
-    from genome_lm_kernels import KernelBackend
-
     from genome_lm.model.model import GLM5Model
+    from genome_lm_kernels import KernelBackend
 
 SELECT_BLOCK = 64  # queries per indexer block when the layer sets none: select_tokens' default
 

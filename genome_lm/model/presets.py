@@ -10,9 +10,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from genome_lm.errors import GenomeLMError
 

@@ -17,9 +17,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 
-from genome_lm_kernels import KernelBackend, resolve_backend
-
 from genome_lm.model.config import ModelConfig
+from genome_lm_kernels import KernelBackend, resolve_backend
 
 F32, I64, I32 = 4, 8, 4
 KDA_CHUNK = 64  # kernels/genome_lm_kernels/kda/chunked.py CHUNK: one entering state per 64 tokens
@@ -117,7 +116,8 @@ def saved_kda(cfg: ModelConfig, s: Shard) -> float:
         # transform Tinv (2 x 64 per row), and the state entering each chunk (K x V per 64 rows)
         per_head = (4 * K + 2 * V + 1 + 2 * KDA_CHUNK) * F32 + K * V * F32 / KDA_CHUNK
         kernel = h * per_head
-    output = W * F32 + h * F32 + 3 * W * F32 + K * s.a + W * s.a  # o fp32, 1/rms, normed, gated, sigmoid, g_a, o_proj in
+    # o fp32, 1/rms, normed, gated, sigmoid, g_a, o_proj in
+    output = W * F32 + h * F32 + 3 * W * F32 + K * s.a + W * s.a
     return projections + conv + l2norm + kernel + output
 
 

@@ -33,10 +33,31 @@ from genome_lm.engine.devices import GPUSpec
 from genome_lm.errors import GenomeLMError
 from genome_lm.model import flops
 
-from .memory_model import (Hardware, Item, check_split, layer_bytes, model_config, parameter_split, shard_for,
-                           with_changes)
-from .time_model import (CONSTANTS, SCORE_BYTES, Constants, TimeItem, _group_seconds, _link, all_to_all_seconds, compute_seconds,
-                         cp_bytes, parallel_split, selection_pairs, selection_share_bytes, tp_bytes)
+from .memory_model import (
+    Hardware,
+    Item,
+    check_split,
+    layer_bytes,
+    model_config,
+    parameter_split,
+    shard_for,
+    with_changes,
+)
+from .time_model import (
+    CONSTANTS,
+    SCORE_BYTES,
+    Constants,
+    TimeItem,
+    _group_seconds,
+    _link,
+    all_to_all_seconds,
+    compute_seconds,
+    cp_bytes,
+    parallel_split,
+    selection_pairs,
+    selection_share_bytes,
+    tp_bytes,
+)
 
 
 @dataclass
@@ -140,7 +161,8 @@ def estimate_eval(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
     add(TimeItem("activations (elementwise)", "", "memory", sum(lay.saved for lay in layers) * local / hbm))
     pairs = selection_pairs(cfg, work)
     if pairs:
-        add(TimeItem("DSA selection scores (top-k)", "DSA", "memory", pairs * SCORE_BYTES / par.divisor("queries") / hbm))
+        add(TimeItem("DSA selection scores (top-k)", "DSA", "memory",
+                     pairs * SCORE_BYTES / par.divisor("queries") / hbm))
     node, every = hw.gpus_per_node, range(cfg.num_hidden_layers)
     shared = selection_share_bytes(cfg, p, run.memory, every, T, 1, "off", 1)
     if shared:

@@ -5,7 +5,8 @@ each stage of a pipeline-parallel step.
 One forward + backward of ``RunConfig``'s model (random weights, random DNA tokens) with its
 memory switches applied, in a fresh Python process, so that nothing an earlier measurement
 allocated is counted. The step is the trainer's own (``train_step``: ``train.step``), with the
-loss, the indexer loss and the switches that act on the step as training applies them. A shorter warm-up step runs first (its gradients dropped): the first
+loss, the indexer loss and the switches that act on the step as training applies them. A shorter warm-up step runs first
+(its gradients dropped): the first
 step pages in ~30 MiB of library code and leaves ~10 MiB of one-time library buffers, an amount
 that differs from one CPU to the next (CI measured 23 MiB more than this machine) and that is not
 the step's tensors. Peak: the process's resident-set high-water mark (``/proc`` VmHWM, reset
@@ -21,14 +22,13 @@ quantity ``torch.cuda.max_memory_allocated`` reports on a GPU and the planner pr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
-
 import json
 import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from genome_lm.config import RunConfig
@@ -219,7 +219,8 @@ def measure_step(run: RunConfig, threads: int = 1, timeout: float = 600) -> Meas
     proc = subprocess.run([sys.executable, "-m", "genome_lm.plan.measure", spec], env=env, capture_output=True,
                           text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"measurement failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr else proc.returncode}")
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr else proc.returncode
+        raise RuntimeError(f"measurement failed: {last}")
     return Measured(**json.loads(proc.stdout.strip().splitlines()[-1]))
 
 

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field, replace
 from genome_lm.config import RunConfig
 from genome_lm.errors import GenomeLMError
 from genome_lm.model.config import DENSE, FULL, LINEAR, ModelConfig
-
 from genome_lm.model.model import pipeline_stages  # noqa: F401  (re-exported for the planner's callers)
 from genome_lm.model.presets import model_config  # noqa: F401
 
@@ -89,7 +88,7 @@ class Plan:
     stage: int = 0  # the pipeline stage this plan is for (the busiest one)
     stages: int = 1
     layers: range = range(0)
-    in_flight: int = 1  # micro-batches whose activations the stage holds at once  # layer inputs offloaded per residual-stream position this GPU holds
+    in_flight: int = 1  # micro-batches whose activations the stage holds at once
 
     @property
     def peak(self) -> float:
@@ -498,5 +497,6 @@ def with_changes(run: RunConfig, **sections) -> RunConfig:
     return run.model_copy(update=update)
 
 
-__all__ = ["Hardware", "Plan", "Item", "busiest", "estimate", "stage_plans", "parameter_split", "model_config", "with_changes", "GiB",
+__all__ = ["Hardware", "Plan", "Item", "busiest", "estimate", "stage_plans", "parameter_split", "model_config",
+           "with_changes", "GiB",
            "pinned_size"]

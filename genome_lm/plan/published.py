@@ -1,4 +1,4 @@
-"""The published run's memory figures (DESIGN.md section 1) next to the plan's.
+"""The published run's memory figures (docs/design.md, section 1) next to the plan's.
 
 Each row names the figure as published, the config and settings that reproduce its setup, and
 how to read the plan for it. ``compare()`` returns (row, published, planned) for printing; the

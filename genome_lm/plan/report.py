@@ -62,7 +62,8 @@ def budget_table(plan: Plan) -> Table:
         for item in plan.host:
             table.add_row(f"host: {item.name}", gib(item.bytes), item.note)
         table.add_row("host per GPU", gib(plan.host_per_gpu), "")
-        table.add_row("host per node", gib(plan.host_per_node), f"{min(plan.gpus, plan.hw.gpus_per_node)} GPUs per node")
+        table.add_row("host per node", gib(plan.host_per_node), f"{min(plan.gpus,
+                                                                       plan.hw.gpus_per_node)} GPUs per node")
     return table
 
 
@@ -178,7 +179,8 @@ def fit_line(plan: Plan, hw: Hardware) -> str:
 
 def sweep_table(run: RunConfig, hw: Hardware, lengths=SWEEP_LENGTHS) -> Table:
     table = Table(title=f"{run.model.preset}, {hw.gpu_name}: per-GPU peak over sequence lengths", title_justify="left")
-    for col in ("length", "tokens/GPU", "peak GiB", "activations GiB", "where", "host/GPU GiB", "host/node GiB", "fits"):
+    for col in ("length", "tokens/GPU", "peak GiB", "activations GiB", "where", "host/GPU GiB", "host/node GiB",
+                "fits"):
         table.add_column(col, justify="right" if col not in ("where",) else "left")
     for n in lengths:
         plan = estimate(with_changes(run, data={"seq_len": n}), hw)
@@ -240,7 +242,8 @@ def time_table(timing) -> Table:
     step = timing.step_seconds
     table.add_row("step time", f"{step:,.1f} s", f"{run.train.global_batch_size} x {length_label(run.data.seq_len)} "
                   f"tokens, {timing.tokens_per_step:,} per step")
-    table.add_row("tokens/s", f"{timing.tokens_per_s:,.0f}", f"whole cluster; {timing.tokens_per_s_per_gpu:,.0f} per GPU")
+    table.add_row("tokens/s", f"{timing.tokens_per_s:,.0f}",
+                  f"whole cluster; {timing.tokens_per_s_per_gpu:,.0f} per GPU")
     table.add_row("TFLOP/s per GPU", f"{timing.tflops_per_gpu:,.1f}", "model FLOPs (forward + backward, no recompute)")
     table.add_row("MFU", f"{timing.mfu:.1%}", f"of {timing.gpu.bf16_flops / 1e12:,.0f} TFLOP/s bf16 dense")
     table.add_row("bottleneck", "", timing.bottleneck, style="bold yellow")
@@ -268,7 +271,6 @@ def time_plot(timing, path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.patches import Patch
 
     # the parts of at least 0.1% of the step, the largest on top

@@ -10,16 +10,15 @@ takes most of the step)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
 from genome_lm.config import load_config
-
 from genome_lm.model import flops
+
 from .measure import measure_step
 from .memory_model import Hardware, estimate, model_config, with_changes
 

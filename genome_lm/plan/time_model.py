@@ -77,7 +77,7 @@ DDP_BUCKET = 40_000_000  # parameters per megatron-core DDP bucket under overlap
 class Constants:
     """Achieved fractions of the ``GPUSpec`` rates, and the host's pinning rate."""
 
-    gemm: float = 0.80  # large bf16 GEMMs: 790 of 989 TFLOP/s measured on the lent H200 (DESIGN.md 8)
+    gemm: float = 0.80  # large bf16 GEMMs: 790 of 989 TFLOP/s measured on the lent H200 (docs/design.md, section 5)
     kernel: float = 0.0465  # attention-like kernels: fitted on 13,700 tokens/s at 1M (fit_kernel_efficiency)
     hbm: float = 0.80  # streaming kernels' share of HBM bandwidth
     nvlink: float = 0.80  # NCCL bus bandwidth inside a node over the link rate

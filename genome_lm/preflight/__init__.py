@@ -32,7 +32,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-
 from .sections import SECTIONS, Context, Section, Skip  # noqa: F401
 
 

@@ -64,8 +64,9 @@ def compile_check(ctx) -> tuple[list[dict], str]:
     precision); on a CPU, sm_90 at the TP 8 shapes only (the full sweep is
     ``genome-lm bench kernels --compile-for``). Triton's own cache is used, so with a warm
     cache the compile times are cache hits."""
-    from .sections import Skip
     from genome_lm_kernels.compile_check import run_in_subprocess
+
+    from .sections import Skip
 
     if ctx.target is None:
         raise Skip("no shared-memory limits known for this GPU's compute capability (sm_90 and sm_100 are)")

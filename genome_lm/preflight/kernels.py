@@ -11,6 +11,7 @@ import statistics
 import time
 
 import torch
+
 from genome_lm_kernels import resolve_backend
 
 BOUND = {"triton": 2e-2, "fla": 2e-2, "triton-fp32": 2e-5}
@@ -60,7 +61,8 @@ def _kda_grads(x: dict, backend: str, w_o, w_S):
     from genome_lm_kernels.kda import kda
 
     leaves = {n: t.detach().requires_grad_() for n, t in x.items()}
-    o, S = kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], initial_state=leaves["initial_state"],
+    o, S = kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+               initial_state=leaves["initial_state"],
                output_final_state=True, use_qk_l2norm=True,
                backend=resolve_backend(backend, x["q"].device))
     grads = torch.autograd.grad((o.float() * w_o).sum() + (S * w_S).sum(), list(leaves.values()))
@@ -81,7 +83,8 @@ def kda_parity(ctx) -> list[dict]:
             rows.append({**row, "note": f"skipped: {why}"})
             continue
         # the fast paths get the model's bf16 q, k, v (g, beta stay fp32, as the layer passes them)
-        x = x32 if backend == "triton-fp32" else {n: (t.bfloat16() if n in ("q", "k", "v") else t) for n, t in x32.items()}
+        x = x32 if backend == "triton-fp32" else {n: (t.bfloat16() if n in ("q", "k", "v") else t) for n,
+                                                  t in x32.items()}
         got = _kda_grads(x, backend, w_o, w_S)
         want = _kda_grads({n: t.float() for n, t in x.items()}, "torch", w_o, w_S)
         errors = {name: _rel(got[name], want[name]) for name in want}
@@ -131,7 +134,8 @@ def mla_parity(ctx) -> list[dict]:
 
 def indexer_parity(ctx) -> list[dict]:
     from genome_lm_kernels import dsa
-    from genome_lm_kernels.dsa import indexer, triton as dsa_triton
+    from genome_lm_kernels.dsa import indexer
+    from genome_lm_kernels.dsa import triton as dsa_triton
 
     B, T, Hi, Di, kpool, topk, chunk = (1, 8192, 32, 128, 4, 2048, 1024) if ctx.gpu else (1, 256, 2, 16, 4, 16, 64)
     g = torch.Generator(device="cpu").manual_seed(3)

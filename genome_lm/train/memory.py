@@ -17,7 +17,7 @@
 - offload: the tensors autograd saves for backward are moved to host memory (pinned or
   pageable) with torch's saved-tensor hooks, and the pinned-memory cache is released after the
   step (pinned blocks round up to powers of two and ran a node out of RAM in the published run).
-  megatron-core's own offloading needs Transformer Engine and CUDA streams (DESIGN.md section 6).
+  megatron-core's own offloading needs Transformer Engine and CUDA streams (docs/design.md, section 3).
 
 Each function changes the model in place and returns nothing; ``apply_memory`` applies a
 ``MemoryConfig``. Tests check each gives the same loss and gradients as the plain model.
@@ -25,10 +25,9 @@ Each function changes the model in place and returns nothing; ``apply_memory`` a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import contextlib
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn

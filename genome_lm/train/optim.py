@@ -19,10 +19,11 @@ import torch.distributed as dist
 from genome_lm.errors import GenomeLMError
 
 if TYPE_CHECKING:
-    from genome_lm.model.model import GLM5Model
     from megatron.core.process_groups_config import ProcessGroupCollection
+
     from genome_lm.config import RunConfig
     from genome_lm.engine.backend import BackendProfile
+    from genome_lm.model.model import GLM5Model
 
 
 def learning_rate(step: int, train) -> float:

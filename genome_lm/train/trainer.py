@@ -39,17 +39,25 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from genome_lm.checkpoint import (build, check_run_folder, existing_checkpoints, load_checkpoint, resume_point,
-                                  save_checkpoint, token_map)
+from genome_lm.checkpoint import (
+    build,
+    check_run_folder,
+    existing_checkpoints,
+    load_checkpoint,
+    resume_point,
+    save_checkpoint,
+    token_map,
+)
 from genome_lm.engine.backend import on_gpu
 from genome_lm.errors import GenomeLMError
 
 if TYPE_CHECKING:
-    from genome_lm.model.model import GLM5Model
     from megatron.core.process_groups_config import ProcessGroupCollection
+
     from genome_lm.config import RunConfig
     from genome_lm.engine.backend import BackendProfile
     from genome_lm.engine.parallel import ParallelSizes
+    from genome_lm.model.model import GLM5Model
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +215,8 @@ class Trainer:
         self.dp_size = pg.dp.size()
         if cfg.train.global_batch_size % (self.dp_size * cfg.train.micro_batch_size):
             raise GenomeLMError(f"global_batch_size {cfg.train.global_batch_size} is not a multiple of "
-                                f"micro_batch_size x data-parallel size ({cfg.train.micro_batch_size} x {self.dp_size})")
+                                f"micro_batch_size x data-parallel size ({cfg.train.micro_batch_size} x "
+                                f"{self.dp_size})")
         self.n_micro = cfg.train.global_batch_size // self.dp_size // cfg.train.micro_batch_size
         torch.manual_seed(cfg.train.seed)
         self.model = model = build(cfg, pg, sizes)

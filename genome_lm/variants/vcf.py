@@ -23,8 +23,16 @@ from typing import Any, Iterable
 
 import pysam
 
-from genome_lm.data.fasta import FastaHandle, check_readable, fetch_bytes, quick_identity, sniff
-from genome_lm.data.fasta import _build_index, _existing_index, _read_fai  # open_fasta's indexing, not its scan
+from genome_lm.data.fasta import (  # open_fasta's indexing, not its scan
+    FastaHandle,
+    _build_index,
+    _existing_index,
+    _read_fai,
+    check_readable,
+    fetch_bytes,
+    quick_identity,
+    sniff,
+)
 from genome_lm.data.names import canonical
 from genome_lm.errors import GenomeLMError
 

@@ -283,7 +283,8 @@ def case_name(case: dict) -> str:
         return f"kda {case['backend']} H{case['H']} K{case['K']} V{case['V']}"
     if case["op"] == "mla":
         return f"sparse mla {case['backend']} H{case['H']} D{case['D']}/{case['DV']} top{case['topk']}"
-    return f"dsa H{case['H']} D{case['D']}/{case['DV']} idx {case['Hi']}x{case['Di']} kpool{case['kpool']} top{case['topk']}"
+    return (f"dsa H{case['H']} D{case['D']}/{case['DV']} idx {case['Hi']}x{case['Di']} kpool{case['kpool']} "
+            f"top{case['topk']}")
 
 
 def _run_case(case: dict) -> None:
@@ -401,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     for r in rows:
-        print(f"{r['target']:7} {r['case']:34} {r['kernel']:20} shared {r['shared_bytes']:>7,} B  regs {r['registers']:>3}"
+        print(f"{r['target']:7} {r['case']:34} {r['kernel']:20} shared {r['shared_bytes']:>7,} B  "
+              f"regs {r['registers']:>3}"
               f"  spill st {r['spill_stores']:>5} B ld {r['spill_loads']:>5} B  stack {r['local_bytes']:>5} B"
               f"  mma {r['mma']:>3}  {r['compile_s']:>5.1f} s  {'; '.join(r['problems'])}")
     return 1 if any(r["problems"] for r in rows) else 0

@@ -76,8 +76,7 @@ def test_a_checkpoint_loads_under_one_rank_and_another_split(reference, writer, 
 def test_the_pieces_tile_each_tensor_once_and_read_back_whole(reference):
     """TP 2 writes a split tensor as two pieces (one per rank) and a replicated one once; the
     flat state dict equals the reference weights."""
-    from genome_lm.checkpoint.huggingface import HFCheckpoint, hf_keys
-    from genome_lm.checkpoint.huggingface import is_glu
+    from genome_lm.checkpoint.huggingface import HFCheckpoint, hf_keys, is_glu
 
     root, hf, expected, _ = reference
     folder, _ = _save(root, hf, {"tp": 2}, "tiles")

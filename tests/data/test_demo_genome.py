@@ -255,7 +255,8 @@ def test_demo_genome_command_takes_a_copy_plan(tmp_path):
                                       "--copy-distance", "256-4k", "--copy-length", "100-500", "--inversions", "0.25"])
     assert result.exit_code == 0, result.output
     sidecar = json.loads(planted_json_path(out).read_text())
-    assert sidecar["copies"] == {"per_mbp": 300, "length_bp": [100, 500], "distance_bp": [256, 4096], "inversions": 0.25}
+    assert sidecar["copies"] == {"per_mbp": 300, "length_bp": [100, 500], "distance_bp": [256, 4096],
+                                 "inversions": 0.25}
     bad = CliRunner().invoke(app, ["demo-genome", "--out", str(out), "--copy-distance", "4k-1k"])
     assert bad.exit_code != 0 and "--copy-distance" in bad.output
 

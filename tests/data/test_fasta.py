@@ -70,7 +70,8 @@ def test_missing_file(tmp_path):
 @pytest.mark.parametrize("crlf", [False, True])
 def test_reads_what_was_written(tmp_path, rng, compression, crlf):
     records = {f"r{i}": random_sequence(rng, int(rng.integers(1, 5000))) for i in range(5)}
-    path = write_fasta(tmp_path / "g.fa.gz", records, width=int(rng.integers(10, 100)), compression=compression, crlf=crlf)
+    path = write_fasta(tmp_path / "g.fa.gz", records, width=int(rng.integers(10, 100)), compression=compression,
+                       crlf=crlf)
     source = open_fasta(path, tmp_path, tmp_path / "cache")
     assert source.names() == list(records) and source.compression == compression
     reader = source.handle.open()

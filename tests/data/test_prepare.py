@@ -58,7 +58,8 @@ def check_against_pyfaidx(manifest: Manifest, fasta: Path, folder: Path, rng, n_
     for split in manifest.data["splits"]:
         windows = manifest.split(split).windows
         data = read_split(manifest, split)
-        picks = range(len(windows)) if n_check is None else rng.choice(len(windows), min(n_check, len(windows)), replace=False)
+        picks = range(len(windows)) if n_check is None else rng.choice(len(windows), min(n_check, len(windows)),
+                                                                       replace=False)
         for i in picks:
             w = windows[i]
             text = reference[w.chrom][w.start : w.end]
@@ -73,7 +74,8 @@ def check_against_pyfaidx(manifest: Manifest, fasta: Path, folder: Path, rng, n_
 
 def random_genome(tmp_path, rng, compression="plain", names=("chr1", "chr2", "chr22", "chrM")) -> tuple[Path, dict]:
     records = {name: random_sequence(rng, int(rng.integers(3_000, 20_000))) for name in names}
-    path = write_fasta(tmp_path / "in" / "genome.fa.gz", records, width=int(rng.integers(50, 81)), compression=compression)
+    path = write_fasta(tmp_path / "in" / "genome.fa.gz", records, width=int(rng.integers(50, 81)),
+                       compression=compression)
     return path, records
 
 
@@ -82,7 +84,8 @@ def random_genome(tmp_path, rng, compression="plain", names=("chr1", "chr2", "ch
 def test_tokens_match_an_independent_read(tmp_path, rng, compression, window, stride, tail):
     fasta, records = random_genome(tmp_path, rng, compression)
     spec = WindowSpec(window, stride, tail, min_tail=100, max_n_fraction=0.5)
-    result = prepare(PrepareRequest(fasta, tmp_path / "out", ("1", "chr2"), ("NC_000022.11",), spec), workers=1, quiet=True)
+    result = prepare(PrepareRequest(fasta, tmp_path / "out", ("1", "chr2"), ("NC_000022.11",), spec), workers=1,
+                     quiet=True)
     manifest = result.manifest
     check_against_pyfaidx(manifest, fasta, tmp_path, rng)
     # Every planned window is either in the dataset or recorded as skipped, in order.
@@ -101,7 +104,8 @@ def test_mostly_n_windows_are_skipped_and_recorded(tmp_path, rng):
     seq[5000:5300] = b"n" * 300  # window [5000, 6000) is 30% N: kept
     fasta = write_fasta(tmp_path / "g.fa", {"chr1": bytes(seq), "chr22": random_sequence(rng, 3000)})
     spec = WindowSpec(1000, 1000, "keep", 100, max_n_fraction=0.5)
-    manifest = prepare(PrepareRequest(fasta, tmp_path / "out", ("chr1",), ("chr22",), spec), workers=1, quiet=True).manifest
+    manifest = prepare(PrepareRequest(fasta, tmp_path / "out", ("chr1",), ("chr22",), spec), workers=1,
+                       quiet=True).manifest
     skipped = [(w["start"], w["reason"]) for w in manifest.split("train").data["skipped"]]
     assert [s for s, _ in skipped if s == 2000] == [2000] and "N fraction" in skipped[0][1]
     assert (5000, 6000) in [(w.start, w.end) for w in manifest.split("train").windows]
@@ -298,7 +302,8 @@ def test_manifest_is_versioned_json(tmp_path, rng):
     data = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert data["schema"] == "genome-lm.dataset/1"
     assert data["tokenizer"]["vocab"][4:] == ["A", "C", "G", "T", "N"]
-    assert data["source"]["sha256"] and data["source"]["records"][0] == {"name": "chr1", "length": data["source"]["records"][0]["length"]}
+    first = data["source"]["records"][0]
+    assert data["source"]["sha256"] and first == {"name": "chr1", "length": first["length"]}
     data["schema"] = "genome-lm.dataset/99"
     (tmp_path / "out" / "manifest.json").write_text(json.dumps(data))
     from genome_lm.errors import GenomeLMError

@@ -77,7 +77,8 @@ def _cli(*args):
 
 
 @pytest.mark.parametrize("train,eval_,words", [
-    ("chr2:1-3,000", "chr2:2,500-4,000", r"'chr2:1-3,000' and 'chr2:2,500-4,000' overlap on record 'chr2' \(train and eval\): bases 2,500-3,000"),
+    ("chr2:1-3,000", "chr2:2,500-4,000", r"'chr2:1-3,000' and 'chr2:2,500-4,000' overlap on record 'chr2' \(train and "
+                                         r"eval\): bases 2,500-3,000"),
     ("chr2:1-3,000,chr2:3,000-3,500", "chr22", r"overlap on record 'chr2' \(both in train\)"),
     ("chr2:1-3,000", "2:1-10", "overlap"),  # another name for the same record
     ("chr2:1-99,999,999", "chr22", "reaches past the end of chr2"),
@@ -89,7 +90,8 @@ def test_cli_bad_regions(tmp_path, rng, train, eval_, words):
 
     fasta, _ = random_genome(tmp_path, rng, names=("chr1", "chr2", "chr22"))
     before = sorted(p.name for p in tmp_path.iterdir())
-    result = _cli("--fasta", str(fasta), "--out", str(tmp_path / "out"), "--train-chroms", train, "--eval-chroms", eval_)
+    result = _cli("--fasta", str(fasta), "--out", str(tmp_path / "out"), "--train-chroms", train, "--eval-chroms",
+                  eval_)
     assert result.exit_code == 1, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(words, lines[0]), result.output

@@ -39,7 +39,8 @@ def test_freed_tensors_are_reused_without_page_faults():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux only")
-@pytest.mark.parametrize("env", [{"MALLOC_MMAP_THRESHOLD_": "65536"}, {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}])
+@pytest.mark.parametrize("env", [{"MALLOC_MMAP_THRESHOLD_": "65536"},
+                                 {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}])
 def test_a_process_that_tunes_malloc_itself_keeps_its_settings(env):
     """A memory measurement that sets glibc's thresholds (tests/eval/test_prefill.py's) is left
     alone: keep_freed_memory declines, and freed blocks still go back to the kernel."""

@@ -79,12 +79,11 @@ def test_optimizer_follows_the_profile(monkeypatch, gpu):
 def test_the_model_reads_auto_from_the_profile(monkeypatch):
     """``build_model(kernel_backend="auto")`` takes the profile's backend, resolves it once, and
     every layer passes that one object to the ops."""
-    from genome_lm_kernels import resolve_backend
-
     from genome_lm.engine import backend
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
     from genome_lm.model import get_preset
     from genome_lm.model.model import build_model
+    from genome_lm_kernels import resolve_backend
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     chosen = dataclasses.replace(profile(gpu=False), kernel_backend=resolve_backend("triton-fp32", "cpu"))

@@ -24,7 +24,8 @@ def demo_run(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("eval-demo")
     fasta = write_demo_genome(root / "genome.fa", scale=0.02)
-    prepare(PrepareRequest(fasta, root / "dataset", ("chr1",), ("chr22",), WindowSpec(WINDOW, WINDOW, "keep", 256, 0.5)),
+    prepare(PrepareRequest(fasta, root / "dataset", ("chr1",), ("chr22",), WindowSpec(WINDOW, WINDOW, "keep", 256,
+                                                                                      0.5)),
             workers=1, quiet=True, cache_dir=root / "cache")
     cfg = load_config("demo-cpu", [f"data.dataset={root / 'dataset'}", f"train.out_dir={root / 'run'}",
                                    "train.steps=2", "data.seq_len=256", "train.save_every=2",

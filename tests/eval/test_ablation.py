@@ -173,8 +173,10 @@ def test_baseline_cut_gives_the_gain_over_the_baseline():
     assert entry["baseline"]["all"]["delta"] == pytest.approx(float((base_cut.nll - base.nll).mean()))
     assert entry["all"]["delta"] == pytest.approx(float((cut.nll - whole.nll).mean()))  # the model's own, unchanged
     line = gain_line(entry, "its starting weights")
-    assert line.startswith("the context beyond 100 bases is worth +0.03") and "more to the model than to its starting weights" in line
-    assert {r["model"] for r in csv_rows({"model": "model", "cuts": [entry]})} == {"model", "baseline", "model - baseline"}
+    assert line.startswith("the context beyond 100 bases is worth +0.03")
+    assert "more to the model than to its starting weights" in line
+    assert {r["model"] for r in csv_rows({"model": "model", "cuts": [entry]})} == {"model", "baseline", "model - "
+                                                                                                        "baseline"}
     shifted = TokenScores(base.nll, context, np.roll(window, 1), soft)
     with pytest.raises(ValueError, match="not on the whole-window scores' tokens"):
         summarize(whole, {N: cut}, edges, resamples=10, baseline=(shifted, {N: base_cut}))

@@ -68,7 +68,8 @@ def test_ablation_on_a_real_genome(demo_run, tmp_path):
     """The human mitochondrial genome (16.6 kbp, rCRS), prepared straight from its FASTA."""
     fasta = shared_genome("human_chrM_rCRS.fa")
     out = tmp_path / "chrM"
-    result = CliRunner().invoke(app, ["eval", "--model", str(demo_run / "run"), "--fasta", str(fasta), "--chrom", "MT_human",
+    result = CliRunner().invoke(app, ["eval", "--model", str(demo_run / "run"), "--fasta", str(fasta), "--chrom",
+                                      "MT_human",
                                       "--window", "4k", "--chunk", "1k", "--max-context", "512", "--resamples", "200",
                                       "--out", str(out), "--quiet", "--no-tracking"])
     assert result.exit_code == 0, result.output

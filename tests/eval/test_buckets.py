@@ -4,8 +4,16 @@ import numpy as np
 import pytest
 
 from genome_lm.errors import GenomeLMError
-from genome_lm.eval.buckets import (WindowSums, bootstrap_units, bucket_of, change_interval, default_edges,
-                                    mean_interval, parse_edges, resample_weights)
+from genome_lm.eval.buckets import (
+    WindowSums,
+    bootstrap_units,
+    bucket_of,
+    change_interval,
+    default_edges,
+    mean_interval,
+    parse_edges,
+    resample_weights,
+)
 
 K = 1024
 

@@ -11,9 +11,7 @@ import sys
 import pytest
 
 from genome_lm.engine.parallel import free_port
-
-from genome_lm.eval.evaluate import EvalRequest, evaluate
-from genome_lm.eval.evaluate import eval_on_ray
+from genome_lm.eval.evaluate import EvalRequest, eval_on_ray, evaluate
 
 pytestmark = pytest.mark.slow  # a local Ray cluster and two workers per run
 
@@ -51,7 +49,8 @@ def _torchrun_eval(demo_run, out, sets: list[str], *extra, ranks: int = 2) -> su
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"cp": 2}, {"ep": 2}, {"pp": 2}, {"tp": 2, "sequence_parallel": True}, {}],
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"cp": 2}, {"ep": 2}, {"pp": 2}, {"tp": 2, "sequence_parallel": True},
+                                    {}],
                          ids=["tp2", "cp2", "ep2", "pp2", "tp2-sp", "dp2"])
 def test_two_ranks_give_the_one_process_report(demo_run, one_process, tmp_path, layout):
     out = tmp_path / "eval"

@@ -56,10 +56,9 @@ def test_bucket_counts_match_the_tokens(evaluated, demo_run):
 def test_losses_match_a_full_forward_of_the_checkpoint(evaluated, demo_run):
     """The chunked evaluation's mean loss equals one full forward of each window, computed here
     from the checkpoint with plain cross-entropy; the change is (model - baseline) / baseline."""
+    from genome_lm.checkpoint import build, latest_checkpoint, load_checkpoint, verify
     from genome_lm.config import RunConfig
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
-    from genome_lm.checkpoint import latest_checkpoint, load_checkpoint, verify
-    from genome_lm.checkpoint import build
 
     _, report, _ = evaluated
     folder = latest_checkpoint(demo_run / "run")
@@ -80,7 +79,8 @@ def test_losses_match_a_full_forward_of_the_checkpoint(evaluated, demo_run):
             bucket_sum += nll[128 - 1:256 - 1][keep[128 - 1:256 - 1]].sum().item()
     model_stats = report["results"]["model"]
     assert model_stats["all"]["nats"] == pytest.approx(total / count, rel=1e-6)
-    assert model_stats["buckets"][1]["nats"] == pytest.approx(bucket_sum / model_stats["buckets"][1]["tokens"], rel=1e-6)
+    assert model_stats["buckets"][1]["nats"] == pytest.approx(bucket_sum / model_stats["buckets"][1]["tokens"],
+                                                              rel=1e-6)
     # bits are the same mean in base 2 (against the report's own nats: the independent forward
     # above agrees only to float rounding, about 1e-9 relative)
     assert model_stats["all"]["bits"] == pytest.approx(model_stats["all"]["nats"] / np.log(2), rel=1e-12)

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from genome_lm.data.manifest import Window
 from genome_lm.config import DataConfig, ModelSection, RunConfig, TrainConfig
+from genome_lm.data.manifest import Window
 from genome_lm.eval.planted import analyse, by_distance_line, copy_positions, demo_note, verdict
 from genome_lm.eval.score import TokenScores
 

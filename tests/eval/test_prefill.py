@@ -15,8 +15,6 @@ from genome_lm.model import get_preset
 from genome_lm.model.config import FULL, INDEXED, LINEAR, SHARED
 from genome_lm.model.model import build_model
 from genome_lm.model.prefill import GrowingBuffer, Prefill, chunked_logits
-from genome_lm_kernels.cpu import native
-
 from tests.conftest import REPO
 
 

@@ -17,8 +17,16 @@ from genome_lm.cli import app
 from genome_lm.data.tokenizer import A, T
 from genome_lm.errors import GenomeLMError
 from genome_lm.eval import recall
-from genome_lm.eval.recall import (SequencePool, copy_probe, default_distances, largest_distance, probe_sequences,
-                                   probe_window, run_recall_bench, window_distances)
+from genome_lm.eval.recall import (
+    SequencePool,
+    copy_probe,
+    default_distances,
+    largest_distance,
+    probe_sequences,
+    probe_window,
+    run_recall_bench,
+    window_distances,
+)
 from tests.conftest import write_fasta
 
 K = 12
@@ -91,7 +99,8 @@ def test_default_distances():
 
 def test_recall_command_writes_its_rows(tmp_path):
     out = tmp_path / "recall.json"
-    result = CliRunner().invoke(app, ["recall", "--model", "preset:tiny", "--distances", "64,200", "--trials", "2", "--no-recall-bench",
+    result = CliRunner().invoke(app, ["recall", "--model", "preset:tiny", "--distances", "64,200", "--trials", "2",
+                                      "--no-recall-bench",
                                       "--segment", "32", "--out", str(out)])
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())

@@ -19,6 +19,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from genome_lm_kernels.compile_check import (
     SHARED_LIMIT,
     TARGETS,

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from genome_lm_kernels import dsa
-from genome_lm_kernels.dsa import loss as loss_module, reference
+from genome_lm_kernels.dsa import loss as loss_module
+from genome_lm_kernels.dsa import reference
 from genome_lm_kernels.dsa.bench import PeakRSS
 
 from .conftest import LENGTHS, REL_TOL, assert_rel_close, backend_of
@@ -365,7 +366,8 @@ def test_indexer_loss_with_heads_split_over_ranks(T, sparse, keep, generator, na
         leaves = {n: inp[n].clone().requires_grad_() for n in inp}
         loss = dsa.indexer_loss(leaves["q_idx_BTHD"], leaves["k_idx_BTD"], leaves["w_idx_BTH"], q[:, :, heads],
                                 k[:, :, heads], idx, gate_BTD=leaves["gate_BTD"], ape_KD=leaves["ape_KD"],
-                                kpool=kpool, scale=0.25, backend=backend_of("torch"), chunk=chunk, reduce_target=reduce_target)
+                                kpool=kpool, scale=0.25, backend=backend_of("torch"), chunk=chunk,
+                                reduce_target=reduce_target)
         return loss, torch.autograd.grad(loss, list(leaves.values()))
 
     other = []
@@ -434,7 +436,8 @@ def test_chunked_paths_never_build_T_by_T(generator):
     leaves = [inp[n].requires_grad_() for n in ("q_idx_BTHD", "k_idx_BTD", "w_idx_BTH")]
     with PeakRSS() as m_loss:
         for mode in (None, idx):
-            dsa.indexer_loss(*leaves, q, k, mode, kpool=kpool, scale=0.25, backend=backend_of("torch"), chunk=chunk).backward()
+            dsa.indexer_loss(*leaves, q, k, mode, kpool=kpool, scale=0.25, backend=backend_of("torch"),
+                             chunk=chunk).backward()
     for what, m in (("select", m_sel), ("attention", m_attn), ("loss", m_loss)):
         assert m.delta < tt_bytes / 8, f"{what}: peak growth {m.delta / 2**20:.0f} MiB, [T, T] is 1 GiB"
 

@@ -93,7 +93,8 @@ def test_select_tokens_rows_ascending_without_repeats(T, kpool, topk):
     (complete pools ascending, then the incomplete tail pool), so no key repeats."""
     g = torch.Generator().manual_seed(T)
     idx, valid = dsa.select_tokens(torch.randn(2, T, 2, 8, generator=g), torch.randn(2, T, 8, generator=g),
-                                   torch.randn(2, T, 2, generator=g), kpool=kpool, topk=topk, backend=backend_of("torch"))
+                                   torch.randn(2, T, 2,
+                                               generator=g), kpool=kpool, topk=topk, backend=backend_of("torch"))
     for row in idx.flatten(0, 1):
         keys = row[row >= 0]
         assert (keys[1:] > keys[:-1]).all()

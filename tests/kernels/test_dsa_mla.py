@@ -112,7 +112,8 @@ def test_absorbing_inside_the_op(backend, bound, generator, nan_poison, monkeypa
     q = torch.randn(B, T, H, E, generator=generator, dtype=dtype)
     w = torch.randn(H, E, D, generator=generator, dtype=dtype) / E**0.5
     leaves = [x.clone().requires_grad_() for x in (q, w, kv)]
-    o, lse = dsa.sparse_mla(leaves[0], leaves[2], idx, scale=0.3, dv=dv, backend=backend_of(backend), w_uk_HED=leaves[1])
+    o, lse = dsa.sparse_mla(leaves[0], leaves[2], idx, scale=0.3, dv=dv, backend=backend_of(backend),
+                            w_uk_HED=leaves[1])
     grads = torch.autograd.grad((o * do).sum() + lse.nan_to_num(neginf=0.0).sum(), leaves)
     ref = [x.detach().double().requires_grad_() for x in (q, w, kv)]
     o_ref, lse_ref = dsa.sparse_mla(torch.einsum("bthe,hed->bthd", ref[0], ref[1]), ref[2], idx, scale=0.3, dv=dv,
@@ -132,7 +133,8 @@ def test_indexer_loss_absorbs_per_block(generator):
     w = torch.randn(H, E, D, generator=generator, dtype=torch.float64)
     kv = torch.randn(B, T, 1, D, generator=generator, dtype=torch.float64)
     for mode_idx in (None, idx):
-        kwargs = dict(gate_BTD=inp["gate_BTD"], ape_KD=inp["ape_KD"], kpool=kpool, scale=0.3, backend=backend_of("torch"), chunk=32)
+        kwargs = dict(gate_BTD=inp["gate_BTD"], ape_KD=inp["ape_KD"], kpool=kpool, scale=0.3,
+                      backend=backend_of("torch"), chunk=32)
         args = (inp["q_idx_BTHD"], inp["k_idx_BTD"], inp["w_idx_BTH"])
         got = dsa.indexer_loss(*args, q, kv, mode_idx, w_uk_HED=w, **kwargs)
         want = dsa.indexer_loss(*args, torch.einsum("bthe,hed->bthd", q, w), kv.expand(B, T, H, D), mode_idx, **kwargs)

@@ -70,6 +70,7 @@ def test_selection_matches_transformers(tmp_path, T, kpool, topk):
     kp = reference.pool_keys(o["k_idx"], o["gate"], o["ape"], kpool)
     scores = reference.index_scores(o["q_idx"], kp, o["w_idx"], kpool, o["scale"])
     for backend in ("torch", "reference"):
-        idx, valid = dsa.select_tokens(*args, kpool=kpool, topk=topk, scale=o["scale"], backend=backend_of(backend), chunk=64)
+        idx, valid = dsa.select_tokens(*args, kpool=kpool, topk=topk, scale=o["scale"], backend=backend_of(backend),
+                                       chunk=64)
         assert_same_selection(idx, hf_idx, scores, kpool=kpool, topk=topk, sorted_pools=False)
         assert torch.equal(valid, idx >= 0)

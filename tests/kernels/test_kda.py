@@ -57,7 +57,6 @@ CPU_PATHS = ("torch-C", "torch-chunked")
 def cpu_path(name: str | None):
     """Run the torch backend on the CPU path ``name`` (a CPU_PATHS entry without "torch-"), and
     check that it is the one that ran; None: leave the choice alone."""
-    from genome_lm_kernels.cpu import native
     from genome_lm_kernels.kda import native as native_kda
 
     if name is None:
@@ -230,7 +229,8 @@ def test_decay_at_the_factorised_limit(generator, nan_poison):
     check_against_reference(x, "torch-chunked", False, torch.float32, generator)
 
 
-@pytest.mark.parametrize("backend,T,split", [("torch-C", 300, 100), ("torch-chunked", 300, 100), ("triton-fp32", 80, 33)],
+@pytest.mark.parametrize("backend,T,split", [("torch-C", 300, 100), ("torch-chunked", 300, 100), ("triton-fp32", 80,
+                                                                                                  33)],
                          ids=["torch-C-B2-T300-H2", "torch-chunked-B2-T300-H2", "triton-fp32-B2-T80-H2"])
 def test_streaming_equals_one_call(backend, T, split, generator, nan_poison):
     """Two calls, the first's final state as the second's initial state, equal one call."""

@@ -49,6 +49,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+
 from genome_lm_kernels.kda.reference import kda_reference
 from genome_lm_kernels.kda.triton import kda_triton
 
@@ -179,7 +180,8 @@ def test_triton_no_less_accurate_than_fla(case, dtype, request):
     fla is tried first: under the interpreter it fails at once and the test skips cheaply."""
     theirs = _fla_errors(case, dtype)
     ours = triton_errors(case, dtype)
-    print(f"\n{request.node.callspec.id}: ours {table(ours)}\n{' ' * len(request.node.callspec.id)}  fla  {table(theirs)}")
+    name = request.node.callspec.id
+    print(f"\n{name}: ours {table(ours)}\n{' ' * len(name)}  fla  {table(theirs)}")
     worse = {n: (ours[n], theirs[n]) for n in TENSORS if not ours[n] <= theirs[n]}
     assert not worse, f"tensors where ours (first) is less accurate than fla-core's: {worse}"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from genome_lm_kernels.kda import chunked
 from genome_lm_kernels.kda.chunked import kda_chunked, kda_chunked_autograd
 from genome_lm_kernels.kda.reference import kda_reference

@@ -5,14 +5,14 @@ own compiled loops) and other shapes, tokens split over threads, outputs poisone
 
 from __future__ import annotations
 
-import pytest
-import torch
 import importlib
 
-from genome_lm_kernels import resolve_backend
-from genome_lm_kernels.cpu import native
+import pytest
+import torch
 
 from genome_lm.model.common import HyperConnection
+from genome_lm_kernels import resolve_backend
+from genome_lm_kernels.cpu import native
 
 mhc_native = importlib.import_module("genome_lm_kernels.mhc.native")
 

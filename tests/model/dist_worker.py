@@ -21,10 +21,10 @@ os.environ["TORCHDYNAMO_DISABLE"] = "1"
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from genome_lm.checkpoint.huggingface import HFCheckpoint, export_hf_checkpoint, groups_of, load_hf_checkpoint  # noqa: E402
 from genome_lm.engine.context_parallel import zigzag_merge, zigzag_split  # noqa: E402
-from genome_lm.engine.parallel import ParallelSizes, init_distributed, parallel_context  # noqa: E402
 from genome_lm.engine.layout import ep_gather, tp_gather  # noqa: E402
-from genome_lm.checkpoint.huggingface import HFCheckpoint, groups_of, export_hf_checkpoint, load_hf_checkpoint  # noqa: E402
+from genome_lm.engine.parallel import ParallelSizes, init_distributed, parallel_context  # noqa: E402
 from genome_lm.model.model import build_model  # noqa: E402
 from genome_lm.train.optim import allreduce_sequence_parallel_grads  # noqa: E402
 

@@ -15,7 +15,7 @@ def test_default_pattern_is_glm5_next():
 
 
 def test_published_parameter_counts():
-    """DESIGN.md: about 320B parameters in total, 18B active per token."""
+    """docs/design.md, section 2: about 320B parameters in total, 18B active per token."""
     counts = parameter_count(get_preset("glm-5.3-flash"))
     assert 0.95 < counts["total"] / 320e9 < 1.02
     assert 0.93 < counts["active"] / 18e9 < 1.02

@@ -6,9 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from genome_lm.engine.context_parallel import heads_per_rank, zigzag_merge, zigzag_split
 from genome_lm.checkpoint.huggingface import HFCheckpoint
-
+from genome_lm.engine.context_parallel import heads_per_rank, zigzag_merge, zigzag_split
 from tests.workers import run_workers
 
 from .hf_oracle import SPLIT_TEXT, make_checkpoint

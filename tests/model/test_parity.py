@@ -124,7 +124,8 @@ def test_top_k_ties_are_counted_and_reported_apart(tmp_path):
     result = _parity(ckpt, "--lengths", "19,300", "--tol", "1e-4")
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     out = " ".join(result.stdout.split())
-    assert "T=19: max |d logit|" in out and "T=19: max |d logit| " in out and "tie at position" not in out.split("T=300")[0]
+    assert "T=19: max |d logit|" in out and "T=19: max |d logit| " in out
+    assert "tie at position" not in out.split("T=300")[0]
     assert "before the first top-k tie at position 19; 281 tied queries" in out
     assert "shown apart" in out
 
@@ -206,7 +207,8 @@ def test_bf16_kernels_on_the_shipped_model_hold_the_bound_before_the_first_routi
     (logit, logprob), = re.findall(r"T=64: max \|d logit\| (\S+), max \|d logprob\| (\S+)", out)
     assert float(logit) <= 0.05 and float(logprob.rstrip(",")) <= 0.05
     listed = [row.split("│")[1:6] for row in result.stdout.splitlines() if "routing" in row and "│" in row]
-    assert [[c.strip() for c in row[:4]] for row in listed] == [["64", "37", "routing", "2"], ["64", "40", "routing", "2"]]
+    assert [[c.strip() for c in row[:4]] for row in listed] == [["64", "37", "routing", "2"], ["64", "40", "routing",
+                                                                                               "2"]]
     assert all(float(row[4]) < 2e-3 for row in listed)  # near-ties: top-2 margins under 2e-3
 
 

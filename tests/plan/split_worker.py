@@ -11,12 +11,12 @@ os.environ["TORCHDYNAMO_DISABLE"] = "1"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from saved import saved_by_piece  # noqa: E402
 
 from genome_lm.engine.context_parallel import zigzag_split  # noqa: E402
 from genome_lm.engine.parallel import ParallelSizes, init_distributed, parallel_context  # noqa: E402
 from genome_lm.model import PRESETS  # noqa: E402
 from genome_lm.model.model import build_model  # noqa: E402
-from saved import saved_by_piece  # noqa: E402
 
 
 def main(rank: int, world: int, port: int, sizes: dict, T: int, out: str) -> None:

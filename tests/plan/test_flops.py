@@ -112,7 +112,7 @@ def test_per_gpu_split():
 
 
 def test_model_flops_per_token_of_the_published_model():
-    """6 x the active parameters: about 18B for GLM-5.3-Flash (DESIGN.md section 2), less the
+    """6 x the active parameters: about 18B for GLM-5.3-Flash (docs/design.md, section 2), less the
     input embedding, which is a lookup."""
     cfg = model_config(load_config("glm-5.3-flash-1m-64xb200"))
     active = flops.model_flops_per_token(cfg) / 6

@@ -97,7 +97,8 @@ def test_when_only_pipeline_parallel_fits_it_is_suggested():
     switched = with_changes(run, memory={"recompute": "full", "recompute_nested": True,
                                          "offload_activations": True, "optimizer_offload": True})
     for factor in (1, 2, 4, 8):
-        cp_only = estimate(with_changes(switched, parallel={"cp": factor}), Hardware(**{**hw.__dict__, "gpus": 64 * factor}))
+        cp_only = estimate(with_changes(switched, parallel={"cp": factor}), Hardware(**{**hw.__dict__,
+                                                                                        "gpus": 64 * factor}))
         assert not cp_only.fits
     s = suggest(run, hw)
     assert s is not None and s.plan.fits
@@ -125,7 +126,8 @@ def test_savings_are_each_switch_against_the_same_run():
 
 
 def test_switches_lower_the_device_peak_and_offload_fills_host_memory():
-    run = with_changes(load_config("glm-5.3-flash-4layer-1gpu"), memory={"recompute": "none", "offload_activations": False})
+    run = with_changes(load_config("glm-5.3-flash-4layer-1gpu"), memory={"recompute": "none",
+                                                                         "offload_activations": False})
     plain = estimate(run, Hardware())
     full = estimate(with_changes(run, memory={"recompute": "full"}), Hardware())
     offload = estimate(with_changes(run, memory={"recompute": "full", "offload_activations": True}), Hardware())

@@ -8,9 +8,9 @@ import torch
 def tiny_checkpoint(out, cfg=None):
     """Random weights of the tiny model (or ``cfg``) as a Hugging Face checkpoint: random
     initialisation under a split model draws other weights, so both runs start from this."""
+    from genome_lm.checkpoint.huggingface import export_hf_checkpoint
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
     from genome_lm.model import get_preset
-    from genome_lm.checkpoint.huggingface import export_hf_checkpoint
     from genome_lm.model.model import build_model
 
     with parallel_context() as pg:

@@ -3,9 +3,8 @@ import json
 import pytest
 import torch
 
+from genome_lm.checkpoint import CheckpointCorrupt, latest_checkpoint, load_checkpoint, save_checkpoint, verify
 from genome_lm.errors import GenomeLMError
-from genome_lm.checkpoint import (CheckpointCorrupt, latest_checkpoint, load_checkpoint, save_checkpoint,
-                                        verify)
 
 
 def _model_and_opt(seed):

@@ -57,7 +57,8 @@ def test_same_loss_and_gradients(pg, name):
     apply_memory(other, memory)
     assert set(dict(other.named_parameters())) == set(dict(plain.named_parameters()))  # names unchanged
     if memory.dsa_query_chunk:
-        assert {layer.self_attention.query_chunk for layer in other.layers if not layer.is_kda} == {memory.dsa_query_chunk}
+        chunks = {layer.self_attention.query_chunk for layer in other.layers if not layer.is_kda}
+        assert chunks == {memory.dsa_query_chunk}
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(4, 9, (2, 201), generator=g)
     weights = torch.rand(2, 200, generator=g)

@@ -108,9 +108,9 @@ def test_aux_loss_is_logged_and_reaches_the_router_gradients(small_dataset, tmp_
 def test_router_aux_loss_matches_the_formula(kind, tmp_path):
     """One router on random inputs: the recorded value is the formula's, its gradient is
     coeff x scale x the formula's, and a forward alone records nothing."""
+    from genome_lm.checkpoint import build
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
     from genome_lm.model.router import GLMRouterBase, take_aux_loss
-    from genome_lm.checkpoint import build
 
     coeff, scale = 0.3, 0.25
     cfg = load_config("demo-cpu", [f"train.moe_aux_loss_coeff={coeff}", f"train.moe_aux_loss={kind}",

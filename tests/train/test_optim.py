@@ -59,11 +59,10 @@ def test_megatron_weight_decay_groups_follow_the_cpu_optimizers_rule():
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, _get_param_groups, get_standard_config_overrides
 
+    from genome_lm.checkpoint import build
     from genome_lm.config import load_config
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
-    from genome_lm.train.optim import CPUAdamW
-    from genome_lm.checkpoint import build
-    from genome_lm.train.optim import apply_weight_decay_multipliers, megatron_optimizer_options
+    from genome_lm.train.optim import CPUAdamW, apply_weight_decay_multipliers, megatron_optimizer_options
 
     cfg = load_config("demo-cpu", ["train.weight_decay=0.1"])
     with parallel_context() as pg:

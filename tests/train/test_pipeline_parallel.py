@@ -7,9 +7,9 @@ import shutil
 import pytest
 
 from genome_lm.config import load_config
-from genome_lm.train.launch import train_on_ray
 from genome_lm.model import get_preset
 from genome_lm.model.config import INDEXED, LINEAR
+from genome_lm.train.launch import train_on_ray
 from genome_lm.train.trainer import train
 from tests.train.parallel_runs import assert_same_history, overrides, tiny_checkpoint
 

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
+from genome_lm.checkpoint import CheckpointCorrupt, verify
 from genome_lm.config import load_config
 from genome_lm.errors import GenomeLMError
-from genome_lm.checkpoint import CheckpointCorrupt, verify
 from genome_lm.train.trainer import train
 
 pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy:DeprecationWarning")
@@ -140,7 +140,8 @@ def test_a_new_run_into_a_run_folder_is_refused(two_checkpoints, small_dataset, 
     for item in _overrides(small_dataset, out):
         args += ["--set", item]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "TORCHDYNAMO_DISABLE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "genome_lm", *args], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([sys.executable, "-m", "genome_lm", *args], capture_output=True, text=True, timeout=300,
+                          env=env)
     assert proc.returncode == 1 and [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert "already holds a training run" in proc.stderr and _snapshot(out) == before
     proc = subprocess.run([sys.executable, "-m", "genome_lm", *args, "--overwrite", "--set", "train.steps=2"],
@@ -165,7 +166,8 @@ def test_resumed_run_repeats_no_step_and_reports_the_whole_run(two_checkpoints, 
     for item in _overrides(small_dataset, out):
         args += ["--set", item]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "TORCHDYNAMO_DISABLE": "1", "COLUMNS": "150"}
-    proc = subprocess.run([sys.executable, "-m", "genome_lm", *args], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([sys.executable, "-m", "genome_lm", *args], capture_output=True, text=True, timeout=300,
+                          env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from step 2 ({out / 'checkpoints' / 'step-000002'})" in " ".join(proc.stdout.split())
     client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")

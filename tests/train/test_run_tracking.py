@@ -10,6 +10,7 @@ import yaml
 
 from genome_lm.config import load_config
 from genome_lm.train.trainer import StepMetrics, train
+
 # the real-server fixture, and the autouse fixture that keeps MLflow quiet and off the environment's URI
 from tests.test_tracking import _free_port, _quiet_mlflow, mlflow_server  # noqa: F401
 

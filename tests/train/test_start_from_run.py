@@ -9,10 +9,9 @@ import shutil
 import pytest
 import torch
 
+from genome_lm.checkpoint import CheckpointCorrupt, build, read_weights, rng_state
 from genome_lm.config import load_config
 from genome_lm.errors import GenomeLMError
-from genome_lm.checkpoint import CheckpointCorrupt, read_weights, rng_state
-from genome_lm.checkpoint import build
 from genome_lm.train.trainer import train
 
 SEQ = 128

@@ -3,8 +3,8 @@
 import pytest
 
 from genome_lm.config import load_config
-from genome_lm.model import flops
 from genome_lm.engine.devices import SPECS, device_peak_flops, measured_matmul_flops
+from genome_lm.model import flops
 from genome_lm.plan.memory_model import model_config
 from genome_lm.train.throughput import Throughput
 

@@ -184,8 +184,8 @@ RANK = textwrap.dedent("""
 def test_sigterm_to_one_rank_stops_both_after_the_same_step(small_dataset, tmp_path):
     """Two data-parallel ranks (gloo); only rank 1 gets SIGTERM. Both stop after the same step,
     write one complete checkpoint and exit 0 (deciding per rank, they deadlocked in its collectives)."""
-    from genome_lm.engine.parallel import free_port
     from genome_lm.checkpoint import latest_checkpoint, verify
+    from genome_lm.engine.parallel import free_port
 
     out = tmp_path / "two"
     args = [f"data.dataset={small_dataset}", "train.steps=200", "data.seq_len=128", "train.global_batch_size=2",
@@ -233,8 +233,8 @@ def test_bad_settings_are_errors(small_dataset, tmp_path, override, message):
 def test_export_writes_the_trained_weights_as_hugging_face(small_dataset, tmp_path):
     import torch
 
-    from genome_lm.model import get_preset
     from genome_lm.checkpoint.huggingface import HFCheckpoint, hf_keys
+    from genome_lm.model import get_preset
     from genome_lm.train.export import export_run
 
     result = train(_config(small_dataset, tmp_path / "run", steps=2), progress=False)
@@ -264,10 +264,10 @@ def test_pretrained_checkpoint_with_its_own_vocabulary(small_dataset, tmp_path):
     # the first step's loss, recomputed by hand: the checkpoint's weights on the mapped letters
     import torch
 
+    from genome_lm.checkpoint import build
     from genome_lm.data.loader import TrainLoader
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
     from genome_lm.train.loss import lm_loss
-    from genome_lm.checkpoint import build
 
     loader = TrainLoader(str(small_dataset), "train", seq_len=256, micro_batch_size=1, softmask_weight=0.1,
                          reverse_complement=cfg.data.reverse_complement, seed=cfg.train.seed)

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from genome_lm.cli import app
 from tests.model.hf_oracle import make_checkpoint
 
+
 def revcomp(seq: str) -> str:
     return seq.translate(str.maketrans("ACGT", "TGCA"))[::-1]
 

@@ -19,7 +19,6 @@ import platform
 import re
 from pathlib import Path
 
-
 HERE = Path(__file__).resolve().parent
 SOURCES = ("dsa.c", "kda.c", "mhc.c")  # and level.c, the CPU probe
 # what the kernels' loops need to vectorise: reassociation and contraction of float sums, no errno

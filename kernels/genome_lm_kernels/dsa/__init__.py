@@ -33,9 +33,9 @@ from genome_lm_kernels import KernelBackend, resolved
 
 from . import indexer as _indexer
 from . import loss as _loss
+from . import mla as _mla
 from . import reference as _reference
 from . import sparse_attention as _sparse
-from . import mla as _mla
 
 __all__ = ["select_tokens", "sparse_attention", "sparse_mla", "indexer_loss", "pool_keys", "selection_pools",
            "selection_tokens"]
@@ -46,7 +46,8 @@ selection_pools = _indexer.selection_pools
 selection_tokens = _indexer.selection_tokens
 
 
-def sparse_mla(q_BTHD, kv_BTD, idx_BTS, *, scale: float, dv: int, backend: KernelBackend, chunk: int = 64, w_uk_HED=None):
+def sparse_mla(q_BTHD, kv_BTD, idx_BTS, *, scale: float, dv: int, backend: KernelBackend, chunk: int = 64,
+               w_uk_HED=None):
     """Attention of each query's heads over its selected rows of a latent shared by the heads
     (``mla.py``): keys kv, values kv[..., :dv]. lse is fp32 (fp64 for fp64 inputs on the
     torch and reference paths). "triton" runs the products on tensor cores (bf16 operands),

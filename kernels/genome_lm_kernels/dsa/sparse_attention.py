@@ -38,7 +38,6 @@ import torch
 from ..cpu import native
 from .indexer import compute_dtype
 
-
 GATHER_ELEMENTS = 1 << 21  # values of one gathered [C, S, H, D] block (8 MiB in fp32)
 DENSE_KEYS_PER_SLOT = 8  # a block that sees at most this many keys per slot is scored densely
 

@@ -25,7 +25,7 @@ from genome_lm_kernels.interpreter import share_language_patches
 
 share_language_patches()  # under Triton's interpreter only
 
-from genome_lm_kernels.kda.triton_fwd import mm
+from genome_lm_kernels.kda.triton_fwd import mm  # noqa: E402  (after the interpreter patch)
 
 MAX_DIM = 512
 

@@ -224,7 +224,8 @@ def backward_bytes_per_token(K: int, V: int, exact: bool = False, half: torch.dt
     store = store_dtype(exact, half).itemsize
     G = (8 if exact else 4) * K
     states = K * V * store / BT  # one [K, V] state per chunk
-    recomputed = G + 2 * BT * store + BT * 4 + (3 * K + V) * store + states + V * store  # G, M, Y, P, W Qg Kd, U, h, delta
+    # G, M, Y, P, W Qg Kd, U, h, delta
+    recomputed = G + 2 * BT * store + BT * 4 + (3 * K + V) * store + states + V * store
     state_pass = recomputed + states + V * store  # + dh, d_delta
     products = (G + BT * store + BT * 4 + states + V * store + states + V * store  # G, Y, P, h, delta, dh, d_delta
                 + 3 * K * 4 + K * 4 / BT + 2 * BT * 4 + V * 4 + 4)  # dW dQg dKd, d(e^G_last), dM dA, dv, dbeta
