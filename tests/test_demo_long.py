@@ -1,5 +1,5 @@
 """``genome-lm demo --long`` wiring, at a small scale and a few steps (the recipe's figures are
-measured by running it, see the README)."""
+measured by running it, see docs/demo.md)."""
 
 from __future__ import annotations
 

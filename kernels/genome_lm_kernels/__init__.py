@@ -127,5 +127,5 @@ def gpu_default() -> Backend:
     """The backend "auto" picks on a GPU: genome_lm_kernels' own Triton kernels. This is the
     fallback, not a measurement: ``genome-lm preflight`` times them against fla-core's chunk_kda
     on the GPU at hand and prints the faster as ``model.kernel_backend`` (no GPU has run them yet
-    as of this writing; see the README's GPU section)."""
+    as of this writing; see docs/gpu.md)."""
     return "triton"
