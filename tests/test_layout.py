@@ -206,3 +206,13 @@ def test_the_kernels_folder_is_not_a_package_named_kernels():
     import genome_lm_kernels
 
     assert Path(genome_lm_kernels.__file__).resolve().parent == ROOT / "kernels" / "genome_lm_kernels"
+
+
+def test_tests_mirror_the_package():
+    """Each folder of tests/ is a package folder's (genome_lm/X, or kernels for genome_lm_kernels),
+    and the tests of a module sit in its package's folder: no genome_lm package without one."""
+    packages = {p.name for p in (ROOT / "genome_lm").iterdir() if (p / "__init__.py").exists()}
+    folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders <= packages | {"kernels"}, folders - packages - {"kernels"}
+    untested = {name for name in packages - folders if any((ROOT / "genome_lm" / name).glob("[!_]*.py"))}
+    assert untested <= {"cli"}, untested  # the commands: tests/test_cli.py and each package's own tests

@@ -42,7 +42,7 @@ def test_freed_tensors_are_reused_without_page_faults():
 @pytest.mark.parametrize("env", [{"MALLOC_MMAP_THRESHOLD_": "65536"},
                                  {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}])
 def test_a_process_that_tunes_malloc_itself_keeps_its_settings(env):
-    """A memory measurement that sets glibc's thresholds (tests/eval/test_prefill.py's) is left
+    """A memory measurement that sets glibc's thresholds (tests/model/test_prefill.py's) is left
     alone: keep_freed_memory declines, and freed blocks still go back to the kernel."""
     code = CODE.replace("assert keep_freed_memory() and keep_freed_memory()", "assert not keep_freed_memory()")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

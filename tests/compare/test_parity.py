@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from .hf_oracle import make_checkpoint
+from tests.model.hf_oracle import make_checkpoint
 
 LENGTHS = "1,63,64,65,257,1000,4096"
 

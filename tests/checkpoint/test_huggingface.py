@@ -11,8 +11,7 @@ from safetensors.torch import load_file, save_file
 from genome_lm.checkpoint.huggingface import CheckpointError, HFCheckpoint, export_hf_checkpoint, load_hf_checkpoint
 from genome_lm.engine.parallel import ParallelSizes, parallel_context
 from genome_lm.model.model import build_model
-
-from .hf_oracle import make_checkpoint
+from tests.model.hf_oracle import make_checkpoint
 
 
 @pytest.fixture(scope="module")
