@@ -24,11 +24,14 @@ import sys
 import time
 from pathlib import Path
 
+from genome_lm.measure import worker_env
+
 REPO = Path(__file__).resolve().parents[1]
 
 WORKER = r"""
 import json, sys, time, torch
 from genome_lm.engine import quiet_megatron_import
+from genome_lm.measure import reset_high_water, status_bytes
 from genome_lm.engine.parallel import ParallelSizes, parallel_context
 from genome_lm.model import get_preset
 from genome_lm.model.model import build_model
@@ -36,12 +39,9 @@ from genome_lm.model.prefill import Prefill
 
 length, chunk, threads, full = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 torch.set_num_threads(threads)
-def status(key):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
 def rss():  # resident high-water mark since the reset after the warm-up (not start-up's peak)
-    return status("VmHWM")
+    return status_bytes("VmHWM")
 with quiet_megatron_import(), parallel_context() as pg:
     torch.manual_seed(0)
     model = build_model(get_preset("tiny"), pg, ParallelSizes(), kernel_backend="torch").eval()
@@ -51,9 +51,8 @@ with quiet_megatron_import(), parallel_context() as pg:
         for s in range(0, 2048, 1024):
             warm(ids[:, s:s + 1024])
     del warm
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident size
-    base = status("VmRSS")
+    reset_high_water()  # VmHWM back to the current resident size
+    base = status_bytes("VmRSS")
     print(json.dumps({"event": "start", "base_rss": base}), flush=True)
     t0 = time.perf_counter()
     if full:
@@ -83,8 +82,7 @@ def parse_size(text: str) -> int:
 
 
 def run_one(length: int, chunk: int, threads: int, timeout: float, full: bool) -> dict:
-    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "MALLOC_MMAP_THRESHOLD_": os.environ.get("BENCH_MMAP_THRESHOLD",
-                                                                                              "1048576")}
+    env = worker_env(extra={"MALLOC_MMAP_THRESHOLD_": os.environ.get("BENCH_MMAP_THRESHOLD", "1048576")})
     proc = subprocess.Popen([sys.executable, "-c", WORKER, str(length), str(chunk), str(threads), "1" if full else "0"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     row = {"path": "full forward" if full else f"chunked {chunk:,}", "T": length, "status": "ok"}

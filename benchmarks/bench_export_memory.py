@@ -15,11 +15,12 @@ few MiB.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from genome_lm.measure import worker_env
 
 SHARD = 64 * 2**20
 WINDOW = 64 * 2**20  # checkpoint.sharded.full_model_tensors' unmap_every
@@ -51,12 +52,9 @@ with quiet_megatron_import():
     from genome_lm.checkpoint.huggingface import export_hf_checkpoint
     from genome_lm.model.model import build_model
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
-def status(key):
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key))
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # reset VmHWM: the imports' peak does not count
-base = status("VmRSS:")
+from genome_lm.measure import reset_high_water, status_bytes
+reset_high_water()  # the imports' peak does not count
+base = status_bytes("VmRSS")
 folder, out, how, shard = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 if how == "pieces":
     export.export_run(folder, out, max_shard_bytes=shard)
@@ -68,13 +66,12 @@ else:  # the earlier way: the model built, the checkpoint loaded into it, export
         model = build_model(ModelConfig.from_hf(meta["model_config"]), pg, ParallelSizes(), kernel_backend="torch")
         load_checkpoint(folder, model, None)
         export_hf_checkpoint(model, out, max_shard_bytes=shard)
-print(json.dumps({"peak_above_start": status("VmHWM:") - base}))
+print(json.dumps({"peak_above_start": status_bytes("VmHWM") - base}))
 """
 
 
 def main() -> None:
-    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "MALLOC_MMAP_THRESHOLD_": str(2**20),
-           "MALLOC_TRIM_THRESHOLD_": str(2**20)}
+    env = worker_env(extra={"MALLOC_MMAP_THRESHOLD_": str(2**20), "MALLOC_TRIM_THRESHOLD_": str(2**20)})
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run([sys.executable, "-c", WRITE, f"{tmp}/run"], env=env, capture_output=True, text=True)
         if proc.returncode:

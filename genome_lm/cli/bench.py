@@ -149,7 +149,8 @@ def bench_model(
 def bench_sweep(
     lengths: Annotated[str, typer.Option(help="Comma-separated sequence lengths (k, M suffixes).")] = "4k,8k,16k,32k",
     settings: Annotated[str, typer.Option(help="Comma-separated memory settings: plain, selective, recompute, nested, "
-                                               "moe-chunks.")] = "plain,selective,recompute,nested",
+                                               "moe-chunks, offload, recompute+offload.")
+                        ] = "plain,selective,recompute,nested",
     threads: Annotated[int, typer.Option(help="torch threads per measured step.")] = 2,
     out: Annotated[Path, typer.Option(help="Folder for sweep.json and sweep.png.")] = Path("runs/bench-sweep"),
 ) -> None:

@@ -1,8 +1,8 @@
 """``genome-lm bench model``: forward+backward time and peak memory of the whole model on this
 machine, optionally against transformers' glm5_next with the same weights in the same run.
 
-Every measurement runs in a fresh worker subprocess (``python -m genome_lm.compare.bench ROLE
-JSON``), so peak memory is that process's own high-water mark (Linux VmHWM, reset after the
+Every measurement runs in a fresh worker subprocess (``genome_lm.measure.run_fresh``: ``python -m
+genome_lm.compare.bench JSON``), so peak memory is that process's own high-water mark (Linux VmHWM, reset after the
 model and the token ids exist) and one run cannot leave memory or thread pools behind for the
 next. transformers runs with flash-linear-attention hidden (``sys.modules["fla"] = None``):
 otherwise glm5_next swaps in fla's Triton kernels, which fail on a CPU (docs/design.md, section 3).
@@ -26,12 +26,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from genome_lm.measure import MeasurementError, reset_high_water, run_fresh, serve, status_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -152,14 +153,14 @@ def kernel_bench(op: str, lengths: tuple[int, ...], backward: bool = True) -> di
     (time and memory relative to the sparse path) for ``op`` in kda, dsa or all."""
     results = {}
     if op in ("kda", "all"):
-        from genome_lm_kernels.kda.bench import bench as bench_kda
+        from .kernels import kda_bench
 
-        results["kda"] = with_ratio(bench_kda(lengths=lengths, backward=backward), "seconds", ("mode", "T"),
+        results["kda"] = with_ratio(kda_bench(lengths=lengths, backward=backward), "seconds", ("mode", "T"),
                                     {"impl": "torch"}, "x torch time")
     if op in ("dsa", "all"):
-        from genome_lm_kernels.dsa.bench import bench as bench_dsa
+        from .kernels import dsa_bench
 
-        rows = bench_dsa(lengths=lengths)
+        rows = dsa_bench(lengths=lengths)
         for row in rows:
             row["peak_mib"] = row["peak_bytes"] / 2**20 if row.get("peak_bytes") is not None else None
             row["kib_per_token"] = row["bytes_per_token"] / 1024 if row.get("bytes_per_token") is not None else None
@@ -171,35 +172,22 @@ def kernel_bench(op: str, lengths: tuple[int, ...], backward: bool = True) -> di
 
 # --------------------------------------------------------------------------------- subprocesses
 def _run_worker(role: str, cfg: dict, timeout_s: float) -> dict:
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "genome_lm.compare.bench", role, json.dumps(cfg)]
     base = dict(impl=role, preset=cfg["preset"], T=cfg.get("T"), B=cfg["B"], threads=cfg["threads"],
                 seconds=None, peak_mib=None)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-    except subprocess.TimeoutExpired:
+        return run_fresh("genome_lm.compare.bench", dict(cfg, role=role), timeout=timeout_s)
+    except TimeoutError:
         if role == "export":
             raise RuntimeError(f"exporting the {cfg['preset']} weights took over {timeout_s:g} s") from None
         return dict(base, note=f"timeout after {timeout_s:g} s")
-    if proc.returncode != 0:
+    except MeasurementError as err:
         if role == "export":
-            raise RuntimeError(f"exporting the {cfg['preset']} weights failed: {proc.stderr.strip()[-2000:]}")
-        return dict(base, note="failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1][-300:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+            raise RuntimeError(f"exporting the {cfg['preset']} weights failed: {err}") from None
+        return dict(base, note="failed: " + str(err).split(": ", 1)[-1][-300:])
 
 
 def _rss_mib(field: str) -> float:
-    from genome_lm_kernels.kda.bench import _rss_mib as rss_mib  # one reader of /proc/self/status
-
-    return rss_mib(field)
-
-
-def _reset_peak() -> None:
-    try:  # reset VmHWM to the current RSS (Linux >= 4.0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    return status_bytes(field) / 2**20
 
 
 def _token_ids(cfg: dict):
@@ -218,7 +206,7 @@ def _next_token_loss(logits, ids):
 def _time_steps(model: torch.nn.Module, step, cfg: dict) -> dict:
     """Warm up once, then time up to ``repeats`` steps (at least one) within ``step_budget_s``."""
     base = _rss_mib("VmRSS")
-    _reset_peak()
+    reset_high_water()
     start = time.perf_counter()
     loss = step()
     warmup = time.perf_counter() - start
@@ -258,7 +246,6 @@ def _export(cfg: dict) -> None:
     config = json.loads(config_file.read_text())
     config.setdefault("vision_config", dict(_TINY_VISION, out_hidden_size=config["text_config"]["hidden_size"]))
     config_file.write_text(json.dumps(config, indent=2))
-    print(json.dumps({"checkpoint": cfg["checkpoint"]}))
 
 
 def _next_token_batch(ids_BT):
@@ -322,8 +309,8 @@ def _measure_transformers(cfg: dict) -> dict:
     return result
 
 
-def _worker(role: str, cfg_json: str) -> None:
-    cfg = json.loads(cfg_json)
+def _worker(cfg: dict) -> dict:
+    role = cfg["role"]
     if role == "transformers":
         sys.modules["fla"] = None  # type: ignore[assignment]  # before anything imports transformers
     import torch
@@ -331,12 +318,12 @@ def _worker(role: str, cfg_json: str) -> None:
     torch.set_num_threads(cfg["threads"])
     if role == "export":
         _export(cfg)
-        return
+        return {"checkpoint": cfg["checkpoint"]}
     measured = (_measure_genome_lm if role == "genome-lm" else _measure_transformers)(cfg)
     row = dict(impl=role, preset=cfg["preset"], T=cfg["T"], B=cfg["B"], threads=torch.get_num_threads())
     row.update(measured)
-    print(json.dumps(row))
+    return row
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
+    serve(_worker)

@@ -22,13 +22,12 @@ quantity ``torch.cuda.max_memory_allocated`` reports on a GPU and the planner pr
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
+
+from genome_lm.measure import Peak, run_fresh, run_fresh_ranks, serve
 
 if TYPE_CHECKING:
     from genome_lm.config import RunConfig
@@ -49,33 +48,18 @@ class Measured:
         return self.seq_len / self.seconds
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def _timed_peak(model: GLM5Model, step, T: int, barrier=None) -> tuple[float, int]:
-    """Seconds and added resident bytes of ``step(T)``, after a warm-up ``step`` (its gradients
-    dropped) that pages in the code and the libraries' one-time buffers; ``barrier``: all ranks
-    reset their high-water marks before any of them starts the measured step."""
+    """Seconds and added resident bytes of ``step(T)`` (``genome_lm.measure.Peak``), after a
+    warm-up ``step`` (its gradients dropped) that pages in the code and the libraries' one-time
+    buffers; ``barrier``: all ranks reset their high-water marks before any of them starts."""
     step(min(T, WARM_UP_TOKENS))
     model.zero_grad(set_to_none=True)
-    if barrier is not None:
-        barrier()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the high-water mark to the current resident set
-    base = _status("VmRSS")
-    t0 = time.perf_counter()
-    step(T)
-    return time.perf_counter() - t0, _status("VmHWM") - base
+    with Peak(barrier) as peak:
+        step(T)
+    return peak.seconds, peak.bytes
 
 
-def _worker_env() -> dict:
-    return {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "TORCHDYNAMO_DISABLE": "1",
-            "PYTHONWARNINGS": "ignore"}
+WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
 
 
 def random_batches(run: RunConfig, n_micro: int, device: str = "cpu") -> list:
@@ -99,12 +83,12 @@ def train_step(model: GLM5Model, run: RunConfig, micro: list, *, pin_offload: bo
     pin them (a CPU measurement must not start CUDA). Returns ``train.step.StepSums``."""
     import torch
 
-    from genome_lm.train.step import StepSpec, forward_backward
+    from genome_lm.train.step import forward_backward, step_spec
 
     weight = sum(b.loss_weight.sum() for b in micro)
     memory = run.memory if pin_offload else run.memory.model_copy(update={"offload_pinned": False})
-    spec = StepSpec(memory=memory, mode=run.train.indexer_loss, global_weight=torch.as_tensor(weight),
-                    indexer_coeff=run.train.indexer_loss_coeff / len(micro), tp_group=model.pg.tp)
+    spec = step_spec(run, global_weight=torch.as_tensor(weight), micro_batches=len(micro), tp_group=model.pg.tp,
+                     memory=memory)
     return forward_backward(model, micro, spec)
 
 
@@ -191,37 +175,17 @@ def measure_pipeline_step(run: RunConfig, threads: int = 1, timeout: float = 900
     p = run.parallel
     if (p.tp, p.cp, p.ep, p.etp) != (1, 1, 1, 1):
         raise ValueError("measure_pipeline_step measures pipeline parallel alone")
-    env = _worker_env()
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-m", "genome_lm.plan.measure",
-                               json.dumps({"run": run.model_dump_json(), "threads": threads, "rank": rank,
-                                           "init_method": init_method, "pipeline": True})],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(p.pp)]
-    results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
-            if proc.returncode != 0:
-                raise RuntimeError(f"measurement failed: {err.strip().splitlines()[-1] if err else proc.returncode}")
-            results.append(Measured(**json.loads(out.strip().splitlines()[-1])))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    return results
+    payloads = [{"run": run.model_dump_json(), "threads": threads, "rank": rank, "init_method": init_method,
+                 "pipeline": True} for rank in range(p.pp)]
+    results = run_fresh_ranks("genome_lm.plan.measure", payloads, timeout=timeout, env=WORKER_ENV)
+    return [Measured(**r) for r in results]
 
 
 def measure_step(run: RunConfig, threads: int = 1, timeout: float = 600) -> Measured:
     """Run one step of ``run`` (a ``RunConfig``) in a fresh process; see the module docstring."""
-    env = _worker_env()
-    spec = json.dumps({"run": run.model_dump_json(), "threads": threads})
-    proc = subprocess.run([sys.executable, "-m", "genome_lm.plan.measure", spec], env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    if proc.returncode != 0:
-        last = proc.stderr.strip().splitlines()[-1] if proc.stderr else proc.returncode
-        raise RuntimeError(f"measurement failed: {last}")
-    return Measured(**json.loads(proc.stdout.strip().splitlines()[-1]))
+    spec = {"run": run.model_dump_json(), "threads": threads}
+    return Measured(**run_fresh("genome_lm.plan.measure", spec, timeout=timeout, env=WORKER_ENV))
 
 
 class GPUStep(NamedTuple):
@@ -288,5 +252,4 @@ def planned_gpu_step(run: RunConfig) -> float:
 
 
 if __name__ == "__main__":
-    spec = json.loads(sys.argv[1])
-    print(json.dumps(_pipeline_worker(spec) if spec.get("pipeline") else _worker(spec)))
+    serve(lambda spec: _pipeline_worker(spec) if spec.get("pipeline") else _worker(spec))

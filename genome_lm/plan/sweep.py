@@ -31,6 +31,9 @@ SETTINGS: dict[str, dict] = {
     "recompute": {"recompute": "full"},
     "nested": {"recompute": "full", "recompute_nested": True},
     "moe-chunks": {"moe_chunks": 4},
+    # offload moves nothing off a device on a CPU: what it shows here is the cost of its copies
+    "offload": {"offload_activations": True},
+    "recompute+offload": {"recompute": "full", "offload_activations": True, "moe_chunks": 8},
 }
 
 

@@ -30,7 +30,7 @@ from .loss import LossParts, chunked_lm_loss, lm_loss
 from .memory import offload_saved_tensors
 
 if TYPE_CHECKING:
-    from genome_lm.config import MemoryConfig
+    from genome_lm.config import MemoryConfig, RunConfig
     from genome_lm.model.model import GLM5Model
 
 
@@ -63,6 +63,26 @@ class StepSpec:
     # entered around the backward of every micro-batch but the last: megatron-core DDP's ``no_sync``
     # under ``parallel.overlap_grad_reduce``, so that buckets are reduced during the last backward only
     no_sync: Callable[[], ContextManager] | None = None
+
+
+def indexer_mode(run: RunConfig, step: int | None) -> str:
+    """The DSA indexer loss at optimizer step ``step`` (0-based): dense during
+    ``train.indexer_dense_steps``, then the config's; ``step`` None: the config's."""
+    if step is not None and step < run.train.indexer_dense_steps:
+        return "dense"
+    return run.train.indexer_loss
+
+
+def step_spec(run: RunConfig, *, global_weight: torch.Tensor, step: int | None = None, micro_batches: int = 1,
+              data_parallel: int = 1, tp_group: Any = None, indexer_tokens: int | None = None,
+              no_sync: Callable[[], ContextManager] | None = None, memory: MemoryConfig | None = None) -> StepSpec:
+    """The one way a run's step is specified (the trainer, the planner's measurements, tests):
+    ``run``'s memory switches (or ``memory``), its indexer-loss mode at ``step`` and its indexer
+    coefficient shared over the ``data_parallel`` x ``micro_batches`` micro-batches of the global
+    batch, whose weight is ``global_weight``."""
+    return StepSpec(memory=memory or run.memory, mode=indexer_mode(run, step), global_weight=global_weight,
+                    indexer_coeff=run.train.indexer_loss_coeff / (data_parallel * micro_batches),
+                    indexer_tokens=indexer_tokens, tp_group=tp_group, no_sync=no_sync)
 
 
 class StepSums(NamedTuple):

@@ -51,6 +51,8 @@ from genome_lm.checkpoint import (
 from genome_lm.engine.backend import on_gpu
 from genome_lm.errors import GenomeLMError
 
+from .step import indexer_mode
+
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -185,11 +187,6 @@ def seq_len_at(cfg: RunConfig, step: int) -> int:
     return length
 
 
-def indexer_mode(cfg: RunConfig, step: int) -> str:
-    """The DSA indexer loss at ``step``: dense during ``train.indexer_dense_steps``, then the config's."""
-    return "dense" if step < cfg.train.indexer_dense_steps else cfg.train.indexer_loss
-
-
 def default_run_name(cfg: RunConfig) -> str:
     """The MLflow run's name: the config's, the preset and the run folder (``demo-cpu: tiny (runs/demo-cpu)``)."""
     source = getattr(cfg, "source", None)
@@ -315,15 +312,13 @@ class Trainer:
         loss, each over the pipeline's stages. ``positions``: the batches' length before
         context-parallel padding, which the indexer loss stops at."""
         from .loss import global_sum
-        from .step import StepSpec, forward_backward
+        from .step import forward_backward, step_spec
 
         cfg, pg = self.cfg, self.pg
-        mode = indexer_mode(cfg, step)
         # indexer_tokens: the model already divides each CP rank's indexer loss by cp
-        spec = StepSpec(memory=cfg.memory, mode=mode, global_weight=weight, tp_group=pg.tp,
-                        indexer_tokens=positions if pg.cp.size() > 1 else None,
-                        indexer_coeff=cfg.train.indexer_loss_coeff / (self.dp_size * len(micro)),
-                        no_sync=self.ddp.no_sync if cfg.parallel.overlap_grad_reduce else None)
+        spec = step_spec(cfg, global_weight=weight, step=step, micro_batches=len(micro), data_parallel=self.dp_size,
+                         tp_group=pg.tp, indexer_tokens=positions if pg.cp.size() > 1 else None,
+                         no_sync=self.ddp.no_sync if cfg.parallel.overlap_grad_reduce else None)
         sums = forward_backward(self.model, micro, spec)
         return global_sum(sums.lm_sum, pg.pp), global_sum(sums.indexer, pg.pp)
 

@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
+from genome_lm.measure import SampledPeak
 from genome_lm_kernels import dsa
 from genome_lm_kernels.dsa import loss as loss_module
 from genome_lm_kernels.dsa import reference
-from genome_lm_kernels.dsa.bench import PeakRSS
 
 from .conftest import LENGTHS, REL_TOL, assert_rel_close, backend_of
 
@@ -428,13 +428,13 @@ def test_chunked_paths_never_build_T_by_T(generator):
     inp = indexer_inputs(generator, 1, T, 2, 16, kpool, torch.float32)
     q, k, v = (torch.randn(1, T, 2, 16, generator=generator).requires_grad_() for _ in range(3))
     tt_bytes = T * T * 4
-    with PeakRSS() as m_sel:
+    with SampledPeak() as m_sel:
         idx, _ = dsa.select_tokens(**inp, kpool=kpool, topk=topk, backend=backend_of("torch"), chunk=chunk)
-    with PeakRSS() as m_attn:
+    with SampledPeak() as m_attn:
         o, lse = dsa.sparse_attention(q, k, v, idx, scale=0.25, backend=backend_of("torch"), chunk=chunk)
         o.sum().backward()
     leaves = [inp[n].requires_grad_() for n in ("q_idx_BTHD", "k_idx_BTD", "w_idx_BTH")]
-    with PeakRSS() as m_loss:
+    with SampledPeak() as m_loss:
         for mode in (None, idx):
             dsa.indexer_loss(*leaves, q, k, mode, kpool=kpool, scale=0.25, backend=backend_of("torch"),
                              chunk=chunk).backward()

@@ -97,8 +97,7 @@ def _train(batches, *, backend: str, dtype: torch.dtype) -> list[float]:
     from genome_lm.config import load_config
     from genome_lm.train.memory import apply_memory
     from genome_lm.train.optim import CPUAdamW, learning_rate
-    from genome_lm.train.step import StepSpec, forward_backward
-    from genome_lm.train.trainer import indexer_mode
+    from genome_lm.train.step import forward_backward, step_spec
 
     run = load_config("demo-cpu", [f"train.steps={len(batches)}", f"data.seq_len={TRAIN_T}"])
     cfg = get_preset(run.model.preset)
@@ -122,8 +121,7 @@ def _train(batches, *, backend: str, dtype: torch.dtype) -> list[float]:
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
             weight = batch.loss_weight.sum()
-            spec = StepSpec(memory=run.memory, mode=indexer_mode(run, step), global_weight=weight, tp_group=pg.tp,
-                            indexer_coeff=run.train.indexer_loss_coeff)
+            spec = step_spec(run, global_weight=weight, step=step, tp_group=pg.tp)
             sums = forward_backward(model, [batch], spec)
             finalize_model_grads([ddp], pg_collection=pg)
             losses.append(float(sums.lm_sum / weight))
