@@ -184,7 +184,7 @@ def _chr22_selection(out: Path, length: int) -> list:
     from genome_lm.engine.parallel import parallel_context
     from genome_lm.eval.models import load_model
     from genome_lm.eval.planted import load_planted
-    from genome_lm.eval.selection import split_selection
+    from genome_lm.eval.probes.selection import split_selection
 
     with parallel_context() as pg:
         loaded = load_model(out / "run", pg)

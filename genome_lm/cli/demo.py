@@ -80,7 +80,7 @@ words. The report goes to OUT/run/eval."""
 def _long_demo(out: Path, quiet: bool, overrides: list[str], eval_windows: int) -> None:
     from genome_lm.demo import run_long_demo
     from genome_lm.eval.planted import demo_note
-    from genome_lm.eval.selection import describe
+    from genome_lm.eval.probes.selection import describe
 
     result = run_long_demo(out, overrides=([], overrides), eval_windows=eval_windows, progress=not quiet,
                            on_dataset=lambda p: print_dataset_summary(p.manifest, reused=p.reused),

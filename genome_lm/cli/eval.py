@@ -259,7 +259,7 @@ def check_logprobs_command(
     mean and max |delta logprob| of the realised next token per context length and exits with status 1 when any path
     exceeds --threshold. On CPU in fp32 the prefill path stays below 1e-4.
     """
-    from genome_lm.eval.logprobs import check_logprobs
+    from genome_lm.eval.probes.logprobs import check_logprobs
 
     lengths_ = sizes(lengths, "--lengths")
     wanted = tuple(x.strip() for x in paths.split(",") if x.strip())
@@ -330,7 +330,7 @@ def recall_command(
     """
     from genome_lm.errors import GenomeLMError
     from genome_lm.eval.ablation import fmt_delta
-    from genome_lm.eval.recall import recall_bench_available, run_recall
+    from genome_lm.eval.probes.recall import recall_bench_available, run_recall
 
     def finished(row) -> None:
         console.print(f"d={row.distance:,}: copy advantage {fmt_delta(row.advantage)} nats/base "

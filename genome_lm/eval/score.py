@@ -195,19 +195,3 @@ def score_split(model: GLM5Model, dataset, split: str, *, windows: list[int] | N
         model.train(was_training)
     return TokenScores.concat(parts)
 
-
-def power_of_two_buckets(max_context: int) -> list[tuple[int, int]]:
-    """The default buckets (``buckets.default_edges``) as (from, to) pairs."""
-    from .buckets import default_edges
-
-    edges = default_edges(max_context)
-    return list(zip(edges[:-1], edges[1:]))
-
-
-def bucket_means(scores: TokenScores, buckets: list[tuple[int, int]]) -> list[dict]:
-    rows = []
-    for lo, hi in buckets:
-        sel = (scores.context >= lo) & (scores.context < hi)
-        rows.append({"from": lo, "to": hi, "tokens": int(sel.sum()),
-                     "loss": float(scores.nll[sel].mean()) if sel.any() else float("nan")})
-    return rows

@@ -74,7 +74,7 @@ def test_the_shipped_model_copies_and_a_fresh_one_does_not(pg):
     the shipped model predicts the repeat far better; the same architecture freshly initialised
     does not. Random DNA: nothing but the copy can help."""
     from genome_lm.eval.models import load_model
-    from genome_lm.eval.recall import SequencePool, copy_probe
+    from genome_lm.eval.probes.recall import SequencePool, copy_probe
 
     pool = SequencePool.random(50_000, seed=7)
     shipped = load_model("builtin:tiny-long", pg)

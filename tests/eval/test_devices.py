@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from genome_lm.eval.recall import SequencePool, run_recall_bench
+from genome_lm.eval.probes.recall import SequencePool, run_recall_bench
 from genome_lm.eval.score import token_nll
 
 

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from genome_lm.cli import app
 from genome_lm.data.tokenizer import A, T
 from genome_lm.errors import GenomeLMError
-from genome_lm.eval import recall
-from genome_lm.eval.recall import (
+from genome_lm.eval.probes import recall
+from genome_lm.eval.probes.recall import (
     SequencePool,
     copy_probe,
     default_distances,

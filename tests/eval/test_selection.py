@@ -1,4 +1,4 @@
-"""Counting how often the DSA indexer selects a copy's source (genome_lm.eval.selection)."""
+"""Counting how often the DSA indexer selects a copy's source (genome_lm.eval.probes.selection)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from genome_lm.eval.selection import source_selection, window_sources
+from genome_lm.eval.probes.selection import source_selection, window_sources
 
 
 def test_window_sources_maps_forward_copies_into_the_window():
@@ -69,7 +69,7 @@ def test_split_selection_counts_the_visible_forward_copies_of_a_prepared_split(t
     from genome_lm.data.loader import SplitReader
     from genome_lm.data.prepare import PrepareRequest, prepare
     from genome_lm.data.windows import WindowSpec
-    from genome_lm.eval.selection import describe, split_selection
+    from genome_lm.eval.probes.selection import describe, split_selection
 
     plan = CopyPlan(per_mbp=3000, length_bp=(20, 100), distance_bp=(64, 400), inversions=0.3)
     fasta = write_demo_genome(tmp_path / "g.fa", seed=1, scale=0.02, copies=plan)

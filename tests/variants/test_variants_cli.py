@@ -28,7 +28,7 @@ SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "varia
 ORACLE = r"""
 import json, sys
 import numpy as np, torch
-from genome_lm.eval.logprobs import _transformers_logprobs
+from genome_lm.eval.probes.logprobs import _transformers_logprobs
 from genome_lm.data.tokenizer import tokenize
 hf, windows = sys.argv[1], json.loads(sys.stdin.read())
 out = []

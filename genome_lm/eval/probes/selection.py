@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .score import model_device
+from ..score import model_device
 
 if TYPE_CHECKING:
     from genome_lm.model.model import GLM5Model

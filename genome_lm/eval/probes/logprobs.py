@@ -118,8 +118,8 @@ def check_logprobs(model_spec: str, lengths: list[int], *, chunk: int = 4096, th
     from genome_lm.engine.parallel import parallel_context
     from genome_lm.model.prefill import chunked_logits
 
-    from .models import load_model
-    from .score import model_device
+    from ..models import load_model
+    from ..score import model_device
 
     rows: list[LogprobRow] = []
     with quiet_megatron_import(), parallel_context() as pg:

@@ -37,7 +37,7 @@ import torch
 
 from genome_lm.data.tokenizer import A, C, G, N, T
 
-from .score import model_device, token_nll
+from ..score import model_device, token_nll
 
 if TYPE_CHECKING:
     from genome_lm.model.model import GLM5Model
@@ -292,8 +292,8 @@ def run_recall(model: str, out: Path, *, dataset: Path | None = None, distances:
     from genome_lm.engine import quiet_megatron_import
     from genome_lm.engine.parallel import parallel_context
 
-    from .models import load_model
-    from .report import atomic_write
+    from ..models import load_model
+    from ..report import atomic_write
 
     with quiet_megatron_import(), parallel_context() as pg:
         lm = load_model(model, pg, seed=seed)
