@@ -35,7 +35,6 @@ string or dict. Design rules:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -51,6 +50,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from genome_lm.mlflow_store import repoint_moved_store
 
 log = logging.getLogger(__name__)
 
@@ -418,44 +419,6 @@ EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's view for model traini
 def local_store(folder: Path) -> str:
     """The run folder's own MLflow store."""
     return f"sqlite:///{Path(folder) / 'mlflow.db'}"
-
-
-def repoint_moved_store(db: Path) -> None:
-    """When ``db`` (a run folder's MLflow SQLite store) was written in another folder, point its
-    artifact locations (the experiments' and the runs', absolute ``file://`` URIs) at the
-    ``mlartifacts`` folder beside it, so that a copied or moved run folder is self-contained.
-    MLflow has no API to change a location; this updates its tables (``experiments``, ``runs``)
-    and drops the runs' artifact stores from MLflow's per-process cache."""
-    import sqlite3
-
-    if not db.is_file():
-        return
-    here = (db.parent / "mlartifacts").resolve().as_uri()
-    with contextlib.closing(sqlite3.connect(db)) as con:
-        try:
-            rows = con.execute("SELECT artifact_location FROM experiments").fetchall()
-        except sqlite3.DatabaseError:
-            return  # not (yet) an MLflow store: MLflow itself will say what is wrong
-        old_roots = {loc.rsplit("/mlartifacts", 1)[0] + "/mlartifacts" for (loc,) in rows
-                     if loc and "/mlartifacts" in loc and not loc.startswith(here)}
-        if not old_roots:
-            return
-        moved_runs = []
-        with con:
-            for old in old_roots:
-                moved_runs += [r for (r,) in con.execute("SELECT run_uuid FROM runs WHERE artifact_uri LIKE ?",
-                                                         (old + "%",))]
-                for table, column in (("experiments", "artifact_location"), ("runs", "artifact_uri")):
-                    con.execute(f"UPDATE {table} SET {column} = ? || substr({column}, ?) WHERE {column} LIKE ?",
-                                (here, len(old) + 1, old + "%"))
-    try:  # MLflow keeps each run's artifact store per process, keyed by run id
-        from mlflow.tracking._tracking_service import utils as tracking_utils
-
-        for run_id in moved_runs:
-            tracking_utils._artifact_repos_cache.pop(run_id, None)
-    except (ImportError, AttributeError):
-        pass
-    log.info("tracking: %s was moved; artifact locations now point at %s", db, here)
 
 
 @contextmanager

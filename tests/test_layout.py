@@ -29,7 +29,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
-    {"genome_lm", "errors", "units", "progress", "digest", "config", "tracking", "weights", "measure"},
+    {"genome_lm", "errors", "units", "progress", "digest", "config", "tracking", "weights", "measure", "mlflow_store"},
     {"data", "engine"},
     {"model"},
     {"checkpoint"},
