@@ -131,31 +131,41 @@ def eval_heap(sizes) -> str:
     return "return" if split_model(sizes) else "keep"
 
 
+@dataclass
+class _Selection:
+    """What ``evaluate`` scores: the dataset, its split, the windows and the bucket edges."""
+
+    dataset: Path
+    manifest: object  # data.manifest.Manifest
+    split: object  # its split
+    windows: list[int]
+    window_length: int
+    edges: list[int]
+
+    @property
+    def bases(self) -> int:
+        """Bases with a target (each window's first has none): what the progress bars count."""
+        return sum(self.split.windows[i].length - 1 for i in self.windows)
+
+
 def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict | None:
     """Run the evaluation; returns the report (also written to ``req.out``).
 
     Over many ranks (torchrun, or ``eval_on_ray``: every rank calls this) the model is split by
     ``eval_layout`` and the windows shared out (``eval.parallel``); rank 0 writes the report and
-    returns it, the other ranks return None."""
+    returns it, the other ranks return None. The steps: load the models, choose the windows,
+    score every (model, context cut) job into its resumable cache, summarise, write and log."""
     import torch.distributed as dist
 
-    from genome_lm import __version__
-    from genome_lm.data.manifest import Manifest
     from genome_lm.engine import quiet_megatron_import
     from genome_lm.engine.parallel import parallel_context
-    from genome_lm.progress import progress_bar
 
-    from .buckets import default_edges, parse_edges
-    from .cache import WindowCache, score_key
     from .models import load_model
-    from .parallel import score_into_cache
-    from .score import score_split, select_windows
 
     out = Path(req.out)
     started_ms = int(datetime.datetime.now(datetime.timezone.utc).timestamp() * 1000)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     sizes = eval_layout(req, world)
-    many = world > 1
     with quiet_megatron_import(), parallel_context(sizes, host_heap=eval_heap(sizes)) as pg:
         rank = dist.get_rank()
         note = (on_note or (lambda text: None)) if rank == 0 else (lambda text: None)
@@ -163,114 +173,166 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict |
         loaded = {"model": load_model(req.model, pg, sizes=sizes)}
         if req.baseline:
             loaded["baseline"] = load_model(req.baseline, pg, init_of=loaded["model"], sizes=sizes)
-        dataset = req.dataset
-        if req.fasta is not None:
-            if rank == 0:
-                dataset = _prepare_fasta(req, progress)
-            if many:
-                dist.barrier()  # rank 0 prepared it
-            dataset = Path(req.out) / "prepared"
-        elif dataset is None:
-            cfg = loaded["model"].config
-            if cfg is None:
-                raise GenomeLMError("--dataset or --fasta is needed (the model is not a training run with a dataset)")
-            dataset = Path(cfg.data.dataset)
-        manifest = Manifest.load(Path(dataset))
-        split = manifest.split(req.split)
-        candidates = _windows_of(split.windows, req.chrom, str(Path(dataset) / "manifest.json"))
-        chosen = select_windows([split.windows[i] for i in candidates], max_windows=req.max_windows,
-                                max_n_fraction=req.max_n_fraction)
-        windows = [candidates[i] for i in chosen]
-        if not windows:
-            raise GenomeLMError(f"{dataset}: no window of split {req.split!r} to evaluate (all have more than "
-                                f"{req.max_n_fraction:.0%} N)")
-        window_length = max(split.windows[i].length for i in windows)
-        edges = req.edges or (parse_edges(req.bucket_text, window_length) if req.bucket_text
-                              else default_edges(window_length))
-        total = sum(split.windows[i].length - 1 for i in windows)
-        # (label, model, cut): every model whole, then the model with each --max-context cut
-        jobs = [(name, name, None) for name in loaded]
-        # with a baseline, it is cut too: how much more the model uses the far context than it did
-        jobs += [(f"{name}, context cut to {N:,}", name, N) for name in ("model", "baseline") if name in loaded
-                 for N in sorted(set(req.max_contexts or []))]
-        caches = {}
-        for label, name, cut in jobs:
-            key = score_key(loaded[name].model, loaded[name].token_map, Path(dataset), req.split, req.chunk,
-                            {**vars(sizes), "world": world} if many else None)
-            folder = f"{name}-{key}" if cut is None else f"{name}-cut{cut}-{key}"
-            caches[label] = cache = WindowCache(out / ".scores" / folder)
-            done = sum(cache.has(i) for i in windows)
-            if done:
-                note(f"{label}: {done} of {len(windows)} windows already scored in {cache.folder} (an earlier, "
-                     "interrupted run with the same model and settings): reusing them")
-        scored = {}
-        with progress_bar(quiet=not progress) as bar:
-            for label, name, cut in jobs:
-                task = bar.add_task(f"eval {label}", total=total, unit="bp")
-                lm = loaded[name]
-                advance = functools.partial(bar.advance, task)
-                if many:  # every rank scores; rank 0 gathers the scores into its cache
-                    score_into_cache(lm.model, dataset, req.split, windows, cache=caches[label], pg=pg, sizes=sizes,
-                                     chunk=req.chunk, token_map=lm.token_map, max_context=cut, on_done=advance)
-                    if rank != 0:
-                        continue
-                    advance = None  # read back from the cache: counted already
-                scored[label] = score_split(lm.model, dataset, req.split, windows=windows, chunk=req.chunk,
-                                            token_map=lm.token_map, on_chunk=advance,
-                                            cache=caches[label], max_context=cut)
+        chosen = _choose_windows(req, _dataset(req, loaded["model"], rank, world, progress))
+        jobs = _jobs(req, loaded)
+        scored = _score(req, loaded, jobs, chosen, pg, sizes, world, note, progress)
     if rank != 0:
         return None
-    scores = {name: scored[name] for name in loaded}
-    from .baselines import baseline_scores, describe
+    report = _summarize(req, loaded, jobs, scored, chosen, sizes, world, note)
+    write_outputs(report, out)
+    if req.tracking:
+        report["mlflow"] = log_to_mlflow(report, out, loaded["model"], req.tracking_uri, note, started_ms)
+        rep.write_json(report, out / "eval.json")
+    return report
 
-    markov = _fit_markov(manifest, Path(dataset), loaded["model"].config, note)
-    with_baselines = {**scores, **baseline_scores(scores["model"], dataset, req.split, markov)}
-    baseline_info = describe(markov)
+
+def _dataset(req: EvalRequest, model, rank: int, world: int, progress: bool) -> Path:
+    """The dataset to score: ``--dataset``, a FASTA prepared into the output folder (by rank 0,
+    the others waiting), or the model's training run's dataset."""
+    import torch.distributed as dist
+
+    if req.fasta is not None:
+        if rank == 0:
+            _prepare_fasta(req, progress)
+        if world > 1:
+            dist.barrier()  # rank 0 prepared it
+        return Path(req.out) / "prepared"
+    if req.dataset is not None:
+        return Path(req.dataset)
+    if model.config is None:
+        raise GenomeLMError("--dataset or --fasta is needed (the model is not a training run with a dataset)")
+    return Path(model.config.data.dataset)
+
+
+def _choose_windows(req: EvalRequest, dataset: Path) -> _Selection:
+    """The split's windows on ``--chrom`` (at most ``--max-windows``, none with too many N) and
+    the context buckets' edges."""
+    from genome_lm.data.manifest import Manifest
+
+    from .buckets import default_edges, parse_edges
+    from .score import select_windows
+
+    manifest = Manifest.load(dataset)
+    split = manifest.split(req.split)
+    candidates = _windows_of(split.windows, req.chrom, str(dataset / "manifest.json"))
+    chosen = select_windows([split.windows[i] for i in candidates], max_windows=req.max_windows,
+                            max_n_fraction=req.max_n_fraction)
+    windows = [candidates[i] for i in chosen]
+    if not windows:
+        raise GenomeLMError(f"{dataset}: no window of split {req.split!r} to evaluate (all have more than "
+                            f"{req.max_n_fraction:.0%} N)")
+    window_length = max(split.windows[i].length for i in windows)
+    edges = req.edges or (parse_edges(req.bucket_text, window_length) if req.bucket_text
+                          else default_edges(window_length))
+    return _Selection(dataset, manifest, split, windows, window_length, edges)
+
+
+def _jobs(req: EvalRequest, loaded: dict) -> list[tuple[str, str, int | None]]:
+    """(label, model, cut): every model whole, then the model with each ``--max-context`` cut;
+    with a baseline, it is cut too (how much more the model uses the far context than it did)."""
+    jobs = [(name, name, None) for name in loaded]
+    jobs += [(f"{name}, context cut to {N:,}", name, N) for name in ("model", "baseline") if name in loaded
+             for N in sorted(set(req.max_contexts or []))]
+    return jobs
+
+
+def _score(req: EvalRequest, loaded: dict, jobs: list, chosen: _Selection, pg, sizes, world: int, note,
+           progress: bool) -> dict:
+    """Every job's token scores (rank 0; the other ranks score their share and return {}),
+    through a cache per job that an interrupted run resumes from."""
+    import torch.distributed as dist
+
+    from genome_lm.progress import progress_bar
+
+    from .cache import WindowCache, score_key
+    from .parallel import score_into_cache
+    from .score import score_split
+
+    many, rank, out = world > 1, dist.get_rank(), Path(req.out)
+    caches = {}
+    for label, name, cut in jobs:
+        key = score_key(loaded[name].model, loaded[name].token_map, chosen.dataset, req.split, req.chunk,
+                        {**vars(sizes), "world": world} if many else None)
+        folder = f"{name}-{key}" if cut is None else f"{name}-cut{cut}-{key}"
+        caches[label] = cache = WindowCache(out / ".scores" / folder)
+        done = sum(cache.has(i) for i in chosen.windows)
+        if done:
+            note(f"{label}: {done} of {len(chosen.windows)} windows already scored in {cache.folder} (an earlier, "
+                 "interrupted run with the same model and settings): reusing them")
+    scored = {}
+    with progress_bar(quiet=not progress) as bar:
+        for label, name, cut in jobs:
+            task = bar.add_task(f"eval {label}", total=chosen.bases, unit="bp")
+            lm = loaded[name]
+            advance = functools.partial(bar.advance, task)
+            if many:  # every rank scores; rank 0 gathers the scores into its cache
+                score_into_cache(lm.model, chosen.dataset, req.split, chosen.windows, cache=caches[label], pg=pg,
+                                 sizes=sizes, chunk=req.chunk, token_map=lm.token_map, max_context=cut,
+                                 on_done=advance)
+                if rank != 0:
+                    continue
+                advance = None  # read back from the cache: counted already
+            scored[label] = score_split(lm.model, chosen.dataset, req.split, windows=chosen.windows, chunk=req.chunk,
+                                        token_map=lm.token_map, on_chunk=advance, cache=caches[label],
+                                        max_context=cut)
+    return scored
+
+
+def _summarize(req: EvalRequest, loaded: dict, jobs: list, scored: dict, chosen: _Selection, sizes, world: int,
+               note) -> dict:
+    """The report (``report.py``'s schema) from the scores: every model and the baselines that
+    need none, by context bucket with intervals; the context ablation; the planted copies; the
+    headline."""
+    from genome_lm import __version__
+
+    from .baselines import baseline_scores, describe
     from .buckets import bootstrap_units
 
-    unit, n_units, unit_name = bootstrap_units(scores["model"], split.windows)
-    results, comparison = rep.summarize(with_baselines, edges, resamples=req.resamples, seed=req.seed,
+    scores = {name: scored[name] for name in loaded}
+    markov = _fit_markov(chosen.manifest, chosen.dataset, loaded["model"].config, note)
+    with_baselines = {**scores, **baseline_scores(scores["model"], chosen.dataset, req.split, markov)}
+    unit, n_units, unit_name = bootstrap_units(scores["model"], chosen.split.windows)
+    results, comparison = rep.summarize(with_baselines, chosen.edges, resamples=req.resamples, seed=req.seed,
                                         units=(unit, n_units))
     ablation = None
     if req.max_contexts:
         from . import ablation as abl
 
-        cuts = {name: {cut: scored[label] for label, who,
-                       cut in jobs if cut is not None and who == name} for name in loaded}
+        cuts = {name: {cut: scored[label] for label, who, cut in jobs if cut is not None and who == name}
+                for name in loaded}
         baseline = (scores["baseline"], cuts["baseline"]) if "baseline" in loaded else None
-        ablation = abl.summarize(scores["model"], cuts["model"], edges, resamples=req.resamples, seed=req.seed,
-                                 units=(unit, n_units), baseline=baseline)
-    planted_path = req.planted or _planted_beside(manifest)
+        ablation = abl.summarize(scores["model"], cuts["model"], chosen.edges, resamples=req.resamples,
+                                 seed=req.seed, units=(unit, n_units), baseline=baseline)
+    planted_path = req.planted or _planted_beside(chosen.manifest)
     planted = None
     if planted_path is not None:
         from .planted import analyse, load_planted
 
-        planted = analyse(scores, split.windows, load_planted(planted_path), resamples=req.resamples, seed=req.seed)
+        planted = analyse(scores, chosen.split.windows, load_planted(planted_path), resamples=req.resamples,
+                          seed=req.seed)
         planted["source"] = str(planted_path)
-    chroms = sorted({split.windows[i].chrom for i in windows})
+    windows = chosen.windows
+    chroms = sorted({chosen.split.windows[i].chrom for i in windows})
+    first = next(iter(scores.values()))
     report = {
         "schema": rep.SCHEMA,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "genome_lm": __version__,
-        "data": {"dataset": str(dataset), "split": req.split, "chrom": ",".join(chroms),
-                 "source": manifest.data.get("source", {}).get("path"), "windows": windows,
-                 "window_length": window_length, "tokens": int(next(iter(scores.values())).nll.size),
-                 "tokens_softmasked": int(next(iter(scores.values())).softmasked.sum())},
-        "settings": {"chunk": req.chunk, "edges": edges, "max_n_fraction": req.max_n_fraction,
+        "data": {"dataset": str(chosen.dataset), "split": req.split, "chrom": ",".join(chroms),
+                 "source": chosen.manifest.data.get("source", {}).get("path"), "windows": windows,
+                 "window_length": chosen.window_length, "tokens": int(first.nll.size),
+                 "tokens_softmasked": int(first.softmasked.sum())},
+        "settings": {"chunk": req.chunk, "edges": chosen.edges, "max_n_fraction": req.max_n_fraction,
                      "ranks": world, "layout": dict(vars(sizes)),
                      "bootstrap": {"resamples": req.resamples, "seed": req.seed, "level": 0.95, "unit": unit_name,
                                    "units": n_units}},
-        "models": {**{name: lm.info for name, lm in loaded.items()}, **baseline_info},
+        "models": {**{name: lm.info for name, lm in loaded.items()}, **describe(markov)},
         "results": results,
         "comparison": comparison,
         "ablation": ablation,
         "planted": planted,
     }
     report["headline"] = rep.headline(report)
-    write_outputs(report, out)
-    if req.tracking:
-        report["mlflow"] = log_to_mlflow(report, out, loaded["model"], req.tracking_uri, note, started_ms)
-        rep.write_json(report, out / "eval.json")
     return report
 
 
