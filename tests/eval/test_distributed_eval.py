@@ -55,6 +55,7 @@ def _torchrun_eval(demo_run, out, sets: list[str], *extra, ranks: int = 2) -> su
 def test_two_ranks_give_the_one_process_report(demo_run, one_process, tmp_path, layout):
     out = tmp_path / "eval"
     full = {"tp": 1, "cp": 1, "ep": 1, "etp": 1, "pp": 1, "sequence_parallel": False, "split_dsa_selection": True,
+            "moe_shared_expert_overlap": False,
             **layout}
     sets = [f"parallel.{k}={v}" for k, v in full.items()]
     run = _torchrun_eval(demo_run, out, sets, "--max-context", "300")
@@ -76,6 +77,7 @@ def test_four_ranks_give_the_one_process_report(demo_run, one_process, tmp_path,
     out the windows."""
     out = tmp_path / "eval"
     full = {"tp": 1, "cp": 1, "ep": 1, "etp": 1, "pp": 1, "sequence_parallel": False, "split_dsa_selection": True,
+            "moe_shared_expert_overlap": False,
             **layout}
     run = _torchrun_eval(demo_run, out, [f"parallel.{k}={v}" for k, v in full.items()], ranks=4)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]

@@ -26,14 +26,16 @@ def overrides(dataset, ckpt, *, seq_len: int, batch: int, lr: str = "1e-2", extr
 
 
 def assert_same_history(one, two, *, tokens: int | None = None, moe: bool = False) -> None:
-    """Step by step: the same tokens, LM loss (rel 1e-5), indexer loss (rel 1e-4; a KL divergence
-    that falls to ~1e-5, so its float rounding is absolute, ~1e-9) and gradient norm (rel 1e-4);
-    with ``moe`` also the MoE auxiliary loss and the busiest-expert ratio."""
+    """Step by step: the same tokens, LM loss (rel 1e-5), indexer loss (rel 1e-4, or 3e-8 absolute:
+    a KL divergence of ~1e-4 that falls to ~1e-5, so its float rounding is absolute; a one-process
+    run computes the dense loss with the C kernel and a tensor-parallel run with the torch path,
+    whose fp32 sums run in another order: measured 1.4e-8 apart at 1.3e-4) and gradient norm (rel
+    1e-4); with ``moe`` also the MoE auxiliary loss and the busiest-expert ratio."""
     assert len(one.history) == len(two.history)
     for a, b in zip(one.history, two.history, strict=True):
         assert b.tokens == a.tokens and (tokens is None or a.tokens == tokens)
         assert b.lm_loss == pytest.approx(a.lm_loss, rel=1e-5)
-        assert b.indexer_loss == pytest.approx(a.indexer_loss, rel=1e-4, abs=1e-8)
+        assert b.indexer_loss == pytest.approx(a.indexer_loss, rel=1e-4, abs=3e-8)
         assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-4)
         if moe:
             assert b.moe_aux_loss == pytest.approx(a.moe_aux_loss, rel=1e-5)
