@@ -61,8 +61,8 @@ def reset_high_water() -> bool:
 
 class Peak:
     """Seconds and peak resident growth (bytes) of a ``with`` block: ``.seconds``, ``.bytes``.
-    ``barrier``: called after the high-water mark is reset and before the clock starts (ranks of a
-    group measuring the same step together)."""
+    ``barrier``: called first, before the high-water mark is reset and the clock starts (ranks of
+    a group start the measured step together)."""
 
     def __init__(self, barrier: Callable[[], Any] | None = None):
         self.barrier = barrier

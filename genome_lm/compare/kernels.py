@@ -66,7 +66,7 @@ def kda_bench(
                 if T <= cap or measured is None:
                     run_T = min(T, cap)
                     measured = _run_kda(dict(impl=impl, mode=mode, B=batch, T=run_T, H=heads, K=head_dim,
-                                                V=head_dim, threads=threads), timeout_s)
+                                             V=head_dim, threads=threads), timeout_s)
                 row = dict(measured)
                 if row["T"] != T:  # linear in T: scale time and memory from the longest run
                     ratio = T / row["T"]

@@ -248,10 +248,11 @@ def estimate_time(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
     grad_bytes = sum(n * (4 + 2) * (d - 1) / d for n, d in ((dense, dp_dense), (experts, dp_expert)) if d > 1)
     if grad_bytes:  # once per step: fp32 gradients reduce-scattered, bf16 parameters all-gathered
         dp_item = "data parallel (gradients, parameters)"
-        add(TimeItem(dp_item, "", "communication", grad_bytes / _link(p.tp * p.cp * p.pp, node, gpu, c)))
+        dp_seconds = grad_bytes / _link(p.tp * p.cp * p.pp, node, gpu, c)
+        add(TimeItem(dp_item, "", "communication", dp_seconds))
         if getattr(p, "overlap_grad_reduce", False):
             # the gradient part (4 of the 6 bytes) under the last micro-batch's backward, but its last bucket
-            reduce = timing.items[-1].seconds * 4 / 6
+            reduce = dp_seconds * 4 / 6
             last_bucket = reduce * min(1.0, max(DDP_BUCKET, 1e6 * max(dp_dense, dp_expert)) / (dense + experts))
             backward = sum(compute_seconds(w, w.total - w.count * w.forward, par, gpu, c) for w in work)
             timing.overlap(dp_item, min(reduce - last_bucket, backward), "the last micro-batch's backward")

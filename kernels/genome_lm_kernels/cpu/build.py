@@ -8,8 +8,8 @@ definition that drifts from its declaration fails to compile, and cffi compiles 
 Python against the same declaration (no hand-written argument types). No ``-march=native``: the
 levels are fixed targets, the same on the machine that builds and the one that runs.
 
-Run it directly to build the modules into this folder (what ``setup.py build_ext --inplace``
-does): ``python kernels/genome_lm_kernels/cpu/build.py``.
+After editing a source, rebuild with ``pip install -e .`` (``native.py`` does not use modules
+built from other sources).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def source_hash(source_dir: Path = HERE) -> str:
     """A digest of the sources, the declarations and the flags: compiled into every module, and
     compared by ``native.py`` with the sources beside it (a module built from other sources, as
     after editing a .c file without reinstalling, is not used)."""
-    names = sorted(p.name for p in source_dir.iterdir() if p.suffix in (".c", ".h"))
+    # the named sources and the headers only (not cffi's generated wrappers, should they land here)
+    names = sorted([*SOURCES, "level.c", *(p.name for p in source_dir.glob("*.h"))])
     text = "\0".join([*(n + (source_dir / n).read_text() for n in names), *FLAGS])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -68,11 +69,3 @@ def builder(level: str, source_dir: Path = HERE):
 if __name__ == "__cffi__":
     for _level in LEVELS:
         globals()[f"ffi_{_level}"] = builder(_level)
-
-
-if __name__ == "__main__":
-    import os
-
-    os.chdir(HERE.parents[2])  # the project root, as under setup.py
-    for _level in LEVELS:
-        print(builder(_level).compile(tmpdir=str(HERE.parents[1]), verbose=False))

@@ -62,20 +62,22 @@ def level() -> str:
     return module.__name__.rsplit("_", 1)[-1] if module else ""
 
 
-def library(name: str | None = None):
-    """The built kernels (cffi's ``lib``: ``dsa_*``, ``kda_*``, ``mhc_*``); RuntimeError when
-    they are not built. ``name`` (the op family) is for the error message only."""
+def _built():
     module = _module()
     if module is None:
         raise RuntimeError(NOT_BUILT)
-    return module.lib
+    return module
+
+
+def library(name: str | None = None):
+    """The built kernels (cffi's ``lib``: ``dsa_*``, ``kda_*``, ``mhc_*``); RuntimeError when
+    they are not built. ``name``: the op family the caller uses (all are in one module)."""
+    return _built().lib
 
 
 def ffi():
-    module = _module()
-    if module is None:
-        raise RuntimeError(NOT_BUILT)
-    return module.ffi
+    """cffi's ``ffi`` of the built module (pointer casts); RuntimeError when not built."""
+    return _built().ffi
 
 
 def usable(*tensors: torch.Tensor) -> bool:

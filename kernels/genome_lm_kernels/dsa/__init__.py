@@ -70,6 +70,15 @@ def sparse_mla(q_BTHD, kv_BTD, idx_BTS, *, scale: float, dv: int, backend: Kerne
     return triton_mla.sparse_mla(q_BTHD, kv_BTD, idx_BTS, scale=scale, dv=dv, exact=backend.exact, w_uk_HED=w_uk_HED)
 
 
+def _score_fn(path: str):
+    """The selection's pool scores on the torch path, or the Triton kernel's."""
+    if path == "torch":
+        return _indexer.torch_scores
+    from . import triton as _triton
+
+    return _triton.pool_scores_chunk
+
+
 def select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate_BTD=None, ape_KD=None, *, kpool: int, topk: int,
                   scale: float | None = None, backend: KernelBackend, chunk: int = 64,
                   queries: tuple[int, int] | None = None):
@@ -88,12 +97,7 @@ def select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate_BTD=None, ape_KD=None, 
             idx, valid = _reference.select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate, ape,
                                                   kpool=kpool, topk=topk, scale=scale)
         return idx[:, q0:q1], valid[:, q0:q1]
-    if path == "torch":
-        score_fn = _indexer.torch_scores
-    else:
-        from . import triton as _triton
-
-        score_fn = _triton.pool_scores_chunk
+    score_fn = _score_fn(path)
     return _indexer.select_tokens(q_idx_BTHD, k_idx_BTD, w_idx_BTH, gate_BTD, ape_KD, kpool=kpool, topk=topk,
                                   scale=scale, chunk=chunk, score_fn=score_fn, queries=queries,
                                   use_native=backend.native)
@@ -109,12 +113,7 @@ def select_from_pools(q_idx_BSHD, kp_BND, w_idx_BSH, *, kpool: int, topk: int, n
     if path == "reference":
         return _reference.select_from_pools(q_idx_BSHD, kp_BND, w_idx_BSH, kpool=kpool, topk=topk, scale=scale,
                                             n_pick=n_pick, t0=t0)
-    if path == "torch":
-        score_fn = _indexer.torch_scores
-    else:
-        from . import triton as _triton
-
-        score_fn = _triton.pool_scores_chunk
+    score_fn = _score_fn(path)
     return _indexer.select_from_pools(q_idx_BSHD, kp_BND, w_idx_BSH, kpool=kpool, topk=topk, scale=scale,
                                       n_pick=n_pick, t0=t0, chunk=chunk, score_fn=score_fn, use_native=backend.native)
 
