@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:  # the CLI imports this module for DEMO_CONFIG: keep pydantic out of its start-up
     from genome_lm.config import RunConfig
+    from genome_lm.eval.schema import EvalReport
 
 
 @dataclass
 class DemoResult:
     config: RunConfig
     trained: object  # train.trainer.TrainResult
-    report: dict  # eval.json's content
+    report: EvalReport  # eval.json's content
 
 
 DEMO_CONFIG = "demo-finetune-cpu"
@@ -123,7 +124,7 @@ LONG_MAX_CONTEXTS = [256, 1024]  # the ablation's cuts: the DSA layer's own budg
 @dataclass
 class LongDemoResult:
     stages: list  # [TrainResult of stage 1 (drill), of stage 2 (genome + drill)]
-    report: dict  # eval.json of stage 2's model on chr22, with the context ablation
+    report: EvalReport  # eval.json of stage 2's model on chr22, with the context ablation
     selection: list  # eval.selection.SelectionCounts per DSA layer, on chr22
 
 

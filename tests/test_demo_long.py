@@ -26,7 +26,7 @@ def test_the_long_recipe_runs_both_stages_and_reports_ablation_and_selection(tmp
     meta = json.loads((second.checkpoint / "meta.json").read_text())
     assert meta["config"]["model"]["checkpoint"] == str(out / "drill-run")  # stage 2 starts from stage 1's model
     report = result.report
-    assert [cut["max_context"] for cut in report["ablation"]["cuts"]] == LONG_MAX_CONTEXTS
+    assert [cut.max_context for cut in report.ablation.cuts] == LONG_MAX_CONTEXTS
     (layer,) = result.selection
     assert layer.layer == 3 and 0 <= layer.hits <= layer.copies
 

@@ -72,9 +72,9 @@ words. The report goes to OUT/run/eval."""
                       on_trained=print_training)
     report = result.report
     print_report(report, console)  # its headline sets the model against uniform, Markov and the starting weights
-    console.print(f"(the model: checkpoint {report['models']['model']['path']})", highlight=False)
-    if report.get("planted"):
-        console.print(demo_note(report["planted"], result.config), highlight=False)
+    console.print(f"(the model: checkpoint {report.models['model'].path})", highlight=False)
+    if report.planted:
+        console.print(demo_note(report.planted, result.config), highlight=False)
 
 
 def _long_demo(out: Path, quiet: bool, overrides: list[str], eval_windows: int) -> None:
@@ -86,8 +86,8 @@ def _long_demo(out: Path, quiet: bool, overrides: list[str], eval_windows: int) 
                            on_dataset=lambda p: print_dataset_summary(p.manifest, reused=p.reused),
                            on_trained=print_training)
     print_report(result.report, console)
-    if result.report.get("planted"):
-        console.print(demo_note(result.report["planted"]), highlight=False)
+    if result.report.planted:
+        console.print(demo_note(result.report.planted), highlight=False)
     for line in describe(result.selection):
         console.print(line, highlight=False)
 

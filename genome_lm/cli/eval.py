@@ -10,36 +10,38 @@ from rich.console import Console
 from rich.table import Table
 
 from genome_lm.data.windows import MAX_N_FRACTION
+from genome_lm.eval.buckets import units_text
+from genome_lm.eval.schema import SUBSETS, Change, EvalReport, Stat
 
 from .base import app, console, size, sizes
 
 
-def _fmt_ci(stat: dict, unit: str = "nats") -> str:
-    lo, hi = stat[f"{unit}_ci"]
-    if stat[unit] is None:
+def _fmt_ci(stat: Stat, unit: str = "nats") -> str:
+    value, (lo, hi) = getattr(stat, unit), getattr(stat, f"{unit}_ci")
+    if value is None:
         return "-"
     ci = f" [{lo:.4f}, {hi:.4f}]" if lo is not None else ""
-    return f"{stat[unit]:.4f}{ci}"
+    return f"{value:.4f}{ci}"
 
 
-def _fmt_change(change: dict | None) -> str:
-    if not change or change["change"] is None:
+def _fmt_change(change: Change | None) -> str:
+    if change is None or change.change is None:
         return "-"
-    lo, hi = change["ci"]
+    lo, hi = change.ci
     ci = f" [{lo * 100:+.1f}, {hi * 100:+.1f}]" if lo is not None else ""
-    return f"{change['change'] * 100:+.2f}%{ci}"
+    return f"{change.change * 100:+.2f}%{ci}"
 
 
-def print_report(report: dict, out: Console | None = None) -> None:
+def print_report(report: EvalReport, out: Console | None = None) -> None:
     """The terminal table: loss per context bucket (nats per base, 95% CI over windows), per
     model, the change against the baseline, then overall / unmasked / soft-masked rows."""
-    out = out or console
-    results, comparison = report["results"], report.get("comparison")
-    data = report["data"]
-    from genome_lm.eval.buckets import units_text
+    from genome_lm.eval.planted import by_distance_line, verdict
+    from genome_lm.eval.report import headline
 
-    table = Table(title=f"{data['chrom']} ({data['split']}): loss in nats/base by preceding context, "
-                        f"{len(data['windows'])} windows of up to {data['window_length']:,}, {data['tokens']:,} tokens "
+    out = out or console
+    results, comparison, data = report.results, report.comparison, report.data
+    table = Table(title=f"{data.chrom} ({data.split}): loss in nats/base by preceding context, "
+                        f"{len(data.windows)} windows of up to {data.window_length:,}, {data.tokens:,} tokens "
                         f"(N excluded); [95% CI over {units_text(report)}]", title_justify="left")
     table.add_column("context", justify="right")
     table.add_column("tokens", justify="right")
@@ -49,66 +51,59 @@ def print_report(report: dict, out: Console | None = None) -> None:
         table.add_column("change", justify="right")
     names = list(results)
     first = results[names[0]]
-    for i, b in enumerate(first["buckets"]):
-        if not b["tokens"]:
+    for i, b in enumerate(first.buckets):
+        if not b.tokens:
             continue
-        row = [f"{b['from']:,}-{b['to'] - 1:,}", f"{b['tokens']:,}"]
-        row += [_fmt_ci(results[n]["buckets"][i]) for n in names]
+        row = [f"{b.start:,}-{b.end - 1:,}", f"{b.tokens:,}"]
+        row += [_fmt_ci(results[n].buckets[i]) for n in names]
         if comparison:
-            row.append(_fmt_change(comparison["buckets"][i]))
+            row.append(_fmt_change(comparison.buckets[i]))
         table.add_row(*row)
-    for subset in ("all", "unmasked", "softmasked"):
-        row = [subset, f"{first[subset]['tokens']:,}"] + [_fmt_ci(results[n][subset]) for n in names]
+    for subset in SUBSETS:
+        row = [subset, f"{getattr(first, subset).tokens:,}"] + [_fmt_ci(getattr(results[n], subset)) for n in names]
         if comparison:
-            row.append(_fmt_change(comparison[subset]))
+            row.append(_fmt_change(getattr(comparison, subset)))
         table.add_row(*row, style="bold" if subset == "all" else None)
     out.print(table)
-    bits = ", ".join(f"{n} {results[n]['all']['bits']:.4f}" for n in names if results[n]["all"]["bits"] is not None)
+    bits = ", ".join(f"{n} {results[n].all.bits:.4f}" for n in names if results[n].all.bits is not None)
     out.print(f"bits per base: {bits}", highlight=False)
-    from genome_lm.eval.report import headline
-
     for line in headline(report):
         out.print(line, highlight=False)
-    if report.get("ablation"):
+    if report.ablation:
         _print_ablation(report, out)
-    if report.get("planted"):
-        from genome_lm.eval.planted import by_distance_line, verdict
-
-        for name in report["planted"]["models"]:
-            out.print(verdict(report["planted"], name), highlight=False)
-            if (line := by_distance_line(report["planted"], name)) is not None:
+    if report.planted:
+        for name in report.planted.models:
+            out.print(verdict(report.planted, name), highlight=False)
+            if (line := by_distance_line(report.planted, name)) is not None:
                 out.print(line, highlight=False, markup=False)  # its [intervals] are not markup
-    files = report.get("files") or {}
-    if files:
-        out.print("wrote " + ", ".join(files.values()), highlight=False)
-    mlflow = report.get("mlflow") or {}
-    if mlflow.get("location"):
-        out.print(f"MLflow: {mlflow['location']}", highlight=False)
+    if report.files:
+        out.print("wrote " + ", ".join(report.files.values()), highlight=False)
+    if report.mlflow and report.mlflow.location:
+        out.print(f"MLflow: {report.mlflow.location}", highlight=False)
 
 
-def _print_ablation(report: dict, out: Console) -> None:
+def _print_ablation(report: EvalReport, out: Console) -> None:
     from genome_lm.eval.ablation import fmt_delta_ci, most_hurt
-    from genome_lm.eval.buckets import units_text
 
-    cuts = report["ablation"]["cuts"]
+    cuts = report.ablation.cuts
     table = Table(title="context ablation: loss(context cut to N) - loss(whole window), nats/base [95% CI over "
                         f"{units_text(report)}]", title_justify="left")
     table.add_column("context", justify="right")
     # (header, entry of a cut): the model's; with a baseline also the baseline's and their difference
     columns = []
     for cut in cuts:
-        N = f"{cut['max_context']:,}"
+        N = f"{cut.max_context:,}"
         columns.append((f"cut to {N}", cut))
-        if cut.get("gain"):
-            columns += [(f"baseline cut to {N}", cut["baseline"]), ("model - baseline", cut["gain"])]
+        if cut.gain:
+            columns += [(f"baseline cut to {N}", cut.baseline), ("model - baseline", cut.gain)]
     for header, _ in columns:
         table.add_column(header, justify="right")
-    for i, b in enumerate(cuts[0]["buckets"]):
-        if b["tokens"]:
-            table.add_row(f"{b['from']:,}-{b['to'] - 1:,}", *(fmt_delta_ci(c["buckets"][i]) for _, c in columns))
-    table.add_row("all", *(fmt_delta_ci(c["all"]) for _, c in columns), style="bold")
+    for i, b in enumerate(cuts[0].buckets):
+        if b.tokens:
+            table.add_row(f"{b.start:,}-{b.end - 1:,}", *(fmt_delta_ci(c.buckets[i]) for _, c in columns))
+    table.add_row("all", *(fmt_delta_ci(c.all) for _, c in columns), style="bold")
     out.print(table)
-    for line in most_hurt(report["ablation"]):
+    for line in most_hurt(report.ablation):
         out.print(line, highlight=False)
 
 

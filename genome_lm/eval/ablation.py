@@ -8,7 +8,7 @@ context beyond N. Buckets below N are scored on the same context both ways (diff
 rounding); a model that uses no context beyond a few bases shows 0 everywhere. No second model
 is needed, so it applies to any model on any genome.
 
-Report entry (``ablation`` in ``eval.json``)::
+Report entry (``schema.Ablation``, ``ablation`` in ``eval.json``)::
 
     {model: "model", cuts: [{max_context: N, all, unmasked, softmasked: Delta, buckets: [Delta + {from, to}],
                             beyond: {from: 2N, all, unmasked, softmasked: Delta}}]}
@@ -31,7 +31,6 @@ from __future__ import annotations
 import numpy as np
 
 from .buckets import (
-    SUBSETS,
     WindowSums,
     bucket_centres,
     difference_interval,
@@ -43,27 +42,28 @@ from .buckets import (
     units_text,
     window_units,
 )
+from .schema import SUBSETS, Ablation, Beyond, BucketDelta, Cut, Delta, Deltas
 from .score import TokenScores
 
 
 def summarize(full: TokenScores, cuts: dict[int, TokenScores], edges: list[int], *, resamples: int = 1000,
               seed: int = 0, level: float = 0.95, units: tuple[np.ndarray, int] | None = None,
-              baseline: tuple[TokenScores, dict[int, TokenScores]] | None = None) -> dict:
+              baseline: tuple[TokenScores, dict[int, TokenScores]] | None = None) -> Ablation:
     """The report entry (module docstring). ``units``: (unit [N], count) of the bootstrap
     (``buckets.bootstrap_units``); default: windows. ``baseline``: the baseline's (whole, {N:
     cut}) scores on the same tokens: each cut then also gives the baseline's own deltas and the
     model's delta minus the baseline's (``gain``)."""
     unit, n_units = units or window_units(full)
     weights = resample_weights(n_units, resamples, seed)
-    out = {"model": "model", "cuts": []}
+    out = Ablation(model="model", cuts=[])
     for N in sorted(cuts):
         model_sums = _cut_sums(full, cuts[N], N, edges, unit, n_units)
-        entry = {"max_context": N, **_entry(model_sums, N, edges, weights, level)}
+        entry = Cut(max_context=N, **vars(_entry(model_sums, N, edges, weights, level)))
         if baseline is not None:
             base_sums = _cut_sums(baseline[0], baseline[1][N], N, edges, unit, n_units, full)
-            entry["baseline"] = _entry(base_sums, N, edges, weights, level)
-            entry["gain"] = _entry(model_sums, N, edges, weights, level, than=base_sums)
-        out["cuts"].append(entry)
+            entry.baseline = _entry(base_sums, N, edges, weights, level)
+            entry.gain = _entry(model_sums, N, edges, weights, level, than=base_sums)
+        out.cuts.append(entry)
     return out
 
 
@@ -80,45 +80,49 @@ def _cut_sums(whole: TokenScores, cut: TokenScores, N: int, edges, unit, n_units
     return parts
 
 
-def _entry(sums, N: int, edges, weights, level, than=None) -> dict:
+def _entry(sums, N: int, edges, weights, level, than=None) -> Deltas:
     """Subsets, buckets and beyond of loss(cut) - loss(whole); with ``than`` (a baseline's sums on
     the same tokens) that difference minus the baseline's, with a paired interval."""
     stats = [_deltas(b, o, weights, level) if than is None else _gains(b, o, *other, weights, level)
              for (b, o), other in zip(sums, than or sums)]
-    return {**dict(zip(SUBSETS, stats[0])),
-            "buckets": [{"from": edges[g], "to": edges[g + 1], **s} for g, s in enumerate(stats[1])],
-            "beyond": {"from": 2 * N, **dict(zip(SUBSETS, stats[2]))}}
+    return Deltas(**dict(zip(SUBSETS, stats[0])),
+                  buckets=[BucketDelta(start=edges[g], end=edges[g + 1], **vars(s)) for g, s in enumerate(stats[1])],
+                  beyond=Beyond(start=2 * N, **dict(zip(SUBSETS, stats[2]))))
 
 
-def _deltas(base: WindowSums, own: WindowSums, weights, level) -> list[dict]:
+def _deltas(base: WindowSums, own: WindowSums, weights, level) -> list[Delta]:
     """Per group: tokens, the cut's mean loss, cut - whole and its paired interval."""
     mean = own.means()
     diff, lo, hi = difference_interval(base, own, weights, level)
-    return [{"tokens": int(own.counts[:, g].sum()), "nats": finite(mean[g]), "delta": finite(diff[g]),
-             "ci": [finite(lo[g]), finite(hi[g])]} for g in range(len(mean))]
+    return [Delta(tokens=int(own.counts[:, g].sum()), nats=finite(mean[g]), delta=finite(diff[g]),
+                  ci=(finite(lo[g]), finite(hi[g]))) for g in range(len(mean))]
 
 
 def _gains(whole: WindowSums, cut: WindowSums, base_whole: WindowSums, base_cut: WindowSums, weights,
-           level) -> list[dict]:
+           level) -> list[Delta]:
     """Per group: tokens, the model's cut - whole minus the baseline's, and its paired interval."""
     model = WindowSums(cut.sums - whole.sums, whole.counts)
     base = WindowSums(base_cut.sums - base_whole.sums, whole.counts)
     diff, lo, hi = difference_interval(base, model, weights, level)
-    return [{"tokens": int(whole.counts[:, g].sum()), "nats": None, "delta": finite(diff[g]),
-             "ci": [finite(lo[g]), finite(hi[g])]} for g in range(len(diff))]
+    return [Delta(tokens=int(whole.counts[:, g].sum()), nats=None, delta=finite(diff[g]),
+                  ci=(finite(lo[g]), finite(hi[g]))) for g in range(len(diff))]
 
 
-def beyond_line(cut: dict) -> str | None:
+def _measured(stat: Delta) -> bool:
+    return bool(stat.tokens) and stat.delta is not None
+
+
+def beyond_line(cut: Cut) -> str | None:
     """The cut's cost on the bases with at least 2N bases of context, unmasked and soft-masked
     apart, each with its interval (None for a report without it, or no such base)."""
-    far = cut.get("beyond")
-    if not far or not far["all"]["tokens"] or far["all"]["delta"] is None:
+    far = cut.beyond
+    if far is None or not _measured(far.all):
         return None
-    parts = [f"{name} {fmt_delta_ci(far[key])}" for key, name in (("unmasked", "unmasked"),
-                                                                  ("softmasked", "soft-masked (repeats)"))
-             if far[key]["tokens"] and far[key]["delta"] is not None]
-    return (f"context cut to {cut['max_context']:,}, on the {far['all']['tokens']:,} bases with at least "
-            f"{far['from']:,} bases of context: {fmt_delta_ci(far['all'])} nats/base"
+    parts = [f"{name} {fmt_delta_ci(stat)}" for stat, name in ((far.unmasked, "unmasked"),
+                                                               (far.softmasked, "soft-masked (repeats)"))
+             if _measured(stat)]
+    return (f"context cut to {cut.max_context:,}, on the {far.all.tokens:,} bases with at least "
+            f"{far.start:,} bases of context: {fmt_delta_ci(far.all)} nats/base"
             + (f" ({'; '.join(parts)})" if parts else "")
             + " [95% CI; above 0: the context beyond the cut lowers the loss]")
 
@@ -133,21 +137,21 @@ def fmt_delta(x: float | None) -> str:
     return f"{x:+.2e}" if x != 0 and abs(x) < 1e-3 else f"{x:+.4f}"
 
 
-def fmt_delta_ci(stat: dict) -> str:
-    lo, hi = stat["ci"]
-    return f"{fmt_delta(stat['delta'])} [{fmt_delta(lo)}, {fmt_delta(hi)}]"
+def fmt_delta_ci(stat: Delta) -> str:
+    lo, hi = stat.ci
+    return f"{fmt_delta(stat.delta)} [{fmt_delta(lo)}, {fmt_delta(hi)}]"
 
 
-def most_hurt(ablation: dict) -> list[str]:
+def most_hurt(ablation: Ablation) -> list[str]:
     """One line per cut: the context bucket beyond N where cutting the context costs most (the
     overall figure is in the report's headline)."""
     lines = []
-    for cut in ablation["cuts"]:
-        N = cut["max_context"]
-        hurt = [b for b in cut["buckets"] if b["tokens"] and b["delta"] is not None and b["from"] >= N]
+    for cut in ablation.cuts:
+        N = cut.max_context
+        hurt = [b for b in cut.buckets if _measured(b) and b.start >= N]
         if hurt:
-            top = max(hurt, key=lambda b: b["delta"])
-            lines.append(f"context cut to {N:,} costs most at {top['from']:,}-{top['to'] - 1:,} bases of context: "
+            top = max(hurt, key=lambda b: b.delta)
+            lines.append(f"context cut to {N:,} costs most at {top.start:,}-{top.end - 1:,} bases of context: "
                          f"{fmt_delta_ci(top)} nats/base")
         if (line := beyond_line(cut)) is not None:
             lines.append(line)
@@ -156,31 +160,32 @@ def most_hurt(ablation: dict) -> list[str]:
     return lines
 
 
-def gain_line(cut: dict, baseline: str = "the baseline") -> str | None:
+def gain_line(cut: Cut, baseline: str = "the baseline") -> str | None:
     """How much more the model's loss depends on the context beyond the cut than the baseline's,
     on the bases with at least 2N bases of context (None without a baseline or such bases)."""
-    gain, far = cut.get("gain"), cut.get("beyond")
-    if not gain or not gain["beyond"]["all"]["tokens"] or gain["beyond"]["all"]["delta"] is None:
+    gain = cut.gain
+    if gain is None or gain.beyond is None or not _measured(gain.beyond.all):
         return None
-    g, own, base = gain["beyond"]["all"], far["all"], cut["baseline"]["beyond"]["all"]
-    more = "more" if g["delta"] >= 0 else "less"
-    return (f"the context beyond {cut['max_context']:,} bases is worth {fmt_delta_ci(g)} nats/base {more} to the model "
-            f"than to {baseline}, on the {g['tokens']:,} bases with at least {gain['beyond']['from']:,} of context "
-            f"(cutting it costs the model {fmt_delta(own['delta'])}, {baseline} {fmt_delta(base['delta'])}; "
+    g, own, base = gain.beyond.all, cut.beyond.all, cut.baseline.beyond.all
+    more = "more" if g.delta >= 0 else "less"
+    return (f"the context beyond {cut.max_context:,} bases is worth {fmt_delta_ci(g)} nats/base {more} to the model "
+            f"than to {baseline}, on the {g.tokens:,} bases with at least {gain.beyond.start:,} of context "
+            f"(cutting it costs the model {fmt_delta(own.delta)}, {baseline} {fmt_delta(base.delta)}; "
             "the same bases both ways)")
 
 
-def figure(report: dict):
-    """loss(cut) - loss(whole window) against the bucket's context, one line per cut."""
+def figure(report):
+    """loss(cut) - loss(whole window) against the bucket's context, one line per cut
+    (``report``: a ``schema.EvalReport`` with an ablation)."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for i, cut in enumerate(report["ablation"]["cuts"]):
-        stats = [b for b in cut["buckets"] if b["tokens"]]
+    for i, cut in enumerate(report.ablation.cuts):
+        stats = [b for b in cut.buckets if b.tokens]
         y, err = errorbars(stats, "delta", "ci")
         ax.errorbar(bucket_centres(stats), y, yerr=err, marker="o", capsize=3, color=f"C{i}",
-                    label=f"context cut to {cut['max_context']:,}")
-        ax.axvline(cut["max_context"], color=f"C{i}", lw=0.8, ls="--")
+                    label=f"context cut to {cut.max_context:,}")
+        ax.axvline(cut.max_context, color=f"C{i}", lw=0.8, ls="--")
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("preceding context in the window (bases)")
@@ -191,44 +196,43 @@ def figure(report: dict):
     return fig
 
 
-def metrics(ablation: dict) -> tuple[dict[str, float], list[tuple[str, float, int]]]:
+def metrics(ablation: Ablation) -> tuple[dict[str, float], list[tuple[str, float, int]]]:
     """MLflow: eval/ablation/cut_<N>/delta_<subset>, and per bucket a series by context."""
     flat, series = {}, []
-    for cut in ablation["cuts"]:
-        prefix = f"eval/ablation/cut_{cut['max_context']}"
-        for subset in ("all", "unmasked", "softmasked"):
-            if cut[subset]["delta"] is not None:
-                flat[f"{prefix}/delta_{subset}"] = cut[subset]["delta"]
-        for b in cut["buckets"]:
-            if b["tokens"] and b["delta"] is not None:
-                flat[f"{prefix}/delta_ctx_{b['from']}_{b['to']}"] = b["delta"]
-                series.append((f"{prefix}/delta_by_context", b["delta"], b["from"]))
-        gain = cut.get("gain")
+    for cut in ablation.cuts:
+        prefix = f"eval/ablation/cut_{cut.max_context}"
+        for subset in SUBSETS:
+            if getattr(cut, subset).delta is not None:
+                flat[f"{prefix}/delta_{subset}"] = getattr(cut, subset).delta
+        for b in cut.buckets:
+            if _measured(b):
+                flat[f"{prefix}/delta_ctx_{b.start}_{b.end}"] = b.delta
+                series.append((f"{prefix}/delta_by_context", b.delta, b.start))
+        gain = cut.gain
         if gain:
-            for subset in ("all", "unmasked", "softmasked"):
-                for name, stat in ((f"gain_{subset}", gain[subset]), (f"gain_beyond_{subset}", gain["beyond"][subset])):
-                    if stat["delta"] is not None:
-                        flat[f"{prefix}/{name}"] = stat["delta"]
-            series += [(f"{prefix}/gain_by_context", b["delta"], b["from"]) for b in gain["buckets"]
-                       if b["tokens"] and b["delta"] is not None]
+            for subset in SUBSETS:
+                for name, stat in ((f"gain_{subset}", getattr(gain, subset)),
+                                   (f"gain_beyond_{subset}", getattr(gain.beyond, subset))):
+                    if stat.delta is not None:
+                        flat[f"{prefix}/{name}"] = stat.delta
+            series += [(f"{prefix}/gain_by_context", b.delta, b.start) for b in gain.buckets if _measured(b)]
     return flat, series
 
 
-def csv_rows(ablation: dict) -> list[dict]:
+def csv_rows(ablation: Ablation) -> list[dict]:
     """Rows of eval.csv: per cut, the model's deltas (and with a baseline, the baseline's and the
     model's minus the baseline's, as models "baseline" and "model - baseline")."""
     rows = []
-    for cut in ablation["cuts"]:
-        for model, entry in ((ablation["model"], cut), ("baseline", cut.get("baseline")), ("model - baseline",
-                                                                                           cut.get("gain"))):
+    for cut in ablation.cuts:
+        for model, entry in ((ablation.model, cut), ("baseline", cut.baseline), ("model - baseline", cut.gain)):
             if entry:
-                rows += _csv_rows(model, cut["max_context"], entry)
+                rows += _csv_rows(model, cut.max_context, entry)
     return rows
 
 
-def _csv_rows(model: str, N: int, cut: dict) -> list[dict]:
-    parts = [(subset, None, None, cut[subset]) for subset in ("all", "unmasked", "softmasked")]
-    parts += [("bucket", b["from"], b["to"], b) for b in cut["buckets"]]
-    return [{"model": model, "subset": subset, "context_from": lo, "context_to": hi, "tokens": stat["tokens"],
-             "nats": stat["nats"], "max_context": N, "delta_vs_whole_window": stat["delta"],
-             "delta_ci_low": stat["ci"][0], "delta_ci_high": stat["ci"][1]} for subset, lo, hi, stat in parts]
+def _csv_rows(model: str, N: int, cut: Deltas) -> list[dict]:
+    parts = [(subset, None, None, getattr(cut, subset)) for subset in SUBSETS]
+    parts += [("bucket", b.start, b.end, b) for b in cut.buckets]
+    return [{"model": model, "subset": subset, "context_from": lo, "context_to": hi, "tokens": stat.tokens,
+             "nats": stat.nats, "max_context": N, "delta_vs_whole_window": stat.delta,
+             "delta_ci_low": stat.ci[0], "delta_ci_high": stat.ci[1]} for subset, lo, hi, stat in parts]

@@ -20,6 +20,7 @@ import numpy as np
 
 from genome_lm.data.tokenizer import A, N
 
+from .schema import ModelInfo
 from .score import TokenScores
 
 MAX_ORDER = 8
@@ -170,14 +171,14 @@ def baseline_scores(scores: TokenScores, dataset, split: str, markov: MarkovMode
     return out
 
 
-def describe(markov: MarkovModel | None) -> dict[str, dict]:
+def describe(markov: MarkovModel | None) -> dict[str, ModelInfo]:
     """The report's ``models`` entries of the baselines."""
-    uniform = {"uniform": {"kind": "baseline", "description": "uniform over A, C, G, T (2 bits per base)"}}
+    uniform = {"uniform": ModelInfo(kind="baseline", description="uniform over A, C, G, T (2 bits per base)")}
     if markov is None:
         return uniform
     return {**uniform,
-            "markov": {"kind": "baseline", "order": markov.order,
-                       "description": f"order-{markov.order} Markov chain, add-one smoothing, fitted on "
-                                      f"{markov.train_bases:,} training bases; order chosen on held-out training "
-                                      "windows",
-                       "held_out_nats_by_order": {str(k): v for k, v in markov.held_out_nats.items()}}}
+            "markov": ModelInfo(kind="baseline", order=markov.order,
+                                description=f"order-{markov.order} Markov chain, add-one smoothing, fitted on "
+                                            f"{markov.train_bases:,} training bases; order chosen on held-out "
+                                            "training windows",
+                                held_out_nats_by_order={str(k): v for k, v in markov.held_out_nats.items()})}

@@ -32,6 +32,8 @@ import numpy as np
 
 from genome_lm.errors import GenomeLMError
 
+from .schema import Span
+
 DEFAULT_FIRST_EDGE = 1024
 
 
@@ -134,9 +136,10 @@ def bootstrap_units(scores, windows) -> tuple[np.ndarray, int, str]:
     return unit, len(uniq), f"block of {block:,} bases"
 
 
-def units_text(report: dict) -> str:
-    """What the report's intervals are over: "windows", or "blocks of 32,768 bases"."""
-    unit = report.get("settings", {}).get("bootstrap", {}).get("unit", "window")
+def units_text(report) -> str:
+    """What the report's (``schema.EvalReport``) intervals are over: "windows", or "blocks of
+    32,768 bases"."""
+    unit = report.settings.bootstrap.unit
     return "windows" if unit == "window" else unit.replace("block", "blocks", 1)
 
 
@@ -193,9 +196,6 @@ def difference_interval(base: WindowSums, other: WindowSums, weights: np.ndarray
     return difference, lo, hi
 
 
-SUBSETS = ("all", "unmasked", "softmasked")  # the report's rows besides the buckets
-
-
 def finite(x) -> float | None:
     """``x`` as a float, None when it is not finite (JSON has no NaN)."""
     x = float(x)
@@ -222,14 +222,17 @@ def subset_and_bucket_sums(scores, window_pos: np.ndarray, n_windows: int, edges
     return subset_sums(scores, window_pos, n_windows), buckets
 
 
-def bucket_centres(buckets: list[dict]) -> np.ndarray:
-    """Geometric centre of each [from, to) bucket (from 0 counts as 1), for a log axis."""
-    return np.array([math.sqrt(max(b["from"], 1) * max(b["to"] - 1, 1)) for b in buckets])
+def bucket_centres(buckets: list[Span]) -> np.ndarray:
+    """Geometric centre of each [start, end) bucket (start 0 counts as 1), for a log axis."""
+    return np.array([math.sqrt(max(b.start, 1) * max(b.end - 1, 1)) for b in buckets])
 
 
-def errorbars(stats: list[dict], key: str, ci_key: str, scale: float = 1.0):
-    """(values, matplotlib yerr) of ``stats[key]`` and its interval ``stats[ci_key]``, times ``scale``."""
-    y = np.array([np.nan if s[key] is None else s[key] * scale for s in stats])
-    lo = np.array([np.nan if s[ci_key][0] is None else s[ci_key][0] * scale for s in stats])
-    hi = np.array([np.nan if s[ci_key][1] is None else s[ci_key][1] * scale for s in stats])
+def errorbars(stats: list, key: str, ci_key: str, scale: float = 1.0):
+    """(values, matplotlib yerr) of each stat's ``key`` field and its interval field ``ci_key``,
+    times ``scale``."""
+    values = [getattr(s, key) for s in stats]
+    intervals = [getattr(s, ci_key) for s in stats]
+    y = np.array([np.nan if v is None else v * scale for v in values])
+    lo = np.array([np.nan if ci[0] is None else ci[0] * scale for ci in intervals])
+    hi = np.array([np.nan if ci[1] is None else ci[1] * scale for ci in intervals])
     return y, np.vstack([np.clip(y - lo, 0, None), np.clip(hi - y, 0, None)])

@@ -30,7 +30,10 @@ from pathlib import Path
 from genome_lm.data.windows import MAX_N_FRACTION, STUDY_WINDOW
 from genome_lm.errors import GenomeLMError
 
+from . import ablation as abl
 from . import report as rep
+from .planted import distance_figure
+from .schema import SCHEMA, SUBSETS, Bootstrap, Data, EvalReport, MlflowInfo, Settings
 
 
 @dataclass
@@ -148,7 +151,7 @@ class _Selection:
         return sum(self.split.windows[i].length - 1 for i in self.windows)
 
 
-def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict | None:
+def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> EvalReport | None:
     """Run the evaluation; returns the report (also written to ``req.out``).
 
     Over many ranks (torchrun, or ``eval_on_ray``: every rank calls this) the model is split by
@@ -181,7 +184,7 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> dict |
     report = _summarize(req, loaded, jobs, scored, chosen, sizes, world, note)
     write_outputs(report, out)
     if req.tracking:
-        report["mlflow"] = log_to_mlflow(report, out, loaded["model"], req.tracking_uri, note, started_ms)
+        report.mlflow = log_to_mlflow(report, out, loaded["model"], req.tracking_uri, note, started_ms)
         rep.write_json(report, out / "eval.json")
     return report
 
@@ -279,8 +282,8 @@ def _score(req: EvalRequest, loaded: dict, jobs: list, chosen: _Selection, pg, s
 
 
 def _summarize(req: EvalRequest, loaded: dict, jobs: list, scored: dict, chosen: _Selection, sizes, world: int,
-               note) -> dict:
-    """The report (``report.py``'s schema) from the scores: every model and the baselines that
+               note) -> EvalReport:
+    """The report from the scores: every model and the baselines that
     need none, by context bucket with intervals; the context ablation; the planted copies; the
     headline."""
     from genome_lm import __version__
@@ -296,8 +299,6 @@ def _summarize(req: EvalRequest, loaded: dict, jobs: list, scored: dict, chosen:
                                         units=(unit, n_units))
     ablation = None
     if req.max_contexts:
-        from . import ablation as abl
-
         cuts = {name: {cut: scored[label] for label, who, cut in jobs if cut is not None and who == name}
                 for name in loaded}
         baseline = (scores["baseline"], cuts["baseline"]) if "baseline" in loaded else None
@@ -310,29 +311,28 @@ def _summarize(req: EvalRequest, loaded: dict, jobs: list, scored: dict, chosen:
 
         planted = analyse(scores, chosen.split.windows, load_planted(planted_path), resamples=req.resamples,
                           seed=req.seed)
-        planted["source"] = str(planted_path)
+        planted.source = str(planted_path)
     windows = chosen.windows
     chroms = sorted({chosen.split.windows[i].chrom for i in windows})
     first = next(iter(scores.values()))
-    report = {
-        "schema": rep.SCHEMA,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "genome_lm": __version__,
-        "data": {"dataset": str(chosen.dataset), "split": req.split, "chrom": ",".join(chroms),
-                 "source": chosen.manifest.data.get("source", {}).get("path"), "windows": windows,
-                 "window_length": chosen.window_length, "tokens": int(first.nll.size),
-                 "tokens_softmasked": int(first.softmasked.sum())},
-        "settings": {"chunk": req.chunk, "edges": chosen.edges, "max_n_fraction": req.max_n_fraction,
-                     "ranks": world, "layout": dict(vars(sizes)),
-                     "bootstrap": {"resamples": req.resamples, "seed": req.seed, "level": 0.95, "unit": unit_name,
-                                   "units": n_units}},
-        "models": {**{name: lm.info for name, lm in loaded.items()}, **describe(markov)},
-        "results": results,
-        "comparison": comparison,
-        "ablation": ablation,
-        "planted": planted,
-    }
-    report["headline"] = rep.headline(report)
+    report = EvalReport(
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        genome_lm=__version__,
+        data=Data(dataset=str(chosen.dataset), split=req.split, chrom=",".join(chroms),
+                  source=chosen.manifest.data.get("source", {}).get("path"), windows=windows,
+                  window_length=chosen.window_length, tokens=int(first.nll.size),
+                  tokens_softmasked=int(first.softmasked.sum())),
+        settings=Settings(chunk=req.chunk, edges=chosen.edges, max_n_fraction=req.max_n_fraction, ranks=world,
+                          layout=dict(vars(sizes)),
+                          bootstrap=Bootstrap(resamples=req.resamples, seed=req.seed, level=0.95, unit=unit_name,
+                                              units=n_units)),
+        models={**{name: lm.info for name, lm in loaded.items()}, **describe(markov)},
+        results=results,
+        comparison=comparison,
+        ablation=ablation,
+        planted=planted,
+    )
+    report.headline = rep.headline(report)
     return report
 
 
@@ -373,76 +373,70 @@ def _planted_beside(manifest) -> Path | None:
     return path if path.is_file() else None
 
 
-def write_outputs(report: dict, out: Path) -> None:
+def write_outputs(report: EvalReport, out: Path) -> None:
     """eval.json, eval.csv, loss_by_context.png (and planted_copies.png), each atomically."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, never a window
-    from .planted import distance_figure
-
     files = {"json": str(out / "eval.json"), "csv": str(out / "eval.csv"), "plot": str(out / "loss_by_context.png")}
-    if report.get("planted"):
+    if report.planted:
         files["planted_plot"] = str(out / "planted_copies.png")
-    if report.get("ablation"):
+    if report.ablation:
         files["ablation_plot"] = str(out / "context_ablation.png")
-    report["files"] = files
+    report.files = files
     rep.write_figure(rep.loss_figure(report), out / "loss_by_context.png")
-    if report.get("ablation"):
-        from . import ablation
-
-        rep.write_figure(ablation.figure(report), out / "context_ablation.png")
-    if report.get("planted"):
-        rep.write_figure(distance_figure(report["planted"]), out / "planted_copies.png")
+    if report.ablation:
+        rep.write_figure(abl.figure(report), out / "context_ablation.png")
+    if report.planted:
+        rep.write_figure(distance_figure(report.planted), out / "planted_copies.png")
     rep.write_csv(report, out / "eval.csv")
     rep.write_json(report, out / "eval.json")
 
 
-def metrics(report: dict) -> tuple[dict[str, float], list[tuple[str, float, int]]]:
+def metrics(report: EvalReport) -> tuple[dict[str, float], list[tuple[str, float, int]]]:
     """Flat metrics for MLflow: (named values, [(name, value, step = bucket start)] series)."""
     flat, series = {}, []
-    for name, entry in report["results"].items():
-        for subset in rep.SUBSETS:
+    for name, entry in report.results.items():
+        for subset in SUBSETS:
             for unit in ("nats", "bits"):
-                if entry[subset][unit] is not None:
-                    flat[f"eval/{name}/{subset}_{unit}"] = entry[subset][unit]
-        for b in entry["buckets"]:
-            if b["tokens"] and b["nats"] is not None:
-                flat[f"eval/{name}/nats_ctx_{b['from']}_{b['to']}"] = b["nats"]
-                series.append((f"eval/{name}/nats_by_context", b["nats"], b["from"]))
-    comparison = report.get("comparison")
+                if (value := getattr(getattr(entry, subset), unit)) is not None:
+                    flat[f"eval/{name}/{subset}_{unit}"] = value
+        for b in entry.buckets:
+            if b.tokens and b.nats is not None:
+                flat[f"eval/{name}/nats_ctx_{b.start}_{b.end}"] = b.nats
+                series.append((f"eval/{name}/nats_by_context", b.nats, b.start))
+    comparison = report.comparison
     if comparison:
-        for subset in rep.SUBSETS:
-            if comparison[subset]["change"] is not None:
-                flat[f"eval/change/{subset}"] = comparison[subset]["change"]
-        for b in comparison["buckets"]:
-            if b["change"] is not None:
-                flat[f"eval/change/ctx_{b['from']}_{b['to']}"] = b["change"]
-                series.append(("eval/change/by_context", b["change"], b["from"]))
-    if report.get("ablation"):
-        from . import ablation
-
-        more, more_series = ablation.metrics(report["ablation"])
+        for subset in SUBSETS:
+            if (value := getattr(comparison, subset).change) is not None:
+                flat[f"eval/change/{subset}"] = value
+        for b in comparison.buckets:
+            if b.change is not None:
+                flat[f"eval/change/ctx_{b.start}_{b.end}"] = b.change
+                series.append(("eval/change/by_context", b.change, b.start))
+    if report.ablation:
+        more, more_series = abl.metrics(report.ablation)
         flat.update(more)
         series += more_series
-    planted = report.get("planted")
-    if planted:
-        for name, entry in planted["models"].items():
-            if entry["advantage"] is not None:
-                flat[f"eval/{name}/planted_copy_advantage_nats"] = entry["advantage"]["nats"]
+    if report.planted:
+        for name, entry in report.planted.models.items():
+            if entry.advantage is not None:
+                flat[f"eval/{name}/planted_copy_advantage_nats"] = entry.advantage.nats
     return flat, series
 
 
-def eval_run_name(report: dict, lm) -> str:
+def eval_run_name(report: EvalReport, lm) -> str:
     """``eval chr22: demo-cpu step 40`` (the config of the training run and its step), else the
     model's kind and path."""
-    info = report["models"]["model"]
-    step = f" step {info['step']}" if info.get("step") is not None else ""
+    info = report.models["model"]
+    step = f" step {info.step}" if info.step is not None else ""
     cfg = lm.config
-    what = Path(cfg.source).stem if cfg is not None and cfg.source else info.get("path") or info.get("kind", "model")
-    return f"eval {report['data']['chrom']}: {what}{step}"
+    what = Path(cfg.source).stem if cfg is not None and cfg.source else info.path or info.kind
+    return f"eval {report.data.chrom}: {what}{step}"
 
 
-def log_to_mlflow(report: dict, out: Path, lm, tracking_uri: str | None, note, started_ms: int | None = None) -> dict:
+def log_to_mlflow(report: EvalReport, out: Path, lm, tracking_uri: str | None, note,
+                  started_ms: int | None = None) -> MlflowInfo | None:
     """A run in the training run's MLflow store and experiment, tagged as its child (MLflow's
     ``mlflow.parentRunId``), with the settings, per-bucket metrics (also as a series whose step is
     the bucket's first context length) and the files as artifacts. Without a training run: a
@@ -458,20 +452,21 @@ def log_to_mlflow(report: dict, out: Path, lm, tracking_uri: str | None, note, s
                  start_time_ms=started_ms) as tracker:
         if not tracker.active:
             note("MLflow: tracking unavailable; the report files are complete without it")
-            return {}
-        tags = {"genome_lm.kind": "eval", "genome_lm.eval_schema": rep.SCHEMA}
+            return None
+        tags = {"genome_lm.kind": "eval", "genome_lm.eval_schema": SCHEMA}
         if lm.run_id:
             tags.update({"mlflow.parentRunId": lm.run_id, "genome_lm.training_run": lm.run_id})
         tracker.set_tags(tags)
-        tracker.log_params({"data": report["data"] | {"windows": len(report["data"]["windows"])},
-                            "settings": report["settings"], "models": report["models"]})
+        json = report.to_json()
+        tracker.log_params({"data": json["data"] | {"windows": len(report.data.windows)},
+                            "settings": json["settings"], "models": json["models"]})
         flat, series = metrics(report)
         tracker.log_metrics(flat)
         for name, value, step in series:
             tracker.log_metrics({name: value}, step=step)
-        for path in report["files"].values():
+        for path in report.files.values():
             tracker.log_artifact(path)
-        return tracker.info()
+        return MlflowInfo(**tracker.info())
 
 
 def eval_on_ray(request, *, address: str, workers: int, cpus_per_worker: int = 1, gpus: bool | None = None,

@@ -24,6 +24,8 @@ import torch
 
 from genome_lm.errors import GenomeLMError
 
+from .schema import ModelInfo
+
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
-    info: dict  # what was loaded: kind, path, step, preset ... (goes into the report)
+    info: ModelInfo  # what was loaded: kind, path, step, preset ... (goes into the report)
     token_map: torch.Tensor | None = None
     run_dir: Path | None = None  # the training run it belongs to
     run_id: str | None = None  # its MLflow run
@@ -61,8 +63,7 @@ def load_model(spec: str | Path, pg: ProcessGroupCollection, *, init_of: LoadedM
             raise GenomeLMError(str(exc)) from None
         torch.manual_seed(seed)
         model = build_model(cfg, pg, sizes)
-        return LoadedModel(model.eval(), {"kind": "preset", "path": str(spec), "step": None, "preset": name,
-                                          "seed": seed})
+        return LoadedModel(model.eval(), ModelInfo(kind="preset", path=str(spec), preset=name, seed=seed))
     if str(spec) == "init":
         if init_of is None or init_of.config is None:
             raise GenomeLMError("--baseline init needs --model to be a training run or checkpoint (its starting "
@@ -70,8 +71,8 @@ def load_model(spec: str | Path, pg: ProcessGroupCollection, *, init_of: LoadedM
         cfg = init_of.config
         torch.manual_seed(cfg.train.seed)  # the trainer seeds before building: the same initial weights
         model = build(cfg, pg, sizes)
-        info = {"kind": "init", "path": init_of.info["path"], "step": 0, "preset": cfg.model.preset,
-                "checkpoint": cfg.model.checkpoint}
+        info = ModelInfo(kind="init", path=init_of.info.path, step=0, preset=cfg.model.preset,
+                         checkpoint=cfg.model.checkpoint)
         return LoadedModel(model.eval(), info, token_map(cfg, model), init_of.run_dir, init_of.run_id, cfg)
     from genome_lm import weights
 
@@ -84,8 +85,8 @@ def load_model(spec: str | Path, pg: ProcessGroupCollection, *, init_of: LoadedM
         model = build(cfg, pg, sizes)
         load_weights(folder, model)  # verified above; any layout it was written with (checkpoint.sharded)
         state = json.loads((folder / "state-r00000.json").read_text())
-        info = {"kind": "checkpoint", "path": str(folder), "step": int(meta.get("step", state.get("step", 0))),
-                "preset": cfg.model.preset, "checkpoint": cfg.model.checkpoint}
+        info = ModelInfo(kind="checkpoint", path=str(folder), step=int(meta.get("step", state.get("step", 0))),
+                         preset=cfg.model.preset, checkpoint=cfg.model.checkpoint)
         return LoadedModel(model.eval(), info, token_map(cfg, model), run_dir, state.get("run_id"), cfg)
     path = found.path  # a Hugging Face folder
     from genome_lm.checkpoint.huggingface import HFCheckpoint, load_hf_checkpoint
@@ -101,6 +102,6 @@ def load_model(spec: str | Path, pg: ProcessGroupCollection, *, init_of: LoadedM
         mapping = checkpoint_token_map(path, model.cfg.pad_token_id)
     from genome_lm.weights import shipped_name
 
-    info = {"kind": "huggingface", "path": str(path), "step": None, "shipped": shipped_name(path),
-            "model_type": json.loads((path / "config.json").read_text()).get("model_type")}
+    info = ModelInfo(kind="huggingface", path=str(path), shipped=shipped_name(path),
+                     model_type=json.loads((path / "config.json").read_text()).get("model_type"))
     return LoadedModel(model.eval(), info, mapping)

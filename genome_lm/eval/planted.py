@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .schema import Advantage, CopyGroup, DistanceRow, Planted, PlantedModel
 from .score import TokenScores
 
 if TYPE_CHECKING:
@@ -86,16 +87,16 @@ def _group_mean(nll, copy_ids, rng, resamples):
 
 
 def analyse(scores: dict[str, TokenScores], windows, planted: list[dict], *, resamples: int = 1000,
-            seed: int = 0) -> dict:
-    """The planted-copies section of the report (schema in ``report``), per model."""
+            seed: int = 0) -> Planted:
+    """The planted-copies section of the report (``schema.Planted``), per model."""
     first = next(iter(scores.values()))
     copy, distance, in_context = copy_positions(first, windows, planted)
     on_copy = copy >= 0
     lo_q, hi_q = (1 - LEVEL) / 2 * 100, (1 + LEVEL) / 2 * 100
     edges = [0] + [1 << k for k in range(10, 21)]
-    out = {"copies_total": len(planted), "tokens_on_copies": int(on_copy.sum()),
-           "tokens_in_context": int(in_context.sum()), "tokens_out_of_context": int((on_copy & ~in_context).sum()),
-           "distance_edges": edges, "models": {}}
+    out = Planted(copies_total=len(planted), tokens_on_copies=int(on_copy.sum()),
+                  tokens_in_context=int(in_context.sum()), tokens_out_of_context=int((on_copy & ~in_context).sum()),
+                  distance_edges=edges, models={})
     for name, s in scores.items():
         rng = np.random.default_rng(seed)
         groups = {}
@@ -104,74 +105,73 @@ def analyse(scores: dict[str, TokenScores], windows, planted: list[dict], *, res
             mean, means, n_copies = _group_mean(s.nll[sel], copy[sel], rng, resamples)
             samples[group] = means
             ci = (None, None) if mean is None else tuple(float(x) for x in np.percentile(means, [lo_q, hi_q]))
-            groups[group] = {"tokens": int(sel.sum()), "copies": n_copies, "nats": mean, "nats_ci": list(ci)}
+            groups[group] = CopyGroup(tokens=int(sel.sum()), copies=n_copies, nats=mean, nats_ci=ci)
         advantage = None
-        if groups["in_context"]["nats"] is not None and groups["out_of_context"]["nats"] is not None:
+        if groups["in_context"].nats is not None and groups["out_of_context"].nats is not None:
             diff = samples["out_of_context"] - samples["in_context"]
             ci = np.percentile(diff, [lo_q, hi_q])
-            value = groups["out_of_context"]["nats"] - groups["in_context"]["nats"]
-            advantage = {"nats": value, "ci": [float(ci[0]), float(ci[1])],
-                         "excludes_zero": bool(ci[0] > 0 or ci[1] < 0)}
+            advantage = Advantage(nats=groups["out_of_context"].nats - groups["in_context"].nats,
+                                  ci=(float(ci[0]), float(ci[1])), excludes_zero=bool(ci[0] > 0 or ci[1] < 0))
         background = s.nll[~on_copy]
         by_distance = []
         for a, b in zip(edges[:-1], edges[1:]):
-            row, drawn = {"from": a, "to": b}, {}
+            row, drawn = {"start": a, "end": b}, {}
             for group, sel in (("in_context", in_context), ("out_of_context", on_copy & ~in_context)):
                 pick = sel & (distance >= a) & (distance < b)
                 row[f"{group}_tokens"] = int(pick.sum())
                 row[f"{group}_nats"], drawn[group], row[f"{group}_copies"] = _group_mean(s.nll[pick], copy[pick],
                                                                                         rng, resamples)
-            row["advantage"], row["advantage_ci"] = None, [None, None]
-            if row["in_context_nats"] is not None and row["out_of_context_nats"] is not None:
-                row["advantage"] = row["out_of_context_nats"] - row["in_context_nats"]
-                if min(row["in_context_copies"], row["out_of_context_copies"]) >= MIN_COPIES_FOR_CI:
+            row = DistanceRow(**row, advantage=None, advantage_ci=(None, None))
+            if row.in_context_nats is not None and row.out_of_context_nats is not None:
+                row.advantage = row.out_of_context_nats - row.in_context_nats
+                if min(row.in_context_copies, row.out_of_context_copies) >= MIN_COPIES_FOR_CI:
                     ci = np.percentile(drawn["out_of_context"] - drawn["in_context"], [lo_q, hi_q])
-                    row["advantage_ci"] = [float(ci[0]), float(ci[1])]
-            if row["in_context_tokens"] or row["out_of_context_tokens"]:
+                    row.advantage_ci = (float(ci[0]), float(ci[1]))
+            if row.in_context_tokens or row.out_of_context_tokens:
                 by_distance.append(row)
-        out["models"][name] = {**groups, "background_nats": float(background.mean()) if background.size else None,
-                               "advantage": advantage, "by_distance": by_distance}
+        out.models[name] = PlantedModel(**groups, background_nats=float(background.mean()) if background.size else None,
+                                        advantage=advantage, by_distance=by_distance)
     return out
 
 
-def verdict(section: dict, name: str = "model") -> str:
+def verdict(section: Planted, name: str = "model") -> str:
     """One sentence on whether ``name`` uses the first copy it can see."""
-    entry = section["models"].get(name)
-    if entry is None or entry["advantage"] is None:
+    entry = section.models.get(name)
+    if entry is None or entry.advantage is None:
         return ("planted copies: not enough scored copy bases in and out of context to compare "
-                f"({section['tokens_in_context']:,} in, {section['tokens_out_of_context']:,} out)")
-    adv = entry["advantage"]
-    lo, hi = adv["ci"]
-    text = (f"planted copies ({name}): loss out of context {entry['out_of_context']['nats']:.4f} vs in context "
-            f"{entry['in_context']['nats']:.4f} nats/base, copy advantage {adv['nats']:+.4f} (95% CI {lo:+.4f} to "
+                f"({section.tokens_in_context:,} in, {section.tokens_out_of_context:,} out)")
+    adv = entry.advantage
+    lo, hi = adv.ci
+    text = (f"planted copies ({name}): loss out of context {entry.out_of_context.nats:.4f} vs in context "
+            f"{entry.in_context.nats:.4f} nats/base, copy advantage {adv.nats:+.4f} (95% CI {lo:+.4f} to "
             f"{hi:+.4f})")
     if lo > 0:
         return text + ": the model uses the first copy when it lies in the window"
     return text + ": the interval does not exclude zero, no measurable use of the first copy"
 
 
-def by_distance_line(section: dict, name: str = "model") -> str | None:
+def by_distance_line(section: Planted, name: str = "model") -> str | None:
     """The copy advantage per distance bin with its interval, in one line (None: no bin has
     copies both in and out of context)."""
-    entry = section["models"].get(name) or {}
-    rows = [r for r in entry.get("by_distance", []) if r.get("advantage") is not None]
+    entry = section.models.get(name)
+    rows = [r for r in entry.by_distance if r.advantage is not None] if entry else []
     if not rows:
         return None
 
     def size(x: int) -> str:
         return f"{x >> 10}k" if x >= 1024 and x % 1024 == 0 else str(x)
 
-    def interval(r: dict) -> str:
-        lo, hi = r["advantage_ci"]
+    def interval(r: DistanceRow) -> str:
+        lo, hi = r.advantage_ci
         if lo is None:
-            return f"[no interval: {r['in_context_copies']} copies in, {r['out_of_context_copies']} out]"
+            return f"[no interval: {r.in_context_copies} copies in, {r.out_of_context_copies} out]"
         return f"[{lo:+.3f}, {hi:+.3f}]"
 
-    parts = [f"{size(r['from'])}-{size(r['to'])} {r['advantage']:+.3f} {interval(r)}" for r in rows]
+    parts = [f"{size(r.start)}-{size(r.end)} {r.advantage:+.3f} {interval(r)}" for r in rows]
     return f"copy advantage by distance from the first copy ({name}), nats/base [95% CI]: " + ", ".join(parts)
 
 
-def distance_figure(section: dict, ax=None):
+def distance_figure(section: Planted, ax=None):
     """Loss on planted copy bases against their distance to the source base, per model; filled
     markers: source inside the window, open: outside; dotted: the model's loss off copies.
     ``ax``: draw into it instead of a new figure."""
@@ -181,16 +181,17 @@ def distance_figure(section: dict, ax=None):
         _, ax = plt.subplots(figsize=(6.5, 4))
     fig = ax.figure
     plotted = False
-    for k, (name, entry) in enumerate(section["models"].items()):
+    for k, (name, entry) in enumerate(section.models.items()):
         color = f"C{k}"
         for group, fill in (("in_context", color), ("out_of_context", "none")):
-            rows = [r for r in entry["by_distance"] if r[f"{group}_nats"] is not None]
-            x = [math.sqrt(max(r["from"], 1) * r["to"]) for r in rows]
+            rows = [(r.start, r.end, getattr(r, f"{group}_nats")) for r in entry.by_distance]
+            rows = [(a, b, nats) for a, b, nats in rows if nats is not None]
+            x = [math.sqrt(max(a, 1) * b) for a, b, _ in rows]
             plotted = plotted or bool(rows)
-            ax.plot(x, [r[f"{group}_nats"] / math.log(2) for r in rows], "o-" if fill != "none" else "o--",
+            ax.plot(x, [nats / math.log(2) for _, _, nats in rows], "o-" if fill != "none" else "o--",
                     color=color, markerfacecolor=fill, label=f"{name}, first copy {group.replace('_', ' ')}")
-        if entry["background_nats"] is not None:
-            ax.axhline(entry["background_nats"] / math.log(2), color=color, ls=":", lw=1)
+        if entry.background_nats is not None:
+            ax.axhline(entry.background_nats / math.log(2), color=color, ls=":", lw=1)
     if plotted:
         ax.set_xscale("log")
         ax.legend(fontsize=7)
@@ -203,15 +204,15 @@ def distance_figure(section: dict, ax=None):
     return fig
 
 
-def demo_note(section: dict, cfg: RunConfig | None=None, name: str = "model") -> str:
+def demo_note(section: Planted, cfg: RunConfig | None = None, name: str = "model") -> str:
     """For `genome-lm demo`: whether the tuned model uses a first copy in the window, and when it
     does not, why the tiny demo cannot be expected to and what it would take."""
-    entry = section["models"].get(name) or {}
-    adv = entry.get("advantage")
-    if adv is not None and adv["ci"][0] > 0:
+    entry = section.models.get(name)
+    adv = entry.advantage if entry else None
+    if adv is not None and adv.ci[0] > 0:
         return (f"long context helps on the demo genome: later copies whose first copy lies in the window cost "
-                f"{adv['nats']:.4f} nats/base less than those whose first copy lies outside it "
-                f"(95% CI {adv['ci'][0]:.4f} to {adv['ci'][1]:.4f}).")
+                f"{adv.nats:.4f} nats/base less than those whose first copy lies outside it "
+                f"(95% CI {adv.ci[0]:.4f} to {adv.ci[1]:.4f}).")
     if cfg is None:
         model = "the tuned tiny model"
     else:
@@ -219,10 +220,10 @@ def demo_note(section: dict, cfg: RunConfig | None=None, name: str = "model") ->
         model = f"the tuned tiny model (trained {cfg.train.steps} steps on {cfg.data.seq_len:,}-base crops {start})"
     if adv is None:
         finding = (f"{model} could not be compared: too few scored bases of planted copies in and out of context "
-                   f"({section['tokens_in_context']:,} in, {section['tokens_out_of_context']:,} out).")
+                   f"({section.tokens_in_context:,} in, {section.tokens_out_of_context:,} out).")
     else:
-        lo, hi = adv["ci"]
-        numbers = f"copy advantage {adv['nats']:+.4f} nats/base, 95% CI {lo:+.4f} to {hi:+.4f}"
+        lo, hi = adv.ci
+        numbers = f"copy advantage {adv.nats:+.4f} nats/base, 95% CI {lo:+.4f} to {hi:+.4f}"
         if hi < 0:
             finding = (f"{model} does worse, not better, on planted copies whose first copy is in the window "
                        f"({numbers}: the interval lies below zero), no sign that it uses the first copy.")

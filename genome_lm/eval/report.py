@@ -1,25 +1,9 @@
-"""The evaluation report: one JSON document (versioned schema), a CSV of its rows, PNG plots.
+"""The evaluation report: built from token scores, put in words, written as JSON, CSV and PNG.
 
-Schema ``genome-lm.eval/1`` (JSON object; NaN is written as null)::
-
-    schema          "genome-lm.eval/1"
-    created         ISO time; genome_lm: package version
-    data            {dataset, split, chrom, source, windows: [window indices], window_length, tokens}
-    settings        {chunk, edges: [0, 1024, ...], bootstrap: {resamples, seed, level, unit: "window"}}
-    models          {name: {kind, path, step, ...}}          names: "model", "baseline" if given, and the
-                    baselines that need no model: "uniform", "markov" (``baselines.py``; kind "baseline")
-    results         {name: {all, unmasked, softmasked: Stat, buckets: [Stat + {from, to}]}}
-                    Stat = {tokens, nats, nats_ci: [lo, hi], bits, bits_ci: [lo, hi]}
-    comparison      null, or {all, unmasked, softmasked: Change, buckets: [Change + {from, to}]}
-                    Change = {change, ci: [lo, hi]}: (model - baseline) / baseline, paired bootstrap
-    ablation        null, or the model against itself with its context cut (``ablation.py``,
-                    ``--max-context``): {model, cuts: [{max_context, all, ..., buckets}]}
-    planted         null, or the planted-copies analysis (``planted.analyse``)
-    headline        the overall comparisons in words, each naming what it compares with
-    files, mlflow   where the outputs and the MLflow run are
-
-Every file is written to a temporary name and renamed, so a failed run leaves no half-written
-output.
+The report's types and its JSON schema (``genome-lm.eval/1``) are in ``schema``; this module
+fills them (``summarize``), says what they show (``headline``, ``study_summary``) and writes
+the files. Every file is written to a temporary name and renamed, so a failed run leaves no
+half-written output.
 """
 
 from __future__ import annotations
@@ -33,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .ablation import beyond_line, gain_line
+from .ablation import csv_rows as ablation_rows
 from .buckets import (
-    SUBSETS,
     bucket_centres,
     change_interval,
     errorbars,
@@ -45,128 +30,132 @@ from .buckets import (
     units_text,
     window_units,
 )
+from .schema import (
+    SUBSETS,
+    BucketChange,
+    BucketStat,
+    Change,
+    Comparison,
+    EvalReport,
+    ModelResult,
+    Stat,
+)
 from .score import TokenScores
 
-SCHEMA = "genome-lm.eval/1"
 LN2 = math.log(2)
-def _stat(tokens, mean, lo, hi) -> dict:
-    return {"tokens": int(tokens), "nats": finite(mean), "nats_ci": [finite(lo), finite(hi)],
-            "bits": finite(mean / LN2), "bits_ci": [finite(lo / LN2), finite(hi / LN2)]}
+
+
+def _stat(tokens, mean, lo, hi, **span) -> Stat:
+    cls = BucketStat if span else Stat
+    return cls(tokens=int(tokens), nats=finite(mean), nats_ci=(finite(lo), finite(hi)), bits=finite(mean / LN2),
+               bits_ci=(finite(lo / LN2), finite(hi / LN2)), **span)
 
 
 def summarize(scores: dict[str, TokenScores], edges: list[int], *, resamples: int = 1000, seed: int = 0,
-              level: float = 0.95, units: tuple[np.ndarray, int] | None = None) -> tuple[dict, dict | None]:
-    """(results, comparison) of the schema from each model's token scores (same tokens for all:
+              level: float = 0.95, units: tuple[np.ndarray, int] | None = None
+              ) -> tuple[dict[str, ModelResult], Comparison | None]:
+    """(results, comparison) of the report from each model's token scores (same tokens for all:
     the first model named is compared against "baseline" when present). ``units``: (unit [N],
     count) of the bootstrap (``buckets.bootstrap_units``); default: the windows."""
     names = list(scores)
     first = scores[names[0]]
     for name in names[1:]:
-        other = scores[name]
-        if not first.same_tokens(other):
+        if not first.same_tokens(scores[name]):
             raise ValueError(f"models {names[0]} and {name} were scored on different tokens")
     window_pos, n_units = units or window_units(first)
     weights = resample_weights(n_units, resamples, seed)
     sums = {name: subset_and_bucket_sums(s, window_pos, n_units, edges) for name, s in scores.items()}
+    spans = [{"start": edges[b], "end": edges[b + 1]} for b in range(len(edges) - 1)]
     results = {}
     for name, (subsets, buckets) in sums.items():
-        entry = {}
         mean, lo, hi = mean_interval(subsets, weights, level)
-        for i, subset in enumerate(SUBSETS):
-            entry[subset] = _stat(subsets.counts[:, i].sum(), mean[i], lo[i], hi[i])
+        parts = {subset: _stat(subsets.counts[:, i].sum(), mean[i], lo[i], hi[i]) for i, subset in enumerate(SUBSETS)}
         mean, lo, hi = mean_interval(buckets, weights, level)
-        entry["buckets"] = [{"from": edges[b], "to": edges[b + 1],
-                             **_stat(buckets.counts[:, b].sum(), mean[b], lo[b], hi[b])} for b in range(len(edges) - 1)]
-        results[name] = entry
-    comparison = None
-    if "baseline" in sums and len(names) > 1:
-        target = next(n for n in names if n != "baseline")
-        comparison = {}
-        for part in (0, 1):
-            change, lo, hi = change_interval(sums["baseline"][part], sums[target][part], weights, level)
-            if part == 0:
-                comparison.update({subset: {"change": finite(change[i]), "ci": [finite(lo[i]), finite(hi[i])]}
-                                   for i, subset in enumerate(SUBSETS)})
-            else:
-                comparison["buckets"] = [{"from": edges[b], "to": edges[b + 1], "change": finite(change[b]),
-                                          "ci": [finite(lo[b]), finite(hi[b])]} for b in range(len(edges) - 1)]
-    return results, comparison
+        results[name] = ModelResult(**parts, buckets=[_stat(buckets.counts[:, b].sum(), mean[b], lo[b], hi[b], **span)
+                                                      for b, span in enumerate(spans)])
+    if "baseline" not in sums or len(names) < 2:
+        return results, None
+    target = next(n for n in names if n != "baseline")
+    change, lo, hi = change_interval(sums["baseline"][0], sums[target][0], weights, level)
+    parts = {subset: Change(change=finite(change[i]), ci=(finite(lo[i]), finite(hi[i])))
+             for i, subset in enumerate(SUBSETS)}
+    change, lo, hi = change_interval(sums["baseline"][1], sums[target][1], weights, level)
+    buckets = [BucketChange(change=finite(change[b]), ci=(finite(lo[b]), finite(hi[b])), **span)
+               for b, span in enumerate(spans)]
+    return results, Comparison(**parts, buckets=buckets)
 
 
 BASELINE_NAMES = {"init": "the run's starting weights", "checkpoint": "another checkpoint",
                   "huggingface": "a Hugging Face checkpoint", "preset": "a freshly initialised model"}
 
 
-def headline(report: dict) -> list[str]:
+def headline(report: EvalReport) -> list[str]:
     """One line per comparison of the model's overall loss, each naming what it compares with:
     the baselines that need no model (uniform, the Markov chain) and ``--baseline`` when given."""
-    results, models = report["results"], report["models"]
-    model = results["model"]["all"]
-    if model["nats"] is None:
+    results, models = report.results, report.models
+    model = results["model"].all
+    if model.nats is None:
         return []
     lines = []
     for name in ("uniform", "markov"):
-        if name not in results or results[name]["all"]["nats"] is None:
+        if name not in results or results[name].all.nats is None:
             continue
-        other = results[name]["all"]
-        change = (model["nats"] - other["nats"]) / other["nats"] * 100
+        other = results[name].all
+        change = (model.nats - other.nats) / other.nats * 100
         what = ("guessing A, C, G, T uniformly" if name == "uniform"
-                else f"an order-{models[name]['order']} Markov chain fitted on the training split")
-        lines.append(f"model {model['bits']:.4f} bits/base vs {other['bits']:.4f} for {what}: "
+                else f"an order-{models[name].order} Markov chain fitted on the training split")
+        lines.append(f"model {model.bits:.4f} bits/base vs {other.bits:.4f} for {what}: "
                      f"{abs(change):.2f}% {'lower' if change < 0 else 'higher'}")
-    comparison = report.get("comparison")
-    if comparison and comparison["all"]["change"] is not None:
-        info = models.get("baseline", {})
-        what = BASELINE_NAMES.get(info.get("kind"), info.get("kind", "the baseline"))
-        change, (lo, hi) = comparison["all"]["change"] * 100, comparison["all"]["ci"]
+    comparison = report.comparison
+    if comparison and comparison.all.change is not None:
+        info = models.get("baseline")
+        kind = info.kind if info is not None else None
+        what = BASELINE_NAMES.get(kind, kind or "the baseline")
+        change, (lo, hi) = comparison.all.change * 100, comparison.all.ci
         lines.append(f"model vs --baseline ({what}): loss {'fell' if change < 0 else 'rose'} {abs(change):.2f}% "
                      f"(95% CI {lo * 100:+.2f}% to {hi * 100:+.2f}%)")
-    for cut in (report.get("ablation") or {}).get("cuts", []):
+    for cut in report.ablation.cuts if report.ablation else []:
         lines.append(_ablation_line(cut))
     return lines
 
 
-def _pct(change: dict) -> str:
-    lo, hi = change["ci"]
-    return f"{change['change'] * 100:+.2f}% [{lo * 100:+.2f}, {hi * 100:+.2f}]"
+def _pct(change: Change) -> str:
+    lo, hi = change.ci
+    return f"{change.change * 100:+.2f}% [{lo * 100:+.2f}, {hi * 100:+.2f}]"
 
 
-def study_summary(report: dict) -> list[str]:
+def study_summary(report: EvalReport) -> list[str]:
     """The study's answer in plain words (``genome-lm demo --fasta``): does the model beat the
     Markov chain; where its loss changed most and least against ``--baseline`` (by context
     bucket), on repeats and elsewhere; and whether its context beyond each cut is used."""
-    results, models, comparison = report["results"], report["models"], report.get("comparison")
+    results, models, comparison = report.results, report.models, report.comparison
     lines = []
     if units_text(report) != "windows":
-        lines.append(f"{len(report['data']['windows'])} overlapping windows score each held-out base at several "
+        lines.append(f"{len(report.data.windows)} overlapping windows score each held-out base at several "
                      f"context lengths; the intervals are over {units_text(report)} of sequence")
-    model = results["model"]["all"]
-    markov = results.get("markov", {}).get("all")
-    if model["nats"] is not None and markov and markov["nats"] is not None:
-        lo, hi = model["bits_ci"]
-        verdict = ("beats it" if hi is not None and hi < markov["bits"] else
-                   "does not beat it" if lo is not None and lo > markov["bits"] else "is level with it (within the "
-                                                                                     "interval)")
-        lines.append(f"against the order-{models['markov']['order']} Markov chain fitted on the training regions "
-                     f"({markov['bits']:.4f} bits/base), the model ({model['bits']:.4f} [{lo:.4f}, {hi:.4f}]) "
-                     f"{verdict}")
+    model = results["model"].all
+    markov = results["markov"].all if "markov" in results else None
+    if model.nats is not None and markov is not None and markov.nats is not None:
+        lo, hi = model.bits_ci
+        verdict = ("beats it" if hi is not None and hi < markov.bits else
+                   "does not beat it" if lo is not None and lo > markov.bits else
+                   "is level with it (within the interval)")
+        lines.append(f"against the order-{models['markov'].order} Markov chain fitted on the training regions "
+                     f"({markov.bits:.4f} bits/base), the model ({model.bits:.4f} [{lo:.4f}, {hi:.4f}]) {verdict}")
     if comparison:
-        buckets = [b for b, r in zip(comparison["buckets"], results["model"]["buckets"])
-                   if r["tokens"] and b["change"] is not None and b["ci"][0] is not None]
+        buckets = [b for b, r in zip(comparison.buckets, results["model"].buckets) if r.tokens and b.measured]
         if buckets:
-            most, least = min(buckets, key=lambda b: b["change"]), max(buckets, key=lambda b: b["change"])
+            most, least = min(buckets, key=lambda b: b.change), max(buckets, key=lambda b: b.change)
             longest = buckets[-1]
-            lines.append(f"against its starting weights the loss changed most at {most['from']:,}-{most['to'] - 1:,} "
-                         f"bases of context ({_pct(most)}), least at {least['from']:,}-{least['to'] - 1:,} "
-                         f"({_pct(least)}); at the longest, {longest['from']:,}-{longest['to'] - 1:,}: {_pct(longest)}")
-        parts = [f"{name} {_pct(comparison[key])}" for key, name in (("unmasked", "unmasked bases"),
-                                                                      ("softmasked", "soft-masked (repeat) bases"))
-                 if comparison[key]["change"] is not None and comparison[key]["ci"][0] is not None]
+            lines.append(f"against its starting weights the loss changed most at {most.start:,}-{most.end - 1:,} "
+                         f"bases of context ({_pct(most)}), least at {least.start:,}-{least.end - 1:,} "
+                         f"({_pct(least)}); at the longest, {longest.start:,}-{longest.end - 1:,}: {_pct(longest)}")
+        parts = [f"{name} {_pct(change)}" for change, name in ((comparison.unmasked, "unmasked bases"),
+                                                               (comparison.softmasked, "soft-masked (repeat) bases"))
+                 if change.measured]
         if parts:
             lines.append("change against the starting weights on " + "; on ".join(parts))
-    from .ablation import beyond_line, gain_line
-
-    for cut in (report.get("ablation") or {}).get("cuts", []):
+    for cut in report.ablation.cuts if report.ablation else []:
         if (line := beyond_line(cut)) is not None:
             lines.append(line)
         if (line := gain_line(cut, "its starting weights")) is not None:
@@ -174,11 +163,11 @@ def study_summary(report: dict) -> list[str]:
     return lines
 
 
-def _ablation_line(cut: dict) -> str:
+def _ablation_line(cut) -> str:
     """The model against itself with its context cut to N (``--max-context``): the baseline that
     asks whether the context beyond N bases is used at all."""
-    cut_nats, delta, (lo, hi) = cut["all"]["nats"], cut["all"]["delta"], cut["all"]["ci"]  # delta: cut - whole
-    what = f"model vs the same model with its context cut to {cut['max_context']:,} bases"
+    cut_nats, delta, (lo, hi) = cut.all.nats, cut.all.delta, cut.all.ci  # delta: cut - whole
+    what = f"model vs the same model with its context cut to {cut.max_context:,} bases"
     if cut_nats is None or delta is None or lo is None:
         return f"{what}: not measured (no scored base)"
     change = -delta / cut_nats * 100
@@ -202,40 +191,39 @@ def atomic_write(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def write_json(report: dict, path: Path) -> None:
-    atomic_write(path, (json.dumps(report, indent=1, allow_nan=False) + "\n").encode())
+def write_json(report: EvalReport, path: Path) -> None:
+    atomic_write(path, (json.dumps(report.to_json(), indent=1, allow_nan=False) + "\n").encode())
 
 
-def csv_rows(report: dict) -> list[dict]:
+def csv_rows(report: EvalReport) -> list[dict]:
     """One row per model and subset / bucket, with the change against the baseline."""
-    comparison = report.get("comparison") or {}
+    comparison = report.comparison
     rows = []
-    for name, entry in report["results"].items():
-        parts = [(subset, None, None, entry[subset], comparison.get(subset)) for subset in SUBSETS]
-        parts += [("bucket", b["from"], b["to"], b, (comparison.get("buckets") or [None] * len(entry["buckets"]))[i])
-                  for i, b in enumerate(entry["buckets"])]
+    for name, entry in report.results.items():
+        changes = {subset: getattr(comparison, subset) if comparison else None for subset in SUBSETS}
+        parts = [(subset, None, None, getattr(entry, subset), changes[subset]) for subset in SUBSETS]
+        parts += [("bucket", b.start, b.end, b, comparison.buckets[i] if comparison else None)
+                  for i, b in enumerate(entry.buckets)]
         for subset, lo, hi, stat, change in parts:
             own = name != "baseline" and change is not None
             rows.append({"model": name, "subset": subset, "context_from": lo, "context_to": hi,
-                         "tokens": stat["tokens"], "nats": stat["nats"], "nats_ci_low": stat["nats_ci"][0],
-                         "nats_ci_high": stat["nats_ci"][1], "bits": stat["bits"], "bits_ci_low": stat["bits_ci"][0],
-                         "bits_ci_high": stat["bits_ci"][1],
-                         "change_vs_baseline": change["change"] if own else None,
-                         "change_ci_low": change["ci"][0] if own else None,
-                         "change_ci_high": change["ci"][1] if own else None})
+                         "tokens": stat.tokens, "nats": stat.nats, "nats_ci_low": stat.nats_ci[0],
+                         "nats_ci_high": stat.nats_ci[1], "bits": stat.bits, "bits_ci_low": stat.bits_ci[0],
+                         "bits_ci_high": stat.bits_ci[1],
+                         "change_vs_baseline": change.change if own else None,
+                         "change_ci_low": change.ci[0] if own else None,
+                         "change_ci_high": change.ci[1] if own else None})
     return rows
 
 
 ABLATION_COLUMNS = ("max_context", "delta_vs_whole_window", "delta_ci_low", "delta_ci_high")
 
 
-def write_csv(report: dict, path: Path) -> None:
+def write_csv(report: EvalReport, path: Path) -> None:
     rows = csv_rows(report)
-    if report.get("ablation"):
-        from .ablation import csv_rows as ablation_rows
-
+    if report.ablation:
         rows = [{**row, **dict.fromkeys(ABLATION_COLUMNS)} for row in rows]
-        rows += [{key: row.get(key) for key in rows[0]} for row in ablation_rows(report["ablation"])]
+        rows += [{key: row.get(key) for key in rows[0]} for row in ablation_rows(report.ablation)]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
     writer.writeheader()
@@ -249,52 +237,52 @@ def _save_figure(fig, path: Path) -> None:
     atomic_write(path, buf.getvalue())
 
 
-def loss_figure(report: dict, axes=None):
+def loss_figure(report: EvalReport, axes=None):
     """Loss (bits per base) against preceding context per model, with bootstrap intervals, and
     the relative change against the baseline when there is one (a second panel). ``axes``: draw
     into these (one, or two with a baseline) instead of a new figure."""
     import matplotlib.pyplot as plt
 
-    comparison = report.get("comparison")
+    comparison = report.comparison
     if axes is None:
         fig, grid = plt.subplots(1, 2 if comparison else 1, figsize=(11 if comparison else 6, 4), squeeze=False)
         axes = list(grid[0])
     fig = axes[0].figure
     ax = axes[0]
-    for name, entry in report["results"].items():
-        buckets = [b for b in entry["buckets"] if b["tokens"]]
+    for name, entry in report.results.items():
+        buckets = [b for b in entry.buckets if b.tokens]
         y, err = errorbars(buckets, "bits", "bits_ci")
         ax.errorbar(bucket_centres(buckets), y, yerr=err, marker="o", capsize=3, label=_label(report, name))
     ax.set_xscale("log")
     ax.set_xlabel("preceding context in the window (bases)")
     ax.set_ylabel("loss (bits per base)")
-    where = report['data'].get('chrom') or report['data']['split']
+    where = report.data.chrom or report.data.split
     ax.set_title(f"{where}: loss by context (95% CI over {units_text(report)})")
     ax.legend()
     if comparison and len(axes) > 1:
         ax = axes[1]
-        stats = [c for c, b in zip(comparison["buckets"], report["results"]["model"]["buckets"]) if b["tokens"]]
+        stats = [c for c, b in zip(comparison.buckets, report.results["model"].buckets) if b.tokens]
         y, err = errorbars(stats, "change", "ci", 100)
         ax.errorbar(bucket_centres(stats), y, yerr=err, marker="o", capsize=3, color="C2")
         ax.axhline(0, color="grey", lw=0.8)
         ax.set_xscale("log")
         ax.set_xlabel("preceding context in the window (bases)")
         ax.set_ylabel("change vs baseline (%)")
-        overall = comparison["all"]["change"]
+        overall = comparison.all.change
         ax.set_title(f"model vs baseline: {overall * 100:+.2f}% overall" if overall is not None
                      else "model vs baseline")
     fig.tight_layout()
     return fig
 
 
-def _label(report: dict, name: str) -> str:
-    info = report["models"][name]
+def _label(report: EvalReport, name: str) -> str:
+    info = report.models[name]
     if name == "uniform":
         return "uniform (1/4 per base, no model)"
     if name == "markov":
-        return f"order-{info['order']} Markov chain (training split)"
-    step = f" step {info['step']}" if info.get("step") is not None else ""
-    return f"{name} ({info.get('shipped') or info['kind']}{step})"
+        return f"order-{info.order} Markov chain (training split)"
+    step = f" step {info.step}" if info.step is not None else ""
+    return f"{name} ({info.shipped or info.kind}{step})"
 
 
 def write_figure(fig, path: Path) -> None:

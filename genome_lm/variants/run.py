@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from genome_lm.data.tokenizer import BASE_TOKENS, tokenize
+from genome_lm.records import to_json
 from genome_lm.units import size_label
 
 SCHEMA = "genome-lm.variants/1"
@@ -217,7 +218,7 @@ def run_variants(req: VariantRequest, *, progress: bool = True, on_note=None) ->
                      "negative": None if req.negative is None else list(req.negative),
                      "compare": list(req.compare), "resamples": req.resamples, "seed": req.seed,
                      "chunk": req.chunk},
-        "models": {name: lm.info for name, lm in loaded.items()}
+        "models": {name: to_json(lm.info) for name, lm in loaded.items()}
         | {"markov": {"order": markov.order, "fitted_on": records, "bases": markov.train_bases}},
         "data": rep.data_summary(variants, labels, found.skipped),
     }

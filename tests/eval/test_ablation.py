@@ -5,11 +5,14 @@ test_ablation_cli.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 from genome_lm.eval.ablation import fmt_delta, summarize
+from genome_lm.eval.schema import Ablation, Stat
 from genome_lm.eval.score import TokenScores, token_nll, token_nll_cut
 
 
@@ -72,11 +75,11 @@ def test_summary_differences_and_intervals():
     shift = np.where(context >= 256, 0.05, 0.0)
     cut = TokenScores(whole.nll + shift + rng.normal(0, 0.01, n), context, window, whole.softmasked)
     out = summarize(whole, {256: cut}, [0, 128, 256, 512], resamples=300, seed=0)
-    (entry,) = out["cuts"]
-    first, second, third = entry["buckets"]
-    assert abs(first["delta"]) < 0.005 and abs(second["delta"]) < 0.005
-    assert third["ci"][0] < 0.05 < third["ci"][1] and third["delta"] == pytest.approx(0.05, abs=0.005)
-    assert entry["all"]["delta"] == pytest.approx(float(cut.nll.mean() - whole.nll.mean()))
+    (entry,) = out.cuts
+    first, second, third = entry.buckets
+    assert abs(first.delta) < 0.005 and abs(second.delta) < 0.005
+    assert third.ci[0] < 0.05 < third.ci[1] and third.delta == pytest.approx(0.05, abs=0.005)
+    assert entry.all.delta == pytest.approx(float(cut.nll.mean() - whole.nll.mean()))
 
 
 def test_small_differences_keep_their_digits():
@@ -99,8 +102,9 @@ def test_the_headline_compares_the_model_with_itself_cut():
     worse = TokenScores(whole.nll + np.where(context >= 256, 0.05, 0.0), context, window, whole.softmasked)
     same = TokenScores(whole.nll + rng.normal(0, 0.01, n), context, window, whole.softmasked)
     ablation = summarize(whole, {256: worse, 64: same}, [0, 256, 512], resamples=300, seed=0)
-    stat = {"tokens": n, "nats": float(whole.nll.mean()), "nats_ci": [0, 0], "bits": 1.0, "bits_ci": [0, 0]}
-    report = {"results": {"model": {"all": stat}}, "models": {"model": {}}, "ablation": ablation}
+    stat = Stat(tokens=n, nats=float(whole.nll.mean()), nats_ci=(0, 0), bits=1.0, bits_ci=(0, 0))
+    report = SimpleNamespace(results={"model": SimpleNamespace(all=stat)}, models={}, comparison=None,
+                             ablation=ablation)
     cut64, cut256 = headline(report)
     assert cut256.startswith("model vs the same model with its context cut to 256 bases: loss ")
     assert "lower with the whole window" in cut256 and cut256.endswith("the context beyond it is used")
@@ -124,15 +128,15 @@ def test_beyond_two_n_pools_the_far_bases_by_subset():
     whole = TokenScores(rng.gamma(2.0, 0.6, n), context, window, soft)
     shift = np.where((context >= 2 * N) & soft, 0.08, 0.0)
     cut = TokenScores(whole.nll + shift + rng.normal(0, 0.005, n), context, window, soft)
-    (entry,) = summarize(whole, {N: cut}, [0, 100, 1000, 1001], resamples=400, seed=1)["cuts"]
-    far = entry["beyond"]
-    assert far["from"] == 2 * N
+    (entry,) = summarize(whole, {N: cut}, [0, 100, 1000, 1001], resamples=400, seed=1).cuts
+    far = entry.beyond
+    assert far.start == 2 * N
     for key, keep in (("all", context >= 2 * N), ("unmasked", (context >= 2 * N) & ~soft),
                       ("softmasked", (context >= 2 * N) & soft)):
-        assert far[key]["tokens"] == int(keep.sum())
-        assert far[key]["delta"] == pytest.approx(float((cut.nll - whole.nll)[keep].mean()))
-        assert far[key]["nats"] == pytest.approx(float(cut.nll[keep].mean()))
-    assert far["softmasked"]["ci"][0] > 0.07 and far["unmasked"]["ci"][0] < 0 < far["unmasked"]["ci"][1]
+        assert getattr(far, key).tokens == int(keep.sum())
+        assert getattr(far, key).delta == pytest.approx(float((cut.nll - whole.nll)[keep].mean()))
+        assert getattr(far, key).nats == pytest.approx(float(cut.nll[keep].mean()))
+    assert far.softmasked.ci[0] > 0.07 and far.unmasked.ci[0] < 0 < far.unmasked.ci[1]
     line = beyond_line(entry)
     assert "at least 200 bases of context" in line and "soft-masked (repeats) +0.08" in line
 
@@ -159,23 +163,23 @@ def test_baseline_cut_gives_the_gain_over_the_baseline():
     cut = scores(whole.nll + 0.05 * far + rng.normal(0, 0.01, n))
     base_cut = scores(base.nll + 0.02 * far + rng.normal(0, 0.01, n))
     edges = [0, 100, 400, 751]
-    (entry,) = summarize(whole, {N: cut}, edges, resamples=400, seed=2, baseline=(base, {N: base_cut}))["cuts"]
+    (entry,) = summarize(whole, {N: cut}, edges, resamples=400, seed=2, baseline=(base, {N: base_cut})).cuts
     gain = (cut.nll - whole.nll) - (base_cut.nll - base.nll)
-    for b, (lo, hi) in zip(entry["gain"]["buckets"], zip(edges, edges[1:])):
+    for b, (lo, hi) in zip(entry.gain.buckets, zip(edges, edges[1:])):
         keep = (context >= lo) & (context < hi)
-        assert b["delta"] == pytest.approx(float(gain[keep].mean())) and b["tokens"] == int(keep.sum())
-    assert abs(entry["gain"]["buckets"][0]["delta"]) < 0.01
-    for b in entry["gain"]["buckets"][1:]:
-        assert b["ci"][0] < 0.03 < b["ci"][1] and b["ci"][0] > 0.02
+        assert b.delta == pytest.approx(float(gain[keep].mean())) and b.tokens == int(keep.sum())
+    assert abs(entry.gain.buckets[0].delta) < 0.01
+    for b in entry.gain.buckets[1:]:
+        assert b.ci[0] < 0.03 < b.ci[1] and b.ci[0] > 0.02
     beyond = context >= 2 * N
-    assert entry["gain"]["beyond"]["all"]["delta"] == pytest.approx(float(gain[beyond].mean()))
-    assert entry["gain"]["softmasked"]["delta"] == pytest.approx(float(gain[soft].mean()))
-    assert entry["baseline"]["all"]["delta"] == pytest.approx(float((base_cut.nll - base.nll).mean()))
-    assert entry["all"]["delta"] == pytest.approx(float((cut.nll - whole.nll).mean()))  # the model's own, unchanged
+    assert entry.gain.beyond.all.delta == pytest.approx(float(gain[beyond].mean()))
+    assert entry.gain.softmasked.delta == pytest.approx(float(gain[soft].mean()))
+    assert entry.baseline.all.delta == pytest.approx(float((base_cut.nll - base.nll).mean()))
+    assert entry.all.delta == pytest.approx(float((cut.nll - whole.nll).mean()))  # the model's own, unchanged
     line = gain_line(entry, "its starting weights")
     assert line.startswith("the context beyond 100 bases is worth +0.03")
     assert "more to the model than to its starting weights" in line
-    assert {r["model"] for r in csv_rows({"model": "model", "cuts": [entry]})} == {"model", "baseline", "model - "
+    assert {r["model"] for r in csv_rows(Ablation(model="model", cuts=[entry]))} == {"model", "baseline", "model - "
                                                                                                         "baseline"}
     shifted = TokenScores(base.nll, context, np.roll(window, 1), soft)
     with pytest.raises(ValueError, match="not on the whole-window scores' tokens"):

@@ -132,7 +132,8 @@ def test_baselines_in_every_output(evaluated, demo_run):
 
     matplotlib.use("Agg")
     from genome_lm.eval.report import loss_figure
+    from genome_lm.eval.schema import EvalReport
 
-    legend = [t.get_text() for t in loss_figure(report).axes[0].get_legend().get_texts()]
+    legend = [t.get_text() for t in loss_figure(EvalReport.from_json(report)).axes[0].get_legend().get_texts()]
     assert any("uniform" in t for t in legend) and any("Markov" in t for t in legend), legend
 

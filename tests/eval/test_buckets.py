@@ -155,14 +155,14 @@ def test_summaries_bootstrap_over_the_units_given():
     sums = np.array([scores.nll[unit == u].sum() for u in range(count)])
     tokens = np.array([(unit == u).sum() for u in range(count)])
     lo, hi = np.percentile(draws @ sums / (draws @ tokens), [2.5, 97.5])
-    assert results["model"]["all"]["nats_ci"] == pytest.approx([lo, hi], rel=1e-12)
-    assert results["model"]["all"]["nats"] == pytest.approx(scores.nll.mean(), rel=1e-12)
+    assert results["model"].all.nats_ci == pytest.approx((lo, hi), rel=1e-12)
+    assert results["model"].all.nats == pytest.approx(scores.nll.mean(), rel=1e-12)
     plain_windows, plain = _overlapping_split(np.random.default_rng(9), stride=1000)
     by_window = bootstrap_units(plain, plain_windows)
     assert summarize({"model": plain}, edges, resamples=50, seed=1, units=by_window[:2]) == \
         summarize({"model": plain}, edges, resamples=50, seed=1)
     cut = TokenScores(scores.nll + 0.01 * (scores.context >= 100), scores.context, scores.window, scores.softmasked)
-    (entry,) = ablation.summarize(scores, {100: cut}, edges, resamples=200, seed=5, units=(unit, count))["cuts"]
+    (entry,) = ablation.summarize(scores, {100: cut}, edges, resamples=200, seed=5, units=(unit, count)).cuts
     cut_sums = np.array([cut.nll[unit == u].sum() for u in range(count)])
     lo, hi = np.percentile((draws @ cut_sums - draws @ sums) / (draws @ tokens), [2.5, 97.5])
-    assert entry["all"]["ci"] == pytest.approx([lo, hi], rel=1e-9)
+    assert entry.all.ci == pytest.approx((lo, hi), rel=1e-9)

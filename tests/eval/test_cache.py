@@ -10,6 +10,7 @@ import torch
 import genome_lm.eval.score as score_module
 from genome_lm.eval.cache import WindowCache, score_key
 from genome_lm.eval.evaluate import EvalRequest, evaluate
+from genome_lm.eval.schema import EvalReport
 
 
 class _Counting:
@@ -54,14 +55,14 @@ def test_interrupted_eval_scores_only_the_missing_windows(demo_run, tmp_path, mo
     resumed, calls, notes = _eval(demo_run, out, monkeypatch)
     assert calls == 2
     assert any("2 of 4 windows already scored" in n for n in notes)
-    assert resumed["results"] == whole["results"]  # to the last bit
-    assert resumed["data"] == {**whole["data"]}
-    assert json.loads((out / "eval.json").read_text())["results"] == whole["results"]
+    assert resumed.results == whole.results  # to the last bit
+    assert resumed.data == whole.data
+    assert EvalReport.from_json(json.loads((out / "eval.json").read_text())).results == whole.results
     # a damaged file is scored again, the rest read back
     victim = sorted(folder.glob("window-*.npy"))[1]
     victim.write_bytes(victim.read_bytes()[:100])
     again, calls, _ = _eval(demo_run, out, monkeypatch)
-    assert calls == 1 and again["results"] == whole["results"]
+    assert calls == 1 and again.results == whole.results
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ def _request(demo_run, out, **extra):
 @pytest.fixture(scope="module")
 def one_process(demo_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval-one")
-    return evaluate(_request(demo_run, out, max_contexts=[300]), progress=False)
+    return evaluate(_request(demo_run, out, max_contexts=[300]), progress=False).to_json()  # as eval.json holds it
 
 
 def _assert_same_report(one, two):
@@ -100,7 +100,7 @@ def test_a_killed_distributed_eval_rerun_scores_only_what_is_missing(demo_run, o
     for f in files[2:]:
         f.unlink()
     (out / "eval.json").unlink()
-    again = eval_on_ray(_request(demo_run, out, layout=layout), address="local", workers=2, progress=False)
+    again = eval_on_ray(_request(demo_run, out, layout=layout), address="local", workers=2, progress=False).to_json()
     assert sorted(f.name for f in folder.glob("window-*.npy")) == [f.name for f in files]
     assert {name: (folder / name).stat().st_mtime_ns for name in kept} == kept  # read back, not rewritten
     _assert_same_report(one_process, again)

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from genome_lm.cli import app
 from genome_lm.data.loader import SplitReader
 from genome_lm.data.tokenizer import N
-from genome_lm.eval.report import SCHEMA
+from genome_lm.eval.schema import SCHEMA
 
 runner = CliRunner()
 
@@ -150,7 +150,7 @@ def test_results_of_another_schema_are_refused(evaluated, tmp_path):
     from genome_lm.eval.analysis import load_result
 
     out, report, _ = evaluated
-    assert load_result(out / "eval.json")["schema"] == SCHEMA
+    assert load_result(out / "eval.json").schema == SCHEMA
     other = tmp_path / "old.json"
     other.write_text(json.dumps({**report, "schema": "genome-lm.eval/0"}))
     with pytest.raises(GenomeLMError, match="genome-lm.eval/0"):

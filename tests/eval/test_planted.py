@@ -6,6 +6,7 @@ import pytest
 from genome_lm.config import DataConfig, ModelSection, RunConfig, TrainConfig
 from genome_lm.data.manifest import Window
 from genome_lm.eval.planted import analyse, by_distance_line, copy_positions, demo_note, verdict
+from genome_lm.eval.schema import Advantage, CopyGroup, Planted, PlantedModel
 from genome_lm.eval.score import TokenScores
 
 
@@ -73,20 +74,20 @@ def test_copy_advantage_and_its_interval():
     section = analyse({"model": TokenScores(used, s.context, s.window, s.softmasked),
                        "baseline": TokenScores(nll, s.context, s.window, s.softmasked)}, windows, planted,
                       resamples=300, seed=0)
-    assert section["tokens_in_context"] == 20 * 300 and section["tokens_out_of_context"] == 20 * 300
-    adv = section["models"]["model"]["advantage"]
-    assert abs(adv["nats"] - 0.3) < 0.06 and adv["excludes_zero"] and adv["ci"][0] > 0.15
-    base = section["models"]["baseline"]["advantage"]
-    assert base["ci"][0] < 0 < base["ci"][1] and not base["excludes_zero"]
+    assert section.tokens_in_context == 20 * 300 and section.tokens_out_of_context == 20 * 300
+    adv = section.models["model"].advantage
+    assert abs(adv.nats - 0.3) < 0.06 and adv.excludes_zero and adv.ci[0] > 0.15
+    base = section.models["baseline"].advantage
+    assert base.ci[0] < 0 < base.ci[1] and not base.excludes_zero
     assert "uses the first copy" in verdict(section, "model")
     assert "does not exclude zero" in verdict(section, "baseline")
-    rows = section["models"]["model"]["by_distance"]
-    assert sum(r["in_context_tokens"] for r in rows) == 20 * 300
-    assert all(r["advantage"] is None for r in rows)  # in context at 2 kbp, out at 60-100 kbp: no bin has both
+    rows = section.models["model"].by_distance
+    assert sum(r.in_context_tokens for r in rows) == 20 * 300
+    assert all(r.advantage is None for r in rows)  # in context at 2 kbp, out at 60-100 kbp: no bin has both
     assert by_distance_line(section, "model") is None
     again = analyse({"model": TokenScores(used, s.context, s.window, s.softmasked)}, windows, planted,
                     resamples=300, seed=0)
-    assert again["models"]["model"]["advantage"] == adv  # seeded
+    assert again.models["model"].advantage == adv  # seeded
 
 
 @pytest.mark.parametrize("gain", [0.3, 0.0])
@@ -107,32 +108,36 @@ def test_copy_advantage_per_distance_bin(gain):
     nll = 1.2 + rng.normal(0, 0.2, s.nll.size) + np.where(copy_ids >= 0, per_copy[copy_ids], 0) - gain * in_context
     section = analyse({"model": TokenScores(nll, s.context, s.window, s.softmasked)}, windows, planted,
                       resamples=300, seed=0)
-    rows = [r for r in section["models"]["model"]["by_distance"] if r["advantage"] is not None]
-    assert [(r["from"], r["to"]) for r in rows] == [(1024, 2048), (2048, 4096)]
+    rows = [r for r in section.models["model"].by_distance if r.advantage is not None]
+    assert [(r.start, r.end) for r in rows] == [(1024, 2048), (2048, 4096)]
     for r in rows:
-        pick = (distance >= r["from"]) & (distance < r["to"]) & (copy_ids >= 0)
+        pick = (distance >= r.start) & (distance < r.end) & (copy_ids >= 0)
         want = nll[pick & ~in_context].mean() - nll[pick & in_context].mean()
-        assert r["advantage"] == pytest.approx(want)
-        assert r["advantage_ci"][0] < gain < r["advantage_ci"][1]
+        assert r.advantage == pytest.approx(want)
+        assert r.advantage_ci[0] < gain < r.advantage_ci[1]
     line = by_distance_line(section, "model")
     assert line.startswith("copy advantage by distance from the first copy (model), nats/base [95% CI]: 1k-2k ")
-    assert f"2k-4k {rows[1]['advantage']:+.3f} [{rows[1]['advantage_ci'][0]:+.3f}, " in line
+    assert f"2k-4k {rows[1].advantage:+.3f} [{rows[1].advantage_ci[0]:+.3f}, " in line
     # two copies in a bin: its difference, but no interval
     few = analyse({"model": TokenScores(nll, s.context, s.window, s.softmasked)}, windows, planted[:2],
                   resamples=300, seed=0)
-    (row,) = few["models"]["model"]["by_distance"]
-    assert row["advantage"] is not None and row["advantage_ci"] == [None, None]
-    assert row["in_context_copies"] == row["out_of_context_copies"] == 1
+    (row,) = few.models["model"].by_distance
+    assert row.advantage is not None and row.advantage_ci == (None, None)
+    assert row.in_context_copies == row.out_of_context_copies == 1
     assert "1k-2k" in by_distance_line(few) and "[no interval: 1 copies in, 1 out]" in by_distance_line(few)
     assert by_distance_line(_section(None)) is None
 
 
 def _section(advantage, tokens_in=6000, tokens_out=5000):
-    """A hand-built planted-copies section (the shape ``analyse`` returns) with one model."""
-    entry = {"in_context": {"nats": 1.1}, "out_of_context": {"nats": 1.3}, "background_nats": 1.35,
-             "advantage": advantage, "by_distance": []}
-    return {"copies_total": 40, "tokens_on_copies": tokens_in + tokens_out, "tokens_in_context": tokens_in,
-            "tokens_out_of_context": tokens_out, "distance_edges": [0, 1024], "models": {"model": entry}}
+    """A hand-built planted-copies section (the shape ``analyse`` returns) with one model;
+    ``advantage``: {nats, ci, excludes_zero} or None."""
+    entry = PlantedModel(in_context=CopyGroup(tokens=tokens_in, copies=20, nats=1.1, nats_ci=(1.0, 1.2)),
+                         out_of_context=CopyGroup(tokens=tokens_out, copies=20, nats=1.3, nats_ci=(1.2, 1.4)),
+                         background_nats=1.35, by_distance=[],
+                         advantage=None if advantage is None else Advantage(**{**advantage,
+                                                                               "ci": tuple(advantage["ci"])}))
+    return Planted(copies_total=40, tokens_on_copies=tokens_in + tokens_out, tokens_in_context=tokens_in,
+                   tokens_out_of_context=tokens_out, distance_edges=[0, 1024], models={"model": entry})
 
 
 def _cfg(steps, seq_len):

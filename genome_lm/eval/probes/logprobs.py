@@ -125,7 +125,7 @@ def check_logprobs(model_spec: str, lengths: list[int], *, chunk: int = 4096, th
     with quiet_megatron_import(), parallel_context() as pg:
         lm = load_model(model_spec, pg, seed=seed)
         model, token_map = lm.model, lm.token_map
-        hf_dir = Path(lm.info["path"]) if lm.info["kind"] == "huggingface" else None
+        hf_dir = Path(lm.info.path) if lm.info.kind == "huggingface" else None
         dtype = next(model.parameters()).dtype
         if threshold is None:
             threshold = 1e-4 if dtype == torch.float32 else 0.1
