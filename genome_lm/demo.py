@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:  # the CLI imports this module for DEMO_CONFIG: keep pydantic out of its start-up
     from genome_lm.config import RunConfig
+    from genome_lm.eval.evaluate import Scored
     from genome_lm.eval.schema import EvalReport
 
 
@@ -24,6 +25,7 @@ class DemoResult:
     config: RunConfig
     trained: object  # train.trainer.TrainResult
     report: EvalReport  # eval.json's content
+    scored: Scored | None = None  # the token scores it summarises (eval.evaluate.Scored)
 
 
 DEMO_CONFIG = "demo-finetune-cpu"
@@ -94,15 +96,16 @@ def _finetune_and_evaluate(out: Path, config: str, overrides: list[str] | None, 
     cfg = load_config(config, [f"data.dataset={out / 'dataset'}", f"train.out_dir={out / 'run'}", *(overrides or [])])
     with quiet_megatron_import():
         from genome_lm.checkpoint import existing_checkpoints
-        from genome_lm.eval.evaluate import EvalRequest, evaluate
+        from genome_lm.eval.evaluate import EvalRequest, evaluate_scored
         from genome_lm.train.trainer import train
 
         trained = train(cfg, progress=progress, resume=bool(existing_checkpoints(out / "run")))
         if on_trained:
             on_trained(trained)
         _stop_if_stopped(trained)
-        report = evaluate(EvalRequest(model=str(out / "run"), baseline="init", **evaluation), progress=progress)
-    return DemoResult(cfg, trained, report)
+        report, scored = evaluate_scored(EvalRequest(model=str(out / "run"), baseline="init", **evaluation),
+                                         progress=progress)
+    return DemoResult(cfg, trained, report, scored)
 
 
 def _stop_if_stopped(trained) -> None:

@@ -41,6 +41,14 @@ def demo(
     eval_region: Annotated[Optional[str], typer.Option("--eval", help="With --fasta: the held-out chromosome or region "
                                                                        "to evaluate on, e.g. chr2:1,833,276-2,333,275 "
                                                                        "(must not overlap --train).")] = None,
+    folds: Annotated[Optional[int], typer.Option(help="With --fasta and --region: the k-fold study. The region is cut "
+                                                      "into K contiguous folds; each is held out once while the model "
+                                                      "is tuned on the others (less a guard band of one window on each "
+                                                      "side), so every base is held out exactly once; the report pools "
+                                                      "the folds and says which findings hold in every fold. Default "
+                                                      "folder data/folds.", min=2)] = None,
+    region: Annotated[Optional[str], typer.Option(help="With --folds: the chromosome or region to cut into folds, "
+                                                       "e.g. chr2 or chr2:1-2,333,275.")] = None,
 ) -> None:
     """Run the study end to end on the built-in demo genome, on this CPU.
 
@@ -55,12 +63,21 @@ With --fasta FILE --train REGIONS --eval REGION the same study runs on your own 
 1.8 Mbp of training): the shipped model fine-tuned on whole windows of the training regions, then the held-out region
 scored in windows that start every quarter window (each base at four context lengths) against its starting weights, the
 Markov chain fitted on the training regions, and both models with their context cut to 1,024 bases, with a summary in
-words. The report goes to OUT/run/eval."""
+words. The report goes to OUT/run/eval.
+
+With --fasta FILE --folds K --region R the study runs K times, each fold of R held out once (OUT/fold-1 ... OUT/fold-K,
+each the study above, about 28 minutes on 2 cores for the chr2 piece), then pools them: OUT/folds.json gives every
+fold's figures, the pooled ones (intervals stratified by fold) and, for each finding, the folds where it holds. Run the
+same command again to finish an interrupted study: done folds are read back, the interrupted one continues."""
     from genome_lm.demo import run_demo
     from genome_lm.eval.planted import demo_note
 
     if long:
         _long_demo(out or Path("data/long"), quiet, set_ or [], eval_windows)
+        return
+    if folds is not None or region is not None:
+        _folds_demo(fasta, folds, region, train, eval_region, out or Path("data/folds"), size(window, "--window"),
+                    quiet, config if config != DEMO_CONFIG else DNA_CONFIG, set_ or [])
         return
     if fasta is not None or train is not None or eval_region is not None:
         _dna_demo(fasta, train, eval_region, out or Path("data/dna"), size(window, "--window"), quiet,
@@ -112,3 +129,67 @@ def _dna_demo(fasta: Path | None, train: str | None, eval_region: str | None, ou
     console.print("[bold]the study in short[/bold]")
     for line in study_summary(result.report):
         console.print(f"- {line}", highlight=False, markup=False)
+
+
+def _folds_demo(fasta: Path | None, folds: int | None, region: str | None, train: str | None, eval_region: str | None,
+                out: Path, window: int, quiet: bool, config: str, overrides: list[str]) -> None:
+    from genome_lm.errors import GenomeLMError
+    from genome_lm.folds import run_folds
+
+    missing = [flag for flag, value in (("--fasta", fasta), ("--folds", folds), ("--region", region)) if not value]
+    if missing:
+        raise GenomeLMError(f"the k-fold study needs --fasta, --folds and --region; missing {', '.join(missing)}")
+    if train or eval_region:
+        raise GenomeLMError("--folds chooses the training and held-out regions itself: leave out --train and --eval")
+    if not Path(fasta).is_file():
+        raise GenomeLMError(f"{fasta}: no such FASTA file")
+
+    def announce(plan, k):
+        console.rule(f"fold {plan.index} of {k}: held out {plan.held_out}, tuned on "
+                     f"{', '.join(str(r) for r in plan.train)}")
+
+    report = run_folds(out, fasta, region, folds, window, config=config, overrides=overrides, progress=not quiet,
+                       on_fold=announce, on_dataset=lambda p: print_dataset_summary(p.manifest, reused=p.reused),
+                       on_trained=print_training)
+    print_folds(report, out / "folds.json")
+
+
+def print_folds(report, path: Path, out=None) -> None:
+    """Per fold and pooled: tuned, start and Markov bits/base, the change against the start at
+    the shortest and longest context, and the far-context figures beyond 2N, with intervals;
+    then the findings fold by fold."""
+    from rich.table import Table
+
+    from genome_lm.eval.ablation import fmt_delta_ci
+
+    out = out or console
+    table = Table(title=f"{report.k}-fold study of {report.region} (window {report.window:,}; [95% CI])",
+                  title_justify="left")
+    for header in ("fold", "held out", "tuned bits/base", "start", "Markov", "change vs start, first / last bucket",
+                   "cut, beyond 2N", "gain vs start, beyond 2N", "unmasked", "repeats"):
+        table.add_column(header, justify="right")
+
+    def row(name, held_out, results, comparison, ablation):
+        model = results["model"].all
+        cells = [name, held_out, f"{model.bits:.4f} [{model.bits_ci[0]:.4f}, {model.bits_ci[1]:.4f}]",
+                 f"{results['baseline'].all.bits:.4f}",
+                 f"{results['markov'].all.bits:.4f}" if "markov" in results else "-"]
+        measured = [b for b, r in zip(comparison.buckets, results["model"].buckets) if r.tokens and b.measured] \
+            if comparison else []
+        cells.append(" / ".join(f"{b.change * 100:+.2f}%" for b in (measured[0], measured[-1])) if measured else "-")
+        cut = ablation.cuts[0] if ablation and ablation.cuts else None
+        far = cut.beyond if cut else None
+        cells.append(fmt_delta_ci(far.all) if far else "-")
+        gain = cut.gain.beyond if cut and cut.gain and cut.gain.beyond else None
+        cells += [fmt_delta_ci(getattr(gain, s)) if gain else "-" for s in ("all", "unmasked", "softmasked")]
+        table.add_row(*cells)
+
+    for f in report.folds:
+        row(str(f.index), f.held_out, f.results, f.comparison, f.ablation)
+    p = report.pooled
+    row("pooled", report.region, p.results, p.comparison, p.ablation)
+    out.print(table)
+    out.print("[bold]the study in short[/bold]")
+    for line in report.summary:
+        out.print(f"- {line}", highlight=False, markup=False)
+    out.print(f"wrote {path}", highlight=False)

@@ -54,20 +54,29 @@ def summarize(full: TokenScores, cuts: dict[int, TokenScores], edges: list[int],
     cut}) scores on the same tokens: each cut then also gives the baseline's own deltas and the
     model's delta minus the baseline's (``gain``)."""
     unit, n_units = units or window_units(full)
-    weights = resample_weights(n_units, resamples, seed)
+    sums = {N: (cut_sums(full, cuts[N], N, edges, unit, n_units),
+                None if baseline is None else cut_sums(baseline[0], baseline[1][N], N, edges, unit, n_units, full))
+            for N in cuts}
+    return summarize_sums(sums, edges, resample_weights(n_units, resamples, seed), level)
+
+
+def summarize_sums(sums: dict[int, tuple[list, list | None]], edges: list[int], weights: np.ndarray,
+                   level: float = 0.95) -> Ablation:
+    """``summarize`` from each cut's per-unit sums (``cut_sums`` of the model, and of the
+    baseline or None) and the bootstrap's resample weights [R, units]."""
     out = Ablation(model="model", cuts=[])
-    for N in sorted(cuts):
-        model_sums = _cut_sums(full, cuts[N], N, edges, unit, n_units)
+    for N in sorted(sums):
+        model_sums, base_sums = sums[N]
         entry = Cut(max_context=N, **vars(_entry(model_sums, N, edges, weights, level)))
-        if baseline is not None:
-            base_sums = _cut_sums(baseline[0], baseline[1][N], N, edges, unit, n_units, full)
+        if base_sums is not None:
             entry.baseline = _entry(base_sums, N, edges, weights, level)
             entry.gain = _entry(model_sums, N, edges, weights, level, than=base_sums)
         out.cuts.append(entry)
     return out
 
 
-def _cut_sums(whole: TokenScores, cut: TokenScores, N: int, edges, unit, n_units, tokens_of: TokenScores | None = None):
+def cut_sums(whole: TokenScores, cut: TokenScores, N: int, edges, unit, n_units,
+             tokens_of: TokenScores | None = None) -> list[tuple[WindowSums, WindowSums]]:
     """[(whole, cut) per-unit sums] for the subsets, the buckets and the bases beyond 2N."""
     for scores in (cut, whole) if tokens_of is None else (cut, whole, tokens_of):
         if not whole.same_tokens(scores):

@@ -27,13 +27,18 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from genome_lm.data.windows import MAX_N_FRACTION, STUDY_WINDOW
 from genome_lm.errors import GenomeLMError
 
 from . import ablation as abl
 from . import report as rep
+from .baselines import MarkovModel, baseline_scores, describe
+from .buckets import bootstrap_units
 from .planted import distance_figure
 from .schema import SCHEMA, SUBSETS, Bootstrap, Data, EvalReport, MlflowInfo, Settings
+from .score import TokenScores
 
 
 @dataclass
@@ -151,6 +156,20 @@ class _Selection:
         return sum(self.split.windows[i].length - 1 for i in self.windows)
 
 
+@dataclass
+class Scored:
+    """What an evaluation scored, on the same bases for every entry: each model's token scores
+    (the baselines that need no model included), each ``--max-context`` cut's ({model: {N:
+    scores}}), and the bootstrap units ((unit [N], count), what a unit is). The report
+    summarises it; ``eval.pooled`` pools it over the folds of a study."""
+
+    scores: dict[str, TokenScores]
+    cuts: dict[str, dict[int, TokenScores]]
+    units: tuple[np.ndarray, int]
+    unit_name: str
+    markov: MarkovModel | None = None  # the chain fitted on a training split (None: none to fit on)
+
+
 def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> EvalReport | None:
     """Run the evaluation; returns the report (also written to ``req.out``).
 
@@ -158,6 +177,12 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> EvalRe
     ``eval_layout`` and the windows shared out (``eval.parallel``); rank 0 writes the report and
     returns it, the other ranks return None. The steps: load the models, choose the windows,
     score every (model, context cut) job into its resumable cache, summarise, write and log."""
+    done = evaluate_scored(req, progress=progress, on_note=on_note)
+    return None if done is None else done[0]
+
+
+def evaluate_scored(req: EvalRequest, *, progress: bool = True, on_note=None) -> tuple[EvalReport, Scored] | None:
+    """``evaluate``, also returning what was scored (rank 0; None on the other ranks)."""
     import torch.distributed as dist
 
     from genome_lm.engine import quiet_megatron_import
@@ -181,12 +206,13 @@ def evaluate(req: EvalRequest, *, progress: bool = True, on_note=None) -> EvalRe
         scored = _score(req, loaded, jobs, chosen, pg, sizes, world, note, progress)
     if rank != 0:
         return None
-    report = _summarize(req, loaded, jobs, scored, chosen, sizes, world, note)
+    everything = _with_baselines(req, loaded, jobs, scored, chosen, note)
+    report = _summarize(req, loaded, everything, chosen, sizes, world)
     write_outputs(report, out)
     if req.tracking:
         report.mlflow = log_to_mlflow(report, out, loaded["model"], req.tracking_uri, note, started_ms)
         rep.write_json(report, out / "eval.json")
-    return report
+    return report, everything
 
 
 def _dataset(req: EvalRequest, model, rank: int, world: int, progress: bool) -> Path:
@@ -281,26 +307,29 @@ def _score(req: EvalRequest, loaded: dict, jobs: list, chosen: _Selection, pg, s
     return scored
 
 
-def _summarize(req: EvalRequest, loaded: dict, jobs: list, scored: dict, chosen: _Selection, sizes, world: int,
-               note) -> EvalReport:
-    """The report from the scores: every model and the baselines that
-    need none, by context bucket with intervals; the context ablation; the planted copies; the
-    headline."""
-    from genome_lm import __version__
-
-    from .baselines import baseline_scores, describe
-    from .buckets import bootstrap_units
-
+def _with_baselines(req: EvalRequest, loaded: dict, jobs: list, scored: dict, chosen: _Selection, note) -> Scored:
+    """The jobs' scores, with the baselines that need no model (uniform, the Markov chain fitted
+    on a training split) scored on the same bases, and the bootstrap units."""
     scores = {name: scored[name] for name in loaded}
     markov = _fit_markov(chosen.manifest, chosen.dataset, loaded["model"].config, note)
-    with_baselines = {**scores, **baseline_scores(scores["model"], chosen.dataset, req.split, markov)}
+    scores.update(baseline_scores(scores["model"], chosen.dataset, req.split, markov))
+    cuts = {name: {cut: scored[label] for label, who, cut in jobs if cut is not None and who == name}
+            for name in loaded}
     unit, n_units, unit_name = bootstrap_units(scores["model"], chosen.split.windows)
-    results, comparison = rep.summarize(with_baselines, chosen.edges, resamples=req.resamples, seed=req.seed,
+    return Scored(scores, cuts, (unit, n_units), unit_name, markov)
+
+
+def _summarize(req: EvalRequest, loaded: dict, everything: Scored, chosen: _Selection, sizes,
+               world: int) -> EvalReport:
+    """The report from the scores: every model and the baselines that need none, by context
+    bucket with intervals; the context ablation; the planted copies; the headline."""
+    from genome_lm import __version__
+
+    scores, cuts, (unit, n_units) = everything.scores, everything.cuts, everything.units
+    results, comparison = rep.summarize(scores, chosen.edges, resamples=req.resamples, seed=req.seed,
                                         units=(unit, n_units))
     ablation = None
     if req.max_contexts:
-        cuts = {name: {cut: scored[label] for label, who, cut in jobs if cut is not None and who == name}
-                for name in loaded}
         baseline = (scores["baseline"], cuts["baseline"]) if "baseline" in loaded else None
         ablation = abl.summarize(scores["model"], cuts["model"], chosen.edges, resamples=req.resamples,
                                  seed=req.seed, units=(unit, n_units), baseline=baseline)
@@ -309,8 +338,8 @@ def _summarize(req: EvalRequest, loaded: dict, jobs: list, scored: dict, chosen:
     if planted_path is not None:
         from .planted import analyse, load_planted
 
-        planted = analyse(scores, chosen.split.windows, load_planted(planted_path), resamples=req.resamples,
-                          seed=req.seed)
+        planted = analyse({name: scores[name] for name in loaded}, chosen.split.windows, load_planted(planted_path),
+                          resamples=req.resamples, seed=req.seed)
         planted.source = str(planted_path)
     windows = chosen.windows
     chroms = sorted({chosen.split.windows[i].chrom for i in windows})
@@ -324,9 +353,9 @@ def _summarize(req: EvalRequest, loaded: dict, jobs: list, scored: dict, chosen:
                   tokens_softmasked=int(first.softmasked.sum())),
         settings=Settings(chunk=req.chunk, edges=chosen.edges, max_n_fraction=req.max_n_fraction, ranks=world,
                           layout=dict(vars(sizes)),
-                          bootstrap=Bootstrap(resamples=req.resamples, seed=req.seed, level=0.95, unit=unit_name,
-                                              units=n_units)),
-        models={**{name: lm.info for name, lm in loaded.items()}, **describe(markov)},
+                          bootstrap=Bootstrap(resamples=req.resamples, seed=req.seed, level=0.95,
+                                              unit=everything.unit_name, units=n_units)),
+        models={**{name: lm.info for name, lm in loaded.items()}, **describe(everything.markov)},
         results=results,
         comparison=comparison,
         ablation=ablation,

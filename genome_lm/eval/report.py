@@ -20,6 +20,7 @@ import numpy as np
 from .ablation import beyond_line, gain_line
 from .ablation import csv_rows as ablation_rows
 from .buckets import (
+    WindowSums,
     bucket_centres,
     change_interval,
     errorbars,
@@ -63,8 +64,15 @@ def summarize(scores: dict[str, TokenScores], edges: list[int], *, resamples: in
         if not first.same_tokens(scores[name]):
             raise ValueError(f"models {names[0]} and {name} were scored on different tokens")
     window_pos, n_units = units or window_units(first)
-    weights = resample_weights(n_units, resamples, seed)
     sums = {name: subset_and_bucket_sums(s, window_pos, n_units, edges) for name, s in scores.items()}
+    return summarize_sums(sums, edges, resample_weights(n_units, resamples, seed), level)
+
+
+def summarize_sums(sums: dict[str, tuple[WindowSums, WindowSums]], edges: list[int], weights: np.ndarray,
+                   level: float = 0.95) -> tuple[dict[str, ModelResult], Comparison | None]:
+    """``summarize`` from each model's per-unit sums (subsets, buckets) and the bootstrap's
+    resample weights [R, units] (``pooled`` gives those of several folds)."""
+    names = list(sums)
     spans = [{"start": edges[b], "end": edges[b + 1]} for b in range(len(edges) - 1)]
     results = {}
     for name, (subsets, buckets) in sums.items():
