@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from genome_lm.errors import GenomeLMError
+from genome_lm.weights import resolve
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # packaged; ./configs links here
 
@@ -81,8 +82,6 @@ class ModelSection(Section):
     @field_validator("checkpoint")
     @classmethod
     def _shipped(cls, value: str | None) -> str | None:
-        from genome_lm.weights import resolve
-
         try:
             return resolve(value)
         except GenomeLMError as exc:

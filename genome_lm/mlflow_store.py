@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sqlite3
 from pathlib import Path
 
 log = logging.getLogger("genome_lm.tracking")
@@ -26,8 +27,6 @@ def repoint_moved_store(db: Path) -> None:
     ``mlartifacts`` folder beside it, so that a copied or moved run folder is self-contained.
     MLflow has no API to change a location; this updates its tables (``experiments``, ``runs``)
     and drops the runs' artifact stores from MLflow's per-process cache."""
-    import sqlite3
-
     if not db.is_file():
         return
     here = (db.parent / "mlartifacts").resolve().as_uri()

@@ -51,6 +51,7 @@ from typing import Any
 
 import yaml
 
+from genome_lm.errors import GenomeLMError
 from genome_lm.mlflow_store import repoint_moved_store
 
 log = logging.getLogger(__name__)
@@ -450,8 +451,6 @@ def read_run(tracking_uri: str, run_id: str, timeout_s: float = 5.0) -> dict[str
     Raises ``GenomeLMError`` (one line, naming the store) when the store cannot be reached or
     does not hold the run."""
     from mlflow.tracking import MlflowClient
-
-    from genome_lm.errors import GenomeLMError
 
     try:
         with _network(tracking_uri, timeout_s):

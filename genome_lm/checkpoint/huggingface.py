@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from genome_lm.engine.layout import ep_gather, expert_offset, to_rank0, tp_gather, tp_slice
 from genome_lm.errors import GenomeLMError
@@ -49,8 +50,6 @@ class HFCheckpoint:
     """Read access to the tensors of a safetensors checkpoint folder, one at a time."""
 
     def __init__(self, path: str | Path):
-        from safetensors import safe_open
-
         self.path = Path(path)
         if (self.path / INDEX).exists():
             try:

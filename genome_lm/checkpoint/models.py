@@ -7,13 +7,18 @@ a run folder (``paths.resolve``); without one the preset's seeded random initial
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from genome_lm.data.tokenizer import VOCAB_SIZE
+from genome_lm.engine.backend import current
 from genome_lm.errors import GenomeLMError
+from genome_lm.model import get_preset
+from genome_lm.model.config import ModelConfig
 
 from .paths import training_checkpoint
 
@@ -36,7 +41,6 @@ def build(cfg: RunConfig, pg: ProcessGroupCollection, sizes: ParallelSizes) -> G
     generators are left as a random initialisation would leave them: the new run's seeding is its
     own."""
     from genome_lm.checkpoint.huggingface import HFCheckpoint, load_hf_checkpoint
-    from genome_lm.model import get_preset
     from genome_lm.model.model import build_model
 
     from .training import load_weights
@@ -50,7 +54,6 @@ def build(cfg: RunConfig, pg: ProcessGroupCollection, sizes: ParallelSizes) -> G
         else:
             ckpt = HFCheckpoint(cfg.model.checkpoint)
             model_cfg = ckpt.config()
-    from genome_lm.engine.backend import current
 
     impl = current().resolve_impl(cfg.model.transformer_impl)
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
@@ -68,8 +71,6 @@ def _check_start_checkpoint(folder: Path, cfg: RunConfig, sizes: ParallelSizes):
     """Verify a genome-lm checkpoint (every file against its checksum) and check that this run can
     load its weights: the same model preset (and, for the earlier per-rank format written by
     several ranks, the same parallel layout). Returns its model config."""
-    from genome_lm.model.config import ModelConfig
-
     from .training import reshards, verify, weight_layout
 
     meta = verify(folder)
@@ -102,8 +103,6 @@ def _check_start_checkpoint(folder: Path, cfg: RunConfig, sizes: ParallelSizes):
 def token_map(cfg: RunConfig, model: GLM5Model) -> torch.Tensor | None:
     """genome-lm id -> model id, when the model has a text vocabulary of its own (a pretrained
     checkpoint): bases become its single-letter tokens (``data.vocab``). None for DNA vocabularies."""
-    from genome_lm.data.tokenizer import VOCAB_SIZE
-
     if model.cfg.vocab_size <= 16 and model.cfg.vocab_size >= VOCAB_SIZE:
         return None
     if not cfg.model.checkpoint:
@@ -118,8 +117,6 @@ def _tokenizer_folder(path: Path) -> Path:
     """Where the tokenizer of ``model.checkpoint`` lives: the folder itself for a Hugging Face
     checkpoint; for a genome-lm run or checkpoint, that of the checkpoint its run started from
     (recorded in its meta.json), followed back to the Hugging Face folder."""
-    import json
-
     seen = set()
     while (folder := training_checkpoint(path)) is not None:
         if folder in seen:

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from genome_lm.errors import GenomeLMError
 
@@ -196,8 +197,6 @@ class PieceReader:
 
     def _file(self, file: str):
         if file not in self._handles:
-            from safetensors import safe_open
-
             path = self.folder / file
             if not path.exists():
                 raise GenomeLMError(f"{path}: missing (a piece of the checkpoint)")
@@ -320,8 +319,6 @@ def set_optimizer_groups(optimizer: torch.optim.Optimizer, groups: list[dict], w
 def legacy_index(folder: Path, files: dict) -> dict:
     """The piece index of a one-rank checkpoint in the earlier format (``model-r00000.safetensors``
     with the model's own names): every tensor whole, so it loads under any layout too."""
-    from safetensors import safe_open
-
     name = "model-r00000.safetensors"
     if name not in files:
         raise GenomeLMError(f"{folder}: no {name}")

@@ -25,6 +25,7 @@ under their own layout, or under any layout when one rank wrote them.
 
 from __future__ import annotations
 
+import ast
 import base64
 import json
 import os
@@ -91,8 +92,6 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    import ast
-
     torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
     random.setstate(ast.literal_eval(state["python"]))
     np_state = dict(state["numpy"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import typer
 from rich.console import Console
 from rich.table import Table
-from typer.core import TyperGroup
+from typer.core import TyperGroup, TyperOption
 
 from genome_lm.errors import GenomeLMError
 from genome_lm.units import parse_size, parse_sizes
@@ -34,8 +34,6 @@ class _Commands(TyperGroup):
 def _flags_without_type() -> None:
     """typer (0.29) prints a flag's type as "<bool>" beside it in --help (``--version <bool>``);
     a flag takes no value, so show none."""
-    from typer.core import TyperOption
-
     shown = TyperOption.display_type_rich
 
     def display_type_rich(self, ctx):

@@ -10,7 +10,9 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from genome_lm.compare.bench import bench, check_indexer_loss, default_threads, growth, kernel_bench
 from genome_lm.errors import GenomeLMError
+from genome_lm.model.presets import PRESETS
 
 from .base import bench_app, console, print_rows, sizes
 
@@ -29,8 +31,6 @@ def bench_kernels(
 ) -> None:
     """KDA chunked vs its token-by-token reference (and transformers' torch fallback); DSA sparse vs dense masked
     attention: time and peak memory on this machine, with the ratio to the baseline."""
-    from genome_lm.compare.bench import kernel_bench
-
     if op not in ("kda", "dsa", "all"):
         raise typer.BadParameter("choose kda, dsa or all", param_hint="--op")
     if compile_for:
@@ -99,9 +99,6 @@ def bench_model(
 ) -> None:
     """Forward+backward of the whole model (batch 1, random DNA, next-token loss): seconds, tokens/s and peak memory per
     length, and the speed-up over transformers' glm5_next on the same weights."""
-    from genome_lm.compare.bench import bench, check_indexer_loss, default_threads, growth
-    from genome_lm.model.presets import PRESETS
-
     if preset not in PRESETS:
         raise typer.BadParameter(f"choose from {', '.join(PRESETS)}", param_hint="--preset")
     lengths = tuple(sizes(seq_lens, "--seq-lens"))

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
 
+from genome_lm.data.demo_genome import CopyPlan, planted_json_path, write_demo_genome
 from genome_lm.data.regions import split_regions
-from genome_lm.data.windows import MAX_N_FRACTION
+from genome_lm.data.windows import MAX_N_FRACTION, WindowSpec
 from genome_lm.units import parse_size_range
 
 from .base import app, console, size
@@ -68,7 +70,6 @@ def prepare(
     """
     from genome_lm.data.prepare import PrepareRequest
     from genome_lm.data.prepare import prepare as run_prepare
-    from genome_lm.data.windows import WindowSpec
 
     length = size(window, "--window")
     try:
@@ -123,10 +124,6 @@ def demo_genome(
     ] = None,
 ) -> None:
     """Write the built-in synthetic demo genome (chr1, chr2, chr22) with planted long-range copies."""
-    from dataclasses import replace
-
-    from genome_lm.data.demo_genome import CopyPlan, planted_json_path, write_demo_genome
-
     plan, changes = CopyPlan(), {}
     if copies_per_mbp is not None:
         changes["per_mbp"] = copies_per_mbp

@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.table import Table
 
+from genome_lm.engine.devices import SPECS
 from genome_lm.errors import GenomeLMError
+from genome_lm.plan.hardware import gpu_memory, gpu_spec
 
 from .base import app, console, size
 
@@ -75,11 +80,7 @@ def plan(
     cheapest change that fits. On a GPU (--device gpu) also the step's time: step seconds,
     tokens/s for the cluster and per GPU, MFU, the time by layer type and by compute, memory,
     communication and host, and what bounds the step (docs/plan.md, "The time model")."""
-    from dataclasses import replace
-
     from genome_lm.config import load_config
-    from genome_lm.engine.devices import SPECS
-    from genome_lm.plan.hardware import gpu_memory, gpu_spec
     from genome_lm.plan.memory_model import Hardware, estimate
     from genome_lm.plan.report import (
         print_plan,
@@ -159,8 +160,6 @@ def plan(
             raise GenomeLMError("--plot: the time model is for GPUs (--device gpu)")
         time_plot(timing, plot)
     if json_out:
-        import json
-
         out = {"config": config, "gpu": name, "gpus": memory_plan.gpus, "fits": memory_plan.fits,
                "peak_bytes": memory_plan.peak, "usable_bytes": memory_plan.usable, "peak_where": memory_plan.peak_where,
                "device": [vars(i) for i in memory_plan.device], "host": [vars(i) for i in memory_plan.host],
@@ -176,10 +175,6 @@ def plan(
 
 def _plan_eval(run, hw, spec, constants, json_out: bool) -> None:
     """``plan --eval``: the config's layout, and the smallest that fits (``plan.eval_model``)."""
-    from dataclasses import replace
-
-    from rich.table import Table
-
     from genome_lm.plan.eval_model import estimate_eval, smallest_eval_layout
     from genome_lm.plan.memory_model import with_changes
     from genome_lm.plan.report import gib, length_label
@@ -189,8 +184,6 @@ def _plan_eval(run, hw, spec, constants, json_out: bool) -> None:
     here = estimate_eval(with_changes(run, parallel={"pp": 1}), hw_here, spec, constants)
     best = smallest_eval_layout(run, replace(hw, gpus=None), spec)
     if json_out:
-        import json
-
         typer.echo(json.dumps({"layout": here.as_dict(), "smallest": None if best is None else best.as_dict()},
                               indent=2))
         return
@@ -219,8 +212,6 @@ def _plan_eval(run, hw, spec, constants, json_out: bool) -> None:
 def _plan_search(run, config: str, hw, spec, constants, json_out: bool, top: int, write: Path | None) -> None:
     """``plan --search``: the fitting candidates fastest first, the published setting's rank, and
     what separates the best from it (``plan.search``)."""
-    from rich.table import Table
-
     from genome_lm.config import find_config
     from genome_lm.plan.report import gib, length_label
     from genome_lm.plan.search import config_yaml, differences
@@ -240,8 +231,6 @@ def _plan_search(run, config: str, hw, spec, constants, json_out: bool, top: int
         tmp.write_text(text)
         tmp.replace(write)
     if json_out:
-        import json
-
         typer.echo(json.dumps({"gpus": hw.gpus, "gpu": spec.name, "seq_len": run.data.seq_len,
                                "candidates": [c.as_dict() for c in found],
                                "written": None if write is None else str(write)}, indent=2))

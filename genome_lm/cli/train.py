@@ -9,6 +9,10 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from genome_lm.engine import quiet_megatron_import
+from genome_lm.engine.backend import on_gpu
+from genome_lm.train.launch import train_on_ray
+
 from .base import app, console
 
 
@@ -41,10 +45,8 @@ def finetune(
     --workers: one actor per GPU in a placement group, rank 0 reports. Checkpoints go to train.out_dir every
     train.save_every steps, at the end and on SIGTERM/Ctrl-C; --resume continues from the last."""
     from genome_lm.config import load_config
-    from genome_lm.engine import quiet_megatron_import
 
     cfg = load_config(config, set_ or [])
-    from genome_lm.engine.backend import on_gpu
 
     if not on_gpu():  # memory.host_heap: auto -> keep or return, from the plan (engine.allocator)
         from genome_lm.plan.memory_model import host_heap
@@ -53,8 +55,6 @@ def finetune(
         cfg = host_heap(cfg, ranks)
     with quiet_megatron_import():
         if ray_address is not None:
-            from genome_lm.train.launch import train_on_ray
-
             result = train_on_ray(cfg, address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
                                   resume=resume, tracking_uri=tracking_uri, progress=not quiet,
                                   resume_from=resume_from, overwrite=overwrite)
@@ -124,7 +124,6 @@ def export(
                                                       "to copy.")] = None,
 ) -> None:
     """Write a training checkpoint as Hugging Face glm5_next safetensors (sharded, with an index)."""
-    from genome_lm.engine import quiet_megatron_import
     from genome_lm.train.export import export_run
 
     with quiet_megatron_import():

@@ -32,7 +32,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from genome_lm.engine import quiet_megatron_import
 from genome_lm.measure import MeasurementError, reset_high_water, run_fresh, serve, status_bytes
+from genome_lm.model.presets import get_preset
 
 if TYPE_CHECKING:
     import torch
@@ -227,7 +229,6 @@ def _build_genome_lm(cfg: dict, pg: ProcessGroupCollection):
     from genome_lm.checkpoint.huggingface import load_hf_checkpoint
     from genome_lm.engine.parallel import ParallelSizes
     from genome_lm.model.model import build_model
-    from genome_lm.model.presets import get_preset
 
     torch.manual_seed(cfg["seed"])
     model = build_model(get_preset(cfg["preset"]), pg, ParallelSizes(), kernel_backend=cfg["kernel_backend"])
@@ -265,8 +266,6 @@ def _next_token_batch(ids_BT):
 
 
 def _measure_genome_lm(cfg: dict) -> dict:
-    from genome_lm.engine import quiet_megatron_import
-
     with quiet_megatron_import():
         from genome_lm.config import MemoryConfig
         from genome_lm.engine.parallel import parallel_context

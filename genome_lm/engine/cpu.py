@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from .backend import on_gpu
+
 _state = {"enabled": False, "current_device": None, "current_stream": None}
 
 
@@ -44,8 +46,6 @@ def enable_cpu_megatron() -> bool:
 
     Idempotent. Does nothing when a GPU is present.
     """
-    from .backend import on_gpu
-
     if on_gpu() or _state["enabled"]:
         return False
     _state["current_device"] = torch.cuda.current_device

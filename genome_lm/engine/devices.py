@@ -8,6 +8,7 @@ direction. On a CPU the peak is measured: the rate of a matrix product on this m
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 
@@ -38,8 +39,6 @@ SPECS: dict[str, GPUSpec] = {
 def measured_matmul_flops(n: int = 1024, repeats: int = 5, dtype=None) -> float:
     """FLOP/s of an n x n x n matrix product on this machine's CPU (the best of ``repeats``, with
     torch's threads as set): the peak a CPU step's MFU is measured against."""
-    import time
-
     import torch
 
     dtype = dtype or torch.float32

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from genome_lm.errors import GenomeLMError
 
 from .allocator import use_heap
-from .backend import on_gpu
+from .backend import current, on_gpu
 from .cpu import enable_cpu_megatron
 
 
@@ -72,7 +72,6 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, *,
     torchrun (MASTER_ADDR, RANK, WORLD_SIZE in the environment) rank and size come from there."""
     if dist.is_initialized():
         return
-    from .backend import current
 
     profile = current()
     if init_method is None and "MASTER_ADDR" in os.environ:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genome_lm.engine import backend as engine_backend  # its current() read at each call (tests swap it)
 from genome_lm_kernels import KernelBackend, mhc, resolve_backend
 
 from .config import ModelConfig
@@ -79,9 +80,7 @@ def megatron_config(cfg: ModelConfig, sizes: ParallelSizes, options: BuildOption
     ``activation_func_clamp_value``."""
     from megatron.core.transformer import MLATransformerConfig
 
-    from genome_lm.engine.backend import current
-
-    backend = current()
+    backend = engine_backend.current()
     return MLATransformerConfig(
         num_layers=cfg.num_hidden_layers,
         hidden_size=cfg.hidden_size,

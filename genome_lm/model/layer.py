@@ -3,6 +3,7 @@ sequence-parallel gather/scatter of positions it and the model use."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,8 +37,6 @@ class DecoderLayer(nn.Module):
         if is_dense_mlp(submodules.mlp):
             self.mlp = build_module(submodules.mlp, tf_config, ffn_hidden_size=cfg.intermediate_size, tp_group=pg.tp)
         else:
-            import dataclasses
-
             # Under tensor parallel the MoE layer runs sequence-parallel (megatron-core refuses to
             # train it otherwise): each rank routes its slice of the tokens, see forward().
             self.moe_sequence_parallel = pg.tp.size() > 1

@@ -26,11 +26,14 @@ the training step (``train.optim.allreduce_sequence_parallel_grads``) sums their
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
 
+from genome_lm.engine import backend as engine_backend  # its current() read at each call (tests swap it)
+from genome_lm.engine import quiet_megatron_import
 from genome_lm.errors import GenomeLMError
 
 from .common import BuildOptions, RMSNorm, megatron_config
@@ -210,17 +213,14 @@ def build_model(cfg: ModelConfig, pg: ProcessGroupCollection, sizes: ParallelSiz
     is resolved here, once, and the layers read the result from ``BuildOptions``.
     ``absorbed_mla`` None: absorbed with the GPU kernel backends (where it runs on tensor cores),
     per-head on the CPU paths."""
-    from genome_lm.engine.backend import current
     from genome_lm_kernels import resolve_backend
 
-    profile = current()
+    profile = engine_backend.current()
     device = torch.device(device or profile.device)
     if kernel_backend == "auto" and device.type == profile.device:
         kernel_backend = profile.kernel_backend
     backend = resolve_backend(kernel_backend, device)
     if compiled and device.type == "cpu":
-        import logging
-
         from torch._inductor.cpp_builder import get_cpp_compiler
         from torch._inductor.exc import InvalidCxxCompiler
 
@@ -257,7 +257,6 @@ def pipeline_stages(cfg: ModelConfig, run: RunConfig) -> list[tuple[int, int]]:
     p = run.parallel
     if p.pp == 1:
         return [(0, cfg.num_hidden_layers)]
-    from genome_lm.engine import quiet_megatron_import
     from genome_lm.engine.parallel import ParallelSizes
 
     with quiet_megatron_import():

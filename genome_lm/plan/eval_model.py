@@ -26,7 +26,7 @@ times the window over that time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from genome_lm.config import RunConfig
 from genome_lm.engine.devices import GPUSpec
@@ -200,8 +200,6 @@ def smallest_eval_layout(run: RunConfig, hw: Hardware, gpu: GPUSpec | None = Non
                          counts=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> EvalPlan | None:
     """The fewest GPUs (of ``counts``) with a layout whose eval fits, and of those layouts the
     fastest (the lowest peak without ``gpu``); None when none fits."""
-    from dataclasses import replace
-
     for gpus in counts:
         fitting = []
         for layout in candidate_layouts(run, gpus):

@@ -27,7 +27,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+from genome_lm.engine.backend import current
 from genome_lm.measure import Peak, run_fresh, run_fresh_ranks, serve
+from genome_lm.plan.hardware import gpu_spec
 
 if TYPE_CHECKING:
     from genome_lm.config import RunConfig
@@ -203,7 +205,6 @@ def measure_gpu_step(run: RunConfig, device: str = "cuda") -> GPUStep:
     and its time. Gradients stay plain bf16 ``.grad`` tensors (see ``planned_gpu_step``)."""
     import torch
 
-    from genome_lm.engine.backend import current
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
     from genome_lm.train.memory import release_host_cache
 
@@ -233,7 +234,6 @@ def predicted_gpu_step_seconds(run: RunConfig, gpu_name: str) -> float:
     """The time model's figure for ``measure_gpu_step``'s timed step on one ``gpu_name`` GPU:
     the step's compute, memory and host transfers (with the pinning of the offloaded blocks),
     without the optimizer step, which ``measure_gpu_step`` does not run."""
-    from genome_lm.plan.hardware import gpu_spec
     from genome_lm.plan.memory_model import Hardware
     from genome_lm.plan.time_model import estimate_time
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from genome_lm.config import RunConfig
+from genome_lm.engine.allocator import heap_fits
 from genome_lm.errors import GenomeLMError
 from genome_lm.model.config import DENSE, FULL, LINEAR, ModelConfig
 from genome_lm.model.model import pipeline_stages  # noqa: F401  (re-exported for the planner's callers)
@@ -482,8 +483,6 @@ def host_heap(run: RunConfig, ranks_here: int, memory: int | None = None) -> Run
     """``run`` with ``memory.host_heap: auto`` resolved for a CPU run of ``ranks_here`` ranks on
     this machine: "keep" where twice the planned peak fits a rank's share, else "return"
     (``engine.allocator``)."""
-    from genome_lm.engine.allocator import heap_fits
-
     if run.memory.host_heap != "auto":
         return run
     world = max(ranks_here, run.parallel.tp * run.parallel.cp * run.parallel.pp)

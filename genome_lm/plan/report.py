@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from genome_lm.config import RunConfig
+from genome_lm.errors import GenomeLMError
 from genome_lm.units import size_label
 
 from .memory_model import GiB, Hardware, Plan, busiest, estimate, with_changes
@@ -130,8 +131,6 @@ def suggest(run: RunConfig, hw: Hardware) -> Suggestion | None:
     p = run.parallel
 
     def try_(changes: dict) -> Plan | None:
-        from genome_lm.errors import GenomeLMError
-
         try:
             changed = with_changes(run, **changes)
             q = changed.parallel

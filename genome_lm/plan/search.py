@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import product
 
+import yaml
+
 from genome_lm.config import RunConfig
 from genome_lm.engine.devices import GPUSpec
 from genome_lm.errors import GenomeLMError
@@ -161,8 +163,6 @@ def differences(best: Timing, other: Timing, top: int = 4) -> list[tuple[str, fl
 def config_yaml(source_text: str, best: Candidate, note: str) -> str:
     """The config file ``source_text`` with the best candidate's parallel and memory sections,
     headed by ``note`` (comment lines)."""
-    import yaml
-
     tree = yaml.safe_load(source_text) or {}
     tree.setdefault("data", {})["seq_len"] = best.run.data.seq_len
     tree["parallel"] = {k: v for k, v in best.run.parallel.model_dump().items()}

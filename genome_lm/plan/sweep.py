@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from genome_lm.config import load_config
+from genome_lm.engine.devices import measured_matmul_flops
 from genome_lm.model import flops
 
 from .measure import measure_step
@@ -54,8 +55,6 @@ def step_flops(run: RunConfig) -> float:
 def cpu_matmul_rate(threads: int) -> float:
     """This CPU's matrix-product FLOP/s with ``threads`` torch threads."""
     import torch
-
-    from genome_lm.engine.devices import measured_matmul_flops
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

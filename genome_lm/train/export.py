@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from genome_lm.errors import GenomeLMError
+from genome_lm.model.config import ModelConfig
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | None = None,
@@ -53,8 +54,6 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | None =
 
 
 def _model_config(folder: Path, meta: dict):
-    from genome_lm.model.config import ModelConfig
-
     if "model_config" not in meta:
         raise GenomeLMError(f"{folder / 'meta.json'}: records no model config (not a checkpoint written by genome-lm "
                             "finetune)")

@@ -13,6 +13,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from genome_lm.engine.ray_job import run_on_ray
+from genome_lm.model.presets import model_config
+
 if TYPE_CHECKING:
     from genome_lm.config import RunConfig
 
@@ -23,7 +26,6 @@ def check_layout(cfg: RunConfig, world_size: int) -> None:
     of the model's layers (``model.model.pipeline_split``, as the ranks will build it)."""
     from genome_lm.engine.parallel import ParallelSizes
     from genome_lm.model.model import pipeline_stages
-    from genome_lm.model.presets import model_config
 
     ParallelSizes.of(cfg.parallel).check(world_size)
     pipeline_stages(model_config(cfg), cfg)
@@ -44,7 +46,6 @@ def train_on_ray(cfg: RunConfig, *, address: str, workers: int, cpus_per_worker:
     cfg = cfg.model_copy(update={"data": data, "train": train_section})
     options = {"resume": resume, "tracking_uri": tracking_uri, "max_steps": max_steps, "progress": progress,
                "overwrite": overwrite, "resume_from": None if resume_from is None else os.path.abspath(resume_from)}
-    from genome_lm.engine.ray_job import run_on_ray
 
     return run_on_ray("genome_lm.train.launch:train_rank", (cfg.resolved(), options), address=address,
                       workers=workers, cpus_per_worker=cpus_per_worker, gpus=gpus)

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from genome_lm.engine.backend import on_gpu
+from genome_lm.engine.backend import current, on_gpu
 from genome_lm.model import recompute_memo
 from genome_lm.model.recompute_memo import Memo
 
@@ -125,7 +125,6 @@ def offload_saved_tensors(enabled: bool, pinned: bool):
     if not enabled:
         yield
         return
-    from genome_lm.engine.backend import current
 
     pin = pinned and current().pinned_host_memory
     with torch.autograd.graph.save_on_cpu(pin_memory=pin), recompute_memo.on_host(pinned=pin):

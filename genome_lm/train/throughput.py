@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from genome_lm.engine.devices import device_peak_flops
+
 if TYPE_CHECKING:
     from genome_lm.config import RunConfig
     from genome_lm.model.config import ModelConfig
@@ -21,8 +23,6 @@ class Throughput:
 
     def __init__(self, cfg: RunConfig, model_cfg: ModelConfig, *, micro_batches: int, ranks: int, gpu: bool,
                  peak: tuple[str, float] | None = None):
-        from genome_lm.engine.devices import device_peak_flops
-
         self.cfg, self.model_cfg = cfg, model_cfg
         self.micro_batches, self.ranks, self.gpu = micro_batches, ranks, gpu
         self.peak_label, self.peak = peak or device_peak_flops("cuda" if gpu else "cpu")

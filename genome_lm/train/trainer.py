@@ -29,10 +29,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import resource
 import shutil
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,10 +49,13 @@ from genome_lm.checkpoint import (
     save_checkpoint,
     token_map,
 )
-from genome_lm.engine.backend import on_gpu
+from genome_lm.engine.backend import current, on_gpu
 from genome_lm.errors import GenomeLMError
+from genome_lm.progress import StepProgress
+from genome_lm.tracking import Tracker
 
 from .step import indexer_mode
+from .throughput import Throughput
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -151,8 +155,6 @@ class _StopFlag:
 
 
 def _peak_host_mib() -> float:
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -229,7 +231,6 @@ class Trainer:
             model, pg_collection=pg)
         self.optimizer = make_optimizer(cfg, self.ddp, pg, backend)
         self.to_model = token_map(cfg, model)
-        from .throughput import Throughput
 
         self.throughput = Throughput(cfg, model.cfg, micro_batches=self.n_micro,
                                      ranks=pg.tp.size() * pg.cp.size() * pg.pp.size(), gpu=backend.gpu)
@@ -329,9 +330,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True, tracki
 
     A run folder that already holds checkpoints is refused unless ``resume`` (its latest),
     ``resume_from`` (a given checkpoint) or ``overwrite`` (its checkpoints are deleted first)."""
-    from genome_lm.engine.backend import current
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
-    from genome_lm.tracking import Tracker
 
     sizes, backend, out = ParallelSizes.of(cfg.parallel), current(), Path(cfg.train.out_dir)
     check_run_folder(out, resume=resume, resume_from=resume_from, overwrite=overwrite)
@@ -415,7 +414,6 @@ def _cp_part(batch, cp: int, rank: int):
     its expert-load statistics."""
     if cp == 1:
         return batch
-    from dataclasses import replace
 
     from genome_lm.data.loader import IGNORE, PAD
     from genome_lm.engine.context_parallel import pad_for_cp, zigzag_split
@@ -471,6 +469,4 @@ def _report(bar, rank: int, text: str) -> None:
 
 
 def _progress(enabled: bool, start: int, total: int):
-    from genome_lm.progress import StepProgress
-
     return StepProgress(enabled, start, total)

@@ -19,6 +19,8 @@ import platform
 import re
 from pathlib import Path
 
+from cffi import FFI
+
 HERE = Path(__file__).resolve().parent
 SOURCES = ("dsa.c", "kda.c", "mhc.c")  # and level.c, the CPU probe
 # what the kernels' loops need to vectorise: reassociation and contraction of float sums, no errno
@@ -49,8 +51,6 @@ def source_hash(source_dir: Path = HERE) -> str:
 
 def builder(level: str, source_dir: Path = HERE):
     """The cffi builder (an ``FFI``) of one level's module (from the sources in ``source_dir``)."""
-    from cffi import FFI
-
     ffi = FFI()
     ffi.cdef(declarations(source_dir))
     march = LEVELS[level]

@@ -16,6 +16,7 @@ to powers of two (at most 512 each: the model's latent is 512).
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 import triton
@@ -169,8 +170,6 @@ class TritonSparseMLA(torch.autograd.Function):
 def sparse_mla(q_BTHD, kv_BTD, idx_BTS, *, scale: float, dv: int, exact: bool = False, w_uk_HED=None):
     """Same contract as ``mla.sparse_mla``; lse is fp32."""
     if w_uk_HED is not None:
-        from functools import partial
-
         from .mla import AbsorbedSparseMLA, Impl
 
         impl = Impl(partial(triton_forward, exact=exact), partial(triton_backward, exact=exact))

@@ -11,6 +11,8 @@ state in fp32.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from genome_lm_kernels import KernelBackend, resolved
@@ -89,8 +91,6 @@ def kda(
     elif path == "torch":
         from .chunked import kda_chunked as run
     else:
-        from functools import partial
-
         from .triton import kda_triton
 
         # products and chunk buffers in the input's half type, as fla does: fp16 in, fp16 products
