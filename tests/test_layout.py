@@ -12,7 +12,7 @@ only runs on a GPU or in one command still counts. The layers, lowest first:
     eval, plan, compare                         evaluation; the hardware planner; parity and speed
                                                 against transformers
     variants                                    variant effects (scores with eval's models)
-    preflight, demo                             end-to-end checks and the demo pipeline
+    preflight, demo, folds                      end-to-end checks, the demo pipeline and its k-fold study
     cli, __main__                               the commands
 
 Imports sit at the top of their module. One inside a function (or method, or class body) is
@@ -36,14 +36,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
-    {"genome_lm", "errors", "units", "progress", "digest", "config", "tracking", "weights", "measure", "mlflow_store"},
+    {"genome_lm", "errors", "units", "progress", "digest", "config", "tracking", "weights", "measure", "mlflow_store",
+     "records"},
     {"data", "engine"},
     {"model"},
     {"checkpoint"},
     {"train"},
     {"eval", "plan", "compare"},
     {"variants"},
-    {"preflight", "demo"},
+    {"preflight", "demo", "folds"},
     {"cli", "__main__"},
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -78,8 +79,8 @@ def test_the_shipped_model_copies_and_a_fresh_one_does_not(pg):
 
     pool = SequencePool.random(50_000, seed=7)
     shipped = load_model("builtin:tiny-long", pg)
-    assert shipped.info["kind"] == "huggingface" and Path(shipped.info["path"]) == weights.ROOT / "tiny-long"
-    assert shipped.info["shipped"] == "builtin:tiny-long"  # what reports and plot legends call it
+    assert shipped.info.kind == "huggingface" and Path(shipped.info.path) == weights.ROOT / "tiny-long"
+    assert shipped.info.shipped == "builtin:tiny-long"  # what reports and plot legends call it
     (row,) = copy_probe(shipped.model, pool, [256], trials=4, seed=3)
     assert row.advantage > 0.2 and row.ci_low > 0.1, row
     (fresh,) = copy_probe(load_model("preset:tiny-long", pg).model, pool, [256], trials=4, seed=3)
@@ -90,16 +91,16 @@ def test_shipped_weights_are_named_by_their_builtin_name(tmp_path):
     """A report names the shipped weights ``builtin:NAME`` (the plot legend said "huggingface"),
     any other folder by its kind; a copy of the shipped files elsewhere is not the shipped weights."""
     from genome_lm.eval.report import _label
+    from genome_lm.eval.schema import ModelInfo
 
     assert weights.shipped_name(weights.ROOT / "tiny-long") == "builtin:tiny-long"
     assert weights.shipped_name(str(weights.ROOT / "tiny-long") + "/") == "builtin:tiny-long"
     shutil.copytree(weights.ROOT / "tiny-long", tmp_path / "tiny-long")
     assert weights.shipped_name(tmp_path / "tiny-long") is None
     assert weights.shipped_name(weights.ROOT) is None
-    models = {"baseline": {"kind": "huggingface", "shipped": "builtin:tiny-long", "step": None},
-              "model": {"kind": "huggingface", "shipped": None, "step": None},
-              "tuned": {"kind": "checkpoint", "step": 40}}
-    report = {"models": models}
+    models = {"baseline": ModelInfo(kind="huggingface", shipped="builtin:tiny-long"),
+              "model": ModelInfo(kind="huggingface"), "tuned": ModelInfo(kind="checkpoint", step=40)}
+    report = SimpleNamespace(models=models)
     assert _label(report, "baseline") == "baseline (builtin:tiny-long)"
     assert _label(report, "model") == "model (huggingface)"
     assert _label(report, "tuned") == "tuned (checkpoint step 40)"
