@@ -14,6 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from genome_lm.data.demo_genome import CopyPlan, planted_json_path, write_demo_genome
+from genome_lm.data.windows import WindowSpec
+from genome_lm.engine import quiet_megatron_import
+from genome_lm.errors import GenomeLMError
+
 if TYPE_CHECKING:  # the CLI imports this module for DEMO_CONFIG: keep pydantic out of its start-up
     from genome_lm.config import RunConfig
     from genome_lm.eval.evaluate import Scored
@@ -37,9 +42,7 @@ def run_demo(out: Path, window: int, *, config: str = DEMO_CONFIG, overrides: li
              on_trained: Callable | None = None) -> DemoResult:
     """Run every stage into ``out``; ``on_dataset(prepare result)`` and ``on_trained(TrainResult)``
     are called as the stages finish."""
-    from genome_lm.data.demo_genome import write_demo_genome
     from genome_lm.data.prepare import PrepareRequest, prepare
-    from genome_lm.data.windows import WindowSpec
 
     fasta = out / "genome.fa"
     if not fasta.exists():
@@ -73,7 +76,6 @@ def run_dna_demo(out: Path, fasta: Path, train_regions: tuple[str, ...], eval_re
     the Markov chain fitted on the training regions, uniform, and itself with its context cut
     (``max_contexts``, default 1,024 bases). Re-running continues the run and reuses the scores."""
     from genome_lm.data.prepare import PrepareRequest, prepare
-    from genome_lm.data.windows import WindowSpec
 
     prepared = prepare(PrepareRequest(Path(fasta), out / "dataset", tuple(train_regions), (eval_region,),
                                       WindowSpec(window, window), eval_stride=max(1, window // DNA_EVAL_STRIDES)),
@@ -91,7 +93,6 @@ def _finetune_and_evaluate(out: Path, config: str, overrides: list[str] | None, 
     """Fine-tune ``config`` on ``out``/dataset into ``out``/run (continuing a run already there),
     then evaluate it against its starting weights (``evaluation``: the EvalRequest's other fields)."""
     from genome_lm.config import load_config
-    from genome_lm.engine import quiet_megatron_import
 
     cfg = load_config(config, [f"data.dataset={out / 'dataset'}", f"train.out_dir={out / 'run'}", *(overrides or [])])
     with quiet_megatron_import():
@@ -112,7 +113,6 @@ def _stop_if_stopped(trained) -> None:
     """A training stage that stopped early (a signal, non-finite losses) ends the demo: the
     next stage must not start from, or evaluate, an unfinished model."""
     if trained.stopped_by:
-        from genome_lm.errors import GenomeLMError
 
         raise GenomeLMError(f"training in {trained.out_dir} stopped by {trained.stopped_by} at step "
                             f"{trained.steps_done}; run the same command again to continue it")
@@ -142,10 +142,7 @@ def run_long_demo(out: Path, *, overrides: tuple[list[str], list[str]] = ([], []
     stage 2; ``scale``: the genome's (the drill's length too). Re-running continues each stage's
     run and reuses what was written."""
     from genome_lm.config import load_config
-    from genome_lm.data.demo_genome import CopyPlan, write_demo_genome
     from genome_lm.data.prepare import PrepareRequest, prepare
-    from genome_lm.data.windows import WindowSpec
-    from genome_lm.engine import quiet_megatron_import
 
     fasta, drill_fasta = out / "genome.fa", out / "drill.fa"
     if not fasta.exists():
@@ -184,7 +181,6 @@ def run_long_demo(out: Path, *, overrides: tuple[list[str], list[str]] = ([], []
 def _chr22_selection(out: Path, length: int) -> list:
     """How often stage 2's indexer selects the source of a copied base, on two chr22 windows cut
     to ``length`` (the training length)."""
-    from genome_lm.data.demo_genome import planted_json_path
     from genome_lm.engine.parallel import parallel_context
     from genome_lm.eval.models import load_model
     from genome_lm.eval.planted import load_planted

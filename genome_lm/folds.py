@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from genome_lm import __version__
 from genome_lm.data.names import canonical
 from genome_lm.data.regions import Region, parse_region
-from genome_lm.demo import DNA_CONFIG, DNA_MAX_CONTEXTS
+from genome_lm.demo import DNA_CONFIG, DNA_MAX_CONTEXTS, run_dna_demo
 from genome_lm.errors import GenomeLMError
 from genome_lm.eval.schema import Ablation, Bootstrap, Comparison, ModelResult
 from genome_lm.records import from_json, to_json
@@ -223,8 +224,6 @@ def run_folds(out: Path, fasta: Path, region_text: str, k: int, window: int, *, 
               on_trained: Callable | None = None) -> FoldsReport:
     """Run (or finish) every fold into ``out``/fold-<k>, then pool them into ``out``/folds.json.
     ``on_fold(plan, k)`` is called as each fold starts."""
-    from genome_lm import __version__
-    from genome_lm.demo import run_dna_demo
     from genome_lm.eval.pooled import pool
     from genome_lm.eval.report import atomic_write
 

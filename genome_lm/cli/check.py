@@ -10,7 +10,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from genome_lm.engine import quiet_megatron_import
+from genome_lm.engine.backend import current, on_gpu
 from genome_lm.errors import GenomeLMError
+from genome_lm.preflight import SECTIONS, run_preflight
 
 from .base import app, console, print_rows, sizes
 
@@ -47,8 +50,6 @@ def parity(
     genome-lm supports (NoPE MLA without attention bias, the tail pool always selected; any
     router grouping); other configs are refused with the field named."""
     from genome_lm.compare.parity import run_parity
-    from genome_lm.engine import quiet_megatron_import
-    from genome_lm.engine.backend import current
     from genome_lm_kernels import resolve_backend
 
     lengths_ = sizes(lengths, "--lengths")
@@ -122,8 +123,6 @@ def preflight(
     reference at real shapes, KDA and DSA speed against fla and flash attention, the 4-layer slice's peak memory against
     the plan, and resume through the real trainer. On a CPU the same checks run at tiny shapes under Triton's
     interpreter."""
-    from genome_lm.engine.backend import on_gpu
-    from genome_lm.preflight import SECTIONS, run_preflight
 
     sections = tuple(x.strip() for x in only.split(",")) if only else SECTIONS
     unknown = [x for x in sections if x not in SECTIONS]

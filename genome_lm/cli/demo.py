@@ -6,8 +6,12 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.table import Table
 
-from genome_lm.demo import DEMO_CONFIG, DNA_CONFIG
+from genome_lm.data.regions import split_regions
+from genome_lm.demo import DEMO_CONFIG, DNA_CONFIG, run_demo, run_dna_demo, run_long_demo
+from genome_lm.errors import GenomeLMError
+from genome_lm.folds import run_folds
 
 from .base import app, console, size
 from .data import print_dataset_summary
@@ -69,7 +73,6 @@ With --fasta FILE --folds K --region R the study runs K times, each fold of R he
 each the study above, about 28 minutes on 2 cores for the chr2 piece), then pools them: OUT/folds.json gives every
 fold's figures, the pooled ones (intervals stratified by fold) and, for each finding, the folds where it holds. Run the
 same command again to finish an interrupted study: done folds are read back, the interrupted one continues."""
-    from genome_lm.demo import run_demo
     from genome_lm.eval.planted import demo_note
 
     if long:
@@ -95,7 +98,6 @@ same command again to finish an interrupted study: done folds are read back, the
 
 
 def _long_demo(out: Path, quiet: bool, overrides: list[str], eval_windows: int) -> None:
-    from genome_lm.demo import run_long_demo
     from genome_lm.eval.planted import demo_note
     from genome_lm.eval.probes.selection import describe
 
@@ -111,9 +113,6 @@ def _long_demo(out: Path, quiet: bool, overrides: list[str], eval_windows: int) 
 
 def _dna_demo(fasta: Path | None, train: str | None, eval_region: str | None, out: Path, window: int, quiet: bool,
               config: str, overrides: list[str]) -> None:
-    from genome_lm.data.regions import split_regions
-    from genome_lm.demo import run_dna_demo
-    from genome_lm.errors import GenomeLMError
     from genome_lm.eval.report import study_summary
 
     missing = [flag for flag, value in (("--fasta", fasta), ("--train", train), ("--eval", eval_region)) if not value]
@@ -133,8 +132,6 @@ def _dna_demo(fasta: Path | None, train: str | None, eval_region: str | None, ou
 
 def _folds_demo(fasta: Path | None, folds: int | None, region: str | None, train: str | None, eval_region: str | None,
                 out: Path, window: int, quiet: bool, config: str, overrides: list[str]) -> None:
-    from genome_lm.errors import GenomeLMError
-    from genome_lm.folds import run_folds
 
     missing = [flag for flag, value in (("--fasta", fasta), ("--folds", folds), ("--region", region)) if not value]
     if missing:
@@ -158,7 +155,6 @@ def print_folds(report, path: Path, out=None) -> None:
     """Per fold and pooled: tuned, start and Markov bits/base, the change against the start at
     the shortest and longest context, and the far-context figures beyond 2N, with intervals;
     then the findings fold by fold."""
-    from rich.table import Table
 
     from genome_lm.eval.ablation import fmt_delta_ci
 

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from genome_lm.data.windows import MAX_N_FRACTION
+from genome_lm.errors import GenomeLMError
 from genome_lm.eval.buckets import units_text
 from genome_lm.eval.schema import SUBSETS, Change, EvalReport, Stat
 
@@ -222,7 +223,6 @@ def parallel_layout(items: list[str] | None) -> dict | None:
     if not items:
         return None
     from genome_lm.config import load_config
-    from genome_lm.errors import GenomeLMError
 
     for item in items:
         if not item.strip().startswith("parallel."):
@@ -323,7 +323,6 @@ def recall_command(
     own sweep runs too, through its CallableModel interface, with background from the same sequence; both are printed
     and written to --out.
     """
-    from genome_lm.errors import GenomeLMError
     from genome_lm.eval.ablation import fmt_delta
     from genome_lm.eval.probes.recall import recall_bench_available, run_recall
 

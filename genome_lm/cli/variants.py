@@ -8,6 +8,8 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from genome_lm.variants.run import VariantRequest, run_variants
+
 from .base import app, console, size, sizes
 
 
@@ -73,7 +75,6 @@ def variants(
     Skipped variants (REF not matching the FASTA, N or the record's end inside the window, long indels, symbolic
     alleles) are counted and listed in the report.
     """
-    from genome_lm.variants.run import VariantRequest, run_variants
 
     chunk_size = 0 if chunk.strip() in ("0", "none") else size(chunk, "--chunk")
     request = VariantRequest(

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from genome_lm.errors import GenomeLMError
+from genome_lm.units import parse_size
 
 from .schema import Span
 
@@ -54,7 +55,6 @@ def parse_edges(text: str, window: int) -> list[int]:
     """``--buckets`` text -> edges. Comma-separated sizes (``0,1k,4k,64k``; a last edge below the
     window length is followed by the window length), or ``pow2:SIZE`` for 0 then powers of two
     from SIZE up to the window length."""
-    from genome_lm.units import parse_size
 
     text = text.strip()
     try:

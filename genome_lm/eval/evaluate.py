@@ -21,21 +21,32 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from genome_lm.data.windows import MAX_N_FRACTION, STUDY_WINDOW
+from genome_lm import __version__, weights
+from genome_lm.data.demo_genome import planted_json_path
+from genome_lm.data.manifest import Manifest
+from genome_lm.data.names import canonical
+from genome_lm.data.regions import parse_region
+from genome_lm.data.windows import MAX_N_FRACTION, STUDY_WINDOW, WindowSpec
+from genome_lm.engine import quiet_megatron_import
+from genome_lm.engine.ray_job import run_on_ray
 from genome_lm.errors import GenomeLMError
+from genome_lm.progress import progress_bar
+from genome_lm.tracking import Tracker
 
 from . import ablation as abl
 from . import report as rep
 from .baselines import MarkovModel, baseline_scores, describe
-from .buckets import bootstrap_units
+from .buckets import bootstrap_units, default_edges, parse_edges
 from .planted import distance_figure
 from .schema import SCHEMA, SUBSETS, Bootstrap, Data, EvalReport, MlflowInfo, Settings
 from .score import TokenScores
@@ -70,8 +81,6 @@ def _windows_of(split_windows, chrom: str | None, source: str) -> list[int]:
     (``chr2:1,800,001-2,333,275``, 1-based, inclusive), whose windows must lie wholly inside it."""
     if chrom is None:
         return list(range(len(split_windows)))
-    from genome_lm.data.names import canonical
-    from genome_lm.data.regions import parse_region
 
     present = sorted({w.chrom for w in split_windows})
     region = parse_region(chrom, present)
@@ -90,7 +99,6 @@ def _windows_of(split_windows, chrom: str | None, source: str) -> list[int]:
 
 def _prepare_fasta(req: EvalRequest, progress: bool) -> Path:
     from genome_lm.data.prepare import PrepareRequest, prepare
-    from genome_lm.data.windows import WindowSpec
 
     if req.chrom is None:
         raise GenomeLMError(f"{req.fasta}: --fasta needs --chrom (the chromosome to evaluate)")
@@ -110,9 +118,7 @@ def eval_layout(req: EvalRequest, world_size: int):
     if req.layout is not None:
         return ParallelSizes(**req.layout)
     if world_size > 1:
-        import json
 
-        from genome_lm import weights
         from genome_lm.checkpoint import resolve
 
         try:
@@ -185,7 +191,6 @@ def evaluate_scored(req: EvalRequest, *, progress: bool = True, on_note=None) ->
     """``evaluate``, also returning what was scored (rank 0; None on the other ranks)."""
     import torch.distributed as dist
 
-    from genome_lm.engine import quiet_megatron_import
     from genome_lm.engine.parallel import parallel_context
 
     from .models import load_model
@@ -236,9 +241,7 @@ def _dataset(req: EvalRequest, model, rank: int, world: int, progress: bool) -> 
 def _choose_windows(req: EvalRequest, dataset: Path) -> _Selection:
     """The split's windows on ``--chrom`` (at most ``--max-windows``, none with too many N) and
     the context buckets' edges."""
-    from genome_lm.data.manifest import Manifest
 
-    from .buckets import default_edges, parse_edges
     from .score import select_windows
 
     manifest = Manifest.load(dataset)
@@ -270,8 +273,6 @@ def _score(req: EvalRequest, loaded: dict, jobs: list, chosen: _Selection, pg, s
     """Every job's token scores (rank 0; the other ranks score their share and return {}),
     through a cache per job that an interrupted run resumes from."""
     import torch.distributed as dist
-
-    from genome_lm.progress import progress_bar
 
     from .cache import WindowCache, score_key
     from .parallel import score_into_cache
@@ -323,7 +324,6 @@ def _summarize(req: EvalRequest, loaded: dict, everything: Scored, chosen: _Sele
                world: int) -> EvalReport:
     """The report from the scores: every model and the baselines that need none, by context
     bucket with intervals; the context ablation; the planted copies; the headline."""
-    from genome_lm import __version__
 
     scores, cuts, (unit, n_units) = everything.scores, everything.cuts, everything.units
     results, comparison = rep.summarize(scores, chosen.edges, resamples=req.resamples, seed=req.seed,
@@ -369,7 +369,6 @@ def _fit_markov(manifest, dataset: Path, config, note):
     """The Markov baseline fitted on a training split: the evaluation dataset's, else the training
     run's dataset (an evaluation of a FASTA prepared for eval only has none); None, said, when
     neither has one."""
-    from genome_lm.errors import GenomeLMError as _Error
 
     from .baselines import fit_markov
 
@@ -379,21 +378,19 @@ def _fit_markov(manifest, dataset: Path, config, note):
     for folder, found in candidates:
         try:
             if found is None:
-                from genome_lm.data.manifest import Manifest
 
                 found = Manifest.load(folder)
             split = config.data.train_split if config is not None else "train"
             if not found.split(split).windows:
                 continue
             return fit_markov(folder, split)
-        except (_Error, ValueError, KeyError, OSError):
+        except (GenomeLMError, ValueError, KeyError, OSError):
             continue
     note("Markov baseline: no training split to fit it on (in the dataset or the model's run); uniform only")
     return None
 
 
 def _planted_beside(manifest) -> Path | None:
-    from genome_lm.data.demo_genome import planted_json_path
 
     source = manifest.data.get("source", {}).get("path")
     if not source:
@@ -471,7 +468,6 @@ def log_to_mlflow(report: EvalReport, out: Path, lm, tracking_uri: str | None, n
     the bucket's first context length) and the files as artifacts. Without a training run: a
     store in ``out``. The run starts when the evaluation started (``started_ms``), so its
     duration is the evaluation's."""
-    from genome_lm.tracking import Tracker
 
     cfg = lm.config
     run_dir = lm.run_dir if lm.run_dir is not None else out
@@ -502,9 +498,7 @@ def eval_on_ray(request, *, address: str, workers: int, cpus_per_worker: int = 1
                 progress: bool = True):
     """Run ``eval.evaluate.evaluate(request)`` on ``workers`` Ray actors (the model split by the
     request's layout, the windows shared out); returns rank 0's report."""
-    import dataclasses
 
-    from genome_lm.engine.ray_job import run_on_ray
 
     sizes = eval_layout(request, workers)
     sizes.check(workers)  # before a cluster is asked for anything

@@ -22,7 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from genome_lm import weights
 from genome_lm.errors import GenomeLMError
+from genome_lm.model import get_preset
+from genome_lm.weights import shipped_name
 
 from .schema import ModelInfo
 
@@ -53,7 +56,6 @@ def load_model(spec: str | Path, pg: ProcessGroupCollection, *, init_of: LoadedM
 
     sizes = sizes or ParallelSizes()
     if str(spec).startswith("preset:"):
-        from genome_lm.model import get_preset
         from genome_lm.model.model import build_model
 
         name = str(spec)[len("preset:"):]
@@ -74,7 +76,6 @@ def load_model(spec: str | Path, pg: ProcessGroupCollection, *, init_of: LoadedM
         info = ModelInfo(kind="init", path=init_of.info.path, step=0, preset=cfg.model.preset,
                          checkpoint=cfg.model.checkpoint)
         return LoadedModel(model.eval(), info, token_map(cfg, model), init_of.run_dir, init_of.run_id, cfg)
-    from genome_lm import weights
 
     found = resolve(weights.resolve(str(spec)), what="model")  # builtin:NAME -> the shipped folder
     if found.checkpoint is not None:
@@ -100,7 +101,6 @@ def load_model(spec: str | Path, pg: ProcessGroupCollection, *, init_of: LoadedM
         from genome_lm.data.vocab import checkpoint_token_map
 
         mapping = checkpoint_token_map(path, model.cfg.pad_token_id)
-    from genome_lm.weights import shipped_name
 
     info = ModelInfo(kind="huggingface", path=str(path), shipped=shipped_name(path),
                      model_type=json.loads((path / "config.json").read_text()).get("model_type"))

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from genome_lm.errors import GenomeLMError
+
 from .schema import Advantage, CopyGroup, DistanceRow, Planted, PlantedModel
 from .score import TokenScores
 
@@ -36,7 +38,6 @@ MIN_COPIES_FOR_CI = 3  # per group and distance bin: resampling one or two copie
 
 
 def load_planted(path: Path) -> list[dict]:
-    from genome_lm.errors import GenomeLMError
 
     try:
         data = json.loads(Path(path).read_text())

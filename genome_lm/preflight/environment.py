@@ -5,6 +5,8 @@ from __future__ import annotations
 import platform
 from importlib import metadata
 
+from .sections import Skip
+
 # distribution -> what its absence turns off (None: required)
 PACKAGES = {
     "torch": None,
@@ -66,7 +68,6 @@ def compile_check(ctx) -> tuple[list[dict], str]:
     cache the compile times are cache hits."""
     from genome_lm_kernels.compile_check import run_in_subprocess
 
-    from .sections import Skip
 
     if ctx.target is None:
         raise Skip("no shared-memory limits known for this GPU's compute capability (sm_90 and sm_100 are)")

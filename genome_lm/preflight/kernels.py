@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 
 import torch
 
 from genome_lm_kernels import resolve_backend
+
+from .model import precision
 
 BOUND = {"triton": 2e-2, "fla": 2e-2, "triton-fp32": 2e-5}
 
@@ -27,7 +30,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _available(backend: str) -> str | None:
     """None when the backend can run here, else why not."""
     if backend == "fla":
-        import warnings
 
         try:
             with warnings.catch_warnings():  # fla warns at import on a machine without a GPU
@@ -163,7 +165,6 @@ def indexer_parity(ctx) -> list[dict]:
 
 
 def parity(ctx) -> tuple[list[dict], str]:
-    from .model import precision
 
     rows = kda_parity(ctx) + mla_parity(ctx) + indexer_parity(ctx) + precision(ctx)
     return rows, ("relative error of the worst output or gradient against the reference on the same values; "

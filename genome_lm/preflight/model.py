@@ -7,6 +7,13 @@ import math
 
 import numpy as np
 
+from genome_lm.data.windows import WindowSpec
+from genome_lm.engine.devices import spec_of
+from genome_lm.model.presets import get_preset
+from genome_lm.plan.measure import measure_gpu_step, measure_step, planned_gpu_step, predicted_gpu_step_seconds
+
+from .sections import Skip
+
 PLAN_TOLERANCE = 0.15  # measured peak within 15% of the plan
 # the model-level comparison on a GPU: GLM-5.3-Flash's layers at their real size (4 layers: 3 KDA
 # and a DSA layer with its indexer choosing 512 of 1,024 pools at 4k, the MoE's 8 of 64 experts,
@@ -23,7 +30,6 @@ def precision(ctx) -> list[dict]:
     flips that rounding causes on near-ties counted, with the bound before the first one. On a
     GPU at a real layer size; on a CPU the tiny-long preset under Triton's interpreter."""
     from genome_lm.compare.precision import bounds, compare_precision, exceeded
-    from genome_lm.model.presets import get_preset
 
     setting = dict(GPU_PRECISION if ctx.gpu else CPU_PRECISION)
     name, T = setting.pop("preset"), setting.pop("T")
@@ -55,8 +61,6 @@ def slice_peak(ctx) -> tuple[list[dict], str]:
     if ctx.gpu:
         import torch
 
-        from genome_lm.engine.devices import spec_of
-        from genome_lm.plan.measure import measure_gpu_step, planned_gpu_step, predicted_gpu_step_seconds
 
         run = with_changes(load_config("glm-5.3-flash-4layer-1gpu", ["model.checkpoint=null"]), data={"seq_len": 32768})
         planned = planned_gpu_step(run)
@@ -66,7 +70,6 @@ def slice_peak(ctx) -> tuple[list[dict], str]:
         predicted = predicted_gpu_step_seconds(run, spec.name) if spec else None
         what = "glm-5.3-flash-4layer, 32k tokens, bf16, the 1-GPU config's memory switches"
     else:
-        from genome_lm.plan.measure import measure_step
         from genome_lm.plan.sweep import cpu_matmul_rate, predicted_step, step_flops
 
         run = with_changes(load_config("demo-cpu", ["train.global_batch_size=1"]), data={"seq_len": 2048})
@@ -84,7 +87,6 @@ def slice_peak(ctx) -> tuple[list[dict], str]:
 
 def _dataset(ctx):
     """A small prepared dataset of random DNA (needs pysam for the FASTA), or the one given."""
-    from .sections import Skip
 
     if ctx.dataset is not None:
         return ctx.dataset
@@ -94,7 +96,6 @@ def _dataset(ctx):
         raise Skip("pysam is not installed, so no dataset can be prepared here: pip install pysam, "
                    "or pass --dataset with a folder made by genome-lm prepare") from None
     from genome_lm.data.prepare import PrepareRequest, prepare
-    from genome_lm.data.windows import WindowSpec
 
     rng = np.random.default_rng(11)
     root = ctx.work_dir / "data"

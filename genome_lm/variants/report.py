@@ -17,8 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
+from genome_lm.errors import GenomeLMError
 from genome_lm.eval.report import atomic_write
+from genome_lm.tracking import Tracker
 from genome_lm.units import size_label
+
+from .metrics import auprc, auroc, bootstrap, paired_difference
 
 MIN_CLASS = 10  # positives and negatives a consequence class needs for its own AUROC
 
@@ -36,7 +40,6 @@ def combine(per_strand: dict[str, list[tuple[np.ndarray, np.ndarray]]]) -> dict[
 
 def compare_columns(variants, fields, vcf) -> dict[str, np.ndarray]:
     """The ``--compare`` INFO fields as numbers (NaN where a variant has none)."""
-    from genome_lm.errors import GenomeLMError
 
     out = {}
     for name in fields:
@@ -74,14 +77,12 @@ def ranked(scores: dict, compare: dict, kind: str) -> dict[str, np.ndarray]:
 
 
 def _stat(values, labels, metric, resamples, seed) -> dict:
-    from .metrics import bootstrap
 
     value, lo, hi = bootstrap(values, labels, metric, resamples=resamples, seed=seed)
     return {"value": value, "ci": [lo, hi]}
 
 
 def _subset_metrics(columns: dict[str, np.ndarray], labels: np.ndarray, resamples: int, seed: int) -> dict:
-    from .metrics import auprc, auroc
 
     out = {}
     for name, values in columns.items():
@@ -99,7 +100,6 @@ def metrics(scores: dict, compare: dict, labels: np.ndarray, variants, req) -> d
     """AUROC and AUPRC with bootstrap intervals for every score, overall and per consequence
     class; paired AUROC differences of the model against the chain, the VCF's scores, the
     baseline model and its own shortest context, on the variants both scored."""
-    from .metrics import auroc, paired_difference
 
     columns = ranked(scores, compare, req.score)
     overall = _subset_metrics(columns, labels, req.resamples, req.seed)
@@ -251,7 +251,6 @@ def write_outputs(report: dict, variants, labels, scores: dict, compare: dict, o
 def log_to_mlflow(report: dict, out: Path, lm, tracking_uri: str | None, note, started: float) -> dict:
     """A run in the training run's store and experiment (its child when the model is one), else
     a store in ``out``: the settings, AUROC/AUPRC per score and the files."""
-    from genome_lm.tracking import Tracker
 
     cfg = lm.config
     run_dir = lm.run_dir if lm.run_dir is not None else out

@@ -19,12 +19,18 @@ preceding context, which runs once.
 
 from __future__ import annotations
 
+import datetime
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from genome_lm import __version__
 from genome_lm.data.tokenizer import BASE_TOKENS, tokenize
+from genome_lm.engine import quiet_megatron_import
+from genome_lm.errors import GenomeLMError
+from genome_lm.progress import progress_bar
 from genome_lm.records import to_json
 from genome_lm.units import size_label
 
@@ -152,16 +158,10 @@ class VariantRequest:
 def run_variants(req: VariantRequest, *, progress: bool = True, on_note=None) -> dict:
     """Score every variant of ``req.vcf``, write the report files into ``req.out``; returns the
     report."""
-    import datetime
-    import time
 
-    from genome_lm import __version__
-    from genome_lm.engine import quiet_megatron_import
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
-    from genome_lm.errors import GenomeLMError
     from genome_lm.eval.baselines import fit_markov_on
     from genome_lm.eval.models import load_model
-    from genome_lm.progress import progress_bar
 
     from . import report as rep
     from .vcf import Reference, read_variants

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from genome_lm.engine import quiet_megatron_import
 from genome_lm.engine.backend import on_gpu
 from genome_lm.errors import GenomeLMError
 
@@ -114,7 +115,6 @@ def check_logprobs(model_spec: str, lengths: list[int], *, chunk: int = 4096, th
                    progress=None) -> tuple[list[LogprobRow], float]:
     """Rows per (path, length) and the threshold applied. ``model_spec``: a run, checkpoint or
     Hugging Face folder (``eval.models``), or ``preset:NAME`` for fresh weights seeded by ``seed``."""
-    from genome_lm.engine import quiet_megatron_import
     from genome_lm.engine.parallel import parallel_context
     from genome_lm.model.prefill import chunked_logits
 

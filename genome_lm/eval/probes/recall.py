@@ -27,6 +27,8 @@ both numbers can be reported side by side.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,7 +37,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from genome_lm.data.manifest import Manifest
 from genome_lm.data.tokenizer import A, C, G, N, T
+from genome_lm.engine import quiet_megatron_import
+from genome_lm.errors import GenomeLMError
 
 from ..score import model_device, token_nll
 
@@ -75,7 +80,6 @@ class SequencePool:
         """Every N-free run of at least ``min_run`` bases in the split's windows (uppercase: the
         soft-mask is not part of the token ids)."""
         from genome_lm.data.loader import SplitReader
-        from genome_lm.errors import GenomeLMError
 
         reader = SplitReader(dataset, split)
         runs, longest = [], 0
@@ -197,14 +201,12 @@ def probe_window(config=None, dataset: str | Path | None = None) -> tuple[int | 
         field = "data.seq_len" if longest == seq_len else "data.seq_len_warmup"
         return longest, f"the run's {field}"
     if dataset is not None:
-        from genome_lm.data.manifest import Manifest
 
         return int(Manifest.load(Path(dataset)).data["windows"]["window"]), f"the window length of dataset {dataset}"
     return None, "no run config and no dataset"
 
 
 def recall_bench_available() -> bool:
-    import importlib.util
 
     return importlib.util.find_spec("recall_bench") is not None
 
@@ -287,9 +289,7 @@ def run_recall(model: str, out: Path, *, dataset: Path | None = None, distances:
     limit), rewrite ``out`` (JSON, schema genome-lm.recall/1) as each distance finishes, then run
     recall-bench's own sweep at the same distances when it is installed and time is left.
     ``say(text)`` gets the notes, ``on_row(row)`` each distance's row."""
-    import json
 
-    from genome_lm.engine import quiet_megatron_import
     from genome_lm.engine.parallel import parallel_context
 
     from ..models import load_model
