@@ -172,6 +172,11 @@ class TrainConfig(Section):
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     grad_clip: float = Field(1.0, ge=0)
+    lr_scale: dict[str, float] = Field(
+        default_factory=dict, description="Learning-rate multipliers by parameter name: shell-style patterns, in "
+                                          "order, the first that matches wins, e.g. {'*.indexer.*': 0, "
+                                          "'*.self_attention.*': 0.3} freezes the DSA indexers and trains the "
+                                          "attention at 0.3x the schedule (0 freezes). CPU optimizer only.")
     seed: int = 1234
     moe_aux_loss_coeff: float = Field(0.0, ge=0, description="Weight of the MoE auxiliary load-balancing loss (0 = "
                                                              "none: the routers' expert bias alone balances the "
@@ -193,6 +198,8 @@ class TrainConfig(Section):
     def _batches(self):
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError("global_batch_size must be a multiple of micro_batch_size")
+        if any(scale < 0 for scale in self.lr_scale.values()):
+            raise ValueError("lr_scale multipliers must be 0 (frozen) or more")
         return self
 
 

@@ -10,6 +10,7 @@ every rank, replicated ones once, then summed over the model-parallel groups.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from typing import TYPE_CHECKING
 
@@ -79,15 +80,19 @@ class CPUAdamW:
     def __init__(self, ddp_model, train, pg: ProcessGroupCollection):
         self.named = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
         self.pg, self.clip = pg, train.grad_clip
-        decay = [p for n, p in self.named if p.dim() > 1]
-        no_decay = [p for n, p in self.named if p.dim() <= 1]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=1e-8)
+        scales = lr_scales(self.named, train.lr_scale)
+        groups = []
+        for scale in sorted(set(scales.values()) | {1.0}, key=lambda x: (x != 1.0, -x)):  # 1.0 first, as before
+            decay = [p for n, p in self.named if scales[n] == scale and p.dim() > 1]
+            no_decay = [p for n, p in self.named if scales[n] == scale and p.dim() <= 1]
+            groups += [{"params": params, "weight_decay": wd, "lr_scale": scale}
+                       for params, wd in ((decay, train.weight_decay), (no_decay, 0.0)) if params or scale == 1.0]
+        self.optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=1e-8)
 
     def set_lr(self, lr: float) -> None:
+        """The schedule's rate, times each group's ``train.lr_scale`` multiplier."""
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group["lr_scale"]
 
     def zero_grad(self) -> None:
         for _, p in self.named:
@@ -121,6 +126,21 @@ class CPUAdamW:
         self.optimizer.load_state_dict(state)
 
 
+def lr_scales(named, patterns: dict[str, float]) -> dict[str, float]:
+    """Each parameter's learning-rate multiplier: the first of ``patterns`` (``train.lr_scale``:
+    shell-style globs over parameter names, in order) that matches its name, else 1. A pattern
+    that matches no parameter is an error (a typo would otherwise silently train everything)."""
+    names = [n for n, _ in named]
+    out = {}
+    for name in names:
+        out[name] = next((scale for pattern, scale in patterns.items() if fnmatch.fnmatchcase(name, pattern)), 1.0)
+    unused = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if unused:
+        raise GenomeLMError(f"train.lr_scale: {unused[0]!r} matches no parameter (names look like "
+                            f"{names[len(names) // 2]!r})")
+    return out
+
+
 def allreduce_sequence_parallel_grads(model: GLM5Model) -> None:
     """Sum over tensor-parallel ranks the gradients of replicated parameters that saw only this
     rank's tokens (megatron-core marks them ``sequence_parallel``: the MoE routers). Call after
@@ -143,6 +163,9 @@ def make_optimizer(cfg: RunConfig, ddp, pg: ProcessGroupCollection, backend: Bac
     on the GPU one."""
     if not backend.distributed_optimizer:
         return CPUAdamW(ddp, cfg.train, pg)
+    if cfg.train.lr_scale:
+        raise GenomeLMError("train.lr_scale: only the CPU optimizer applies per-parameter learning rates "
+                            "(megatron-core's optimizer groups the parameters its own way)")
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     optimizer = get_megatron_optimizer(OptimizerConfig(**megatron_optimizer_options(cfg, ddp.module.options.dtype)),

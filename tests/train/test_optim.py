@@ -118,3 +118,66 @@ def test_checkpoint_before_any_update_saves_no_optimizer_state():
     assert fresh.optimizer.loaded == []
     stepped = MegatronOptimizer(Inner({"p": {"exp_avg": torch.zeros(1)}}))
     assert stepped.state_dict() == {"optimizer": {"inner": 1}, "param_state": [None]}
+
+
+def test_lr_scale_freezes_and_slows_the_named_parameters():
+    """train.lr_scale: one step from the same weights and gradients, against an optimizer
+    without it: the indexer (scale 0) does not move, the rest of the attention (0.5) moves half
+    as far (Adam's step is proportional to its rate, weight decay included), everything else the
+    same; the schedule's rate is multiplied in every later step too."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from genome_lm.checkpoint import build
+    from genome_lm.config import load_config
+    from genome_lm.engine.parallel import ParallelSizes, parallel_context
+    from genome_lm.train.optim import CPUAdamW
+
+    scales = {"*.indexer.*": 0.0, "*.self_attention.*": 0.5}
+    plain = load_config("demo-cpu", ["train.weight_decay=0.1"])
+    scaled = plain.model_copy(update={"train": plain.train.model_copy(update={"lr_scale": scales})})
+    moved = {}
+    with parallel_context() as pg:
+        for name, cfg in (("plain", plain), ("scaled", scaled)):
+            torch.manual_seed(0)
+            model = build(cfg, pg, ParallelSizes())
+            ddp = DistributedDataParallel(model.tf_config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                          model, pg_collection=pg)
+            optimizer = CPUAdamW(ddp, cfg.train, pg)
+            optimizer.set_lr(1e-3)
+            gen = torch.Generator().manual_seed(1)
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            for n, p in sorted(model.named_parameters()):
+                p.main_grad.copy_(torch.randn(p.shape, generator=gen))
+            assert optimizer.step()[0]
+            moved[name] = {n: (p.detach() - before[n]) for n, p in model.named_parameters()}
+            start = before
+            lrs = {g["lr"] for g in optimizer.optimizer.param_groups}
+            assert lrs == ({1e-3} if name == "plain" else {1e-3, 5e-4, 0.0})
+    indexer = [n for n in moved["plain"] if ".indexer." in n]
+    attention = [n for n in moved["plain"] if ".self_attention." in n and ".indexer." not in n]
+    assert indexer and attention
+    for n, step in moved["plain"].items():
+        assert step.abs().max() > 0, n
+        if n in indexer:
+            assert moved["scaled"][n].abs().max() == 0, n
+        elif n in attention:
+            ulps = 4 * torch.finfo(torch.float32).eps * start[n].abs() + 1e-9  # the rounding of p + step
+            assert ((moved["scaled"][n] - 0.5 * step).abs() <= ulps).all(), n
+        else:
+            torch.testing.assert_close(moved["scaled"][n], step, rtol=0, atol=0)
+
+
+def test_lr_scale_patterns_must_match_and_need_the_cpu_optimizer():
+    from genome_lm.errors import GenomeLMError
+    from genome_lm.train.optim import lr_scales, make_optimizer
+
+    named = [("layers.0.self_attention.q_proj.weight", None), ("layers.0.mlp.router.weight", None)]
+    assert lr_scales(named, {"*.mlp.*": 0.1, "*": 2.0}) == {"layers.0.self_attention.q_proj.weight": 2.0,
+                                                          "layers.0.mlp.router.weight": 0.1}
+    with pytest.raises(GenomeLMError, match=r"'\*\.indexr\.\*' matches no parameter"):
+        lr_scales(named, {"*.indexr.*": 0.0})
+    cfg = SimpleNamespace(train=SimpleNamespace(lr_scale={"*": 0.5}))
+    with pytest.raises(GenomeLMError, match="only the CPU optimizer"):
+        make_optimizer(cfg, None, None, SimpleNamespace(distributed_optimizer=True))
+    with pytest.raises(ValueError, match="0 \\(frozen\\) or more"):
+        TrainConfig(lr_scale={"*": -1.0})
