@@ -82,6 +82,7 @@ def study(genome, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("folds")  # one worker runs the study for both
 def test_the_study_holds_out_every_base_once(study):
     out, text = study
     report = FoldsReport.from_json(json.loads((out / "folds.json").read_text()))
@@ -112,6 +113,7 @@ def test_the_study_holds_out_every_base_once(study):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("folds")
 def test_an_interrupted_study_finishes_on_a_rerun(genome, study, tmp_path, monkeypatch):
     """Killed while fold 2 is being evaluated: nothing pooled is written; the rerun reads fold 1
     back (no training step, no window scored again), finishes fold 2 from its scored windows and

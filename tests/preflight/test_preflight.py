@@ -26,6 +26,7 @@ def cpu_report(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("preflight")  # one worker runs the 2-minute command for both
 def test_cpu_preflight_runs_every_section(cpu_report):
     proc, report = cpu_report
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -38,6 +39,7 @@ def test_cpu_preflight_runs_every_section(cpu_report):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("preflight")
 def test_cpu_preflight_figures(cpu_report):
     _, report = cpu_report
     sections = {s["name"]: s for s in report["sections"]}
