@@ -34,7 +34,7 @@ from genome_lm.data.regions import Region, parse_region
 from genome_lm.demo import DNA_CONFIG, DNA_MAX_CONTEXTS, run_dna_demo
 from genome_lm.errors import GenomeLMError
 from genome_lm.eval.schema import Ablation, Bootstrap, Comparison, ModelResult
-from genome_lm.records import from_json, to_json
+from genome_lm.records import Document
 
 FOLDS_SCHEMA = "genome-lm.folds/1"
 
@@ -114,10 +114,8 @@ class Finding:
 
 
 @dataclass(kw_only=True)
-class FoldsReport:
+class FoldsReport(Document):
     schema: str = FOLDS_SCHEMA
-    created: str
-    genome_lm: str
     fasta: str
     region: str
     k: int
@@ -131,16 +129,6 @@ class FoldsReport:
     pooled: Pooled
     findings: list[Finding]
     summary: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict:
-        return to_json(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> FoldsReport:
-        schema = data.get("schema") if isinstance(data, dict) else None
-        if schema != FOLDS_SCHEMA:
-            raise ValueError(f"schema {schema!r}, this genome-lm reads {FOLDS_SCHEMA}")
-        return from_json(cls, data)
 
 
 def _side(ci, above: bool) -> str:

@@ -33,6 +33,29 @@ def omit_none(default: Any = None) -> Any:
     return dataclasses.field(default=default, metadata={"omit_none": True})
 
 
+@dataclasses.dataclass(kw_only=True)
+class Document:
+    """A versioned JSON document: ``schema`` names its format (a subclass sets it as the field's
+    default), ``created`` when and ``genome_lm`` by which version it was written."""
+
+    schema: str
+    created: str
+    genome_lm: str
+
+    def to_json(self) -> dict:
+        return to_json(self)
+
+    @classmethod
+    def from_json(cls, data: Any):
+        """The document in ``data`` (ValueError naming the first field that does not fit; a
+        document of another schema is refused by name)."""
+        expected = cls.__dataclass_fields__["schema"].default
+        schema = data.get("schema") if isinstance(data, dict) else None
+        if schema != expected:
+            raise ValueError(f"schema {schema!r}, this genome-lm reads {expected}")
+        return from_json(cls, data)
+
+
 def to_json(value: Any) -> Any:
     """Dataclasses as dicts under their JSON names, tuples as lists; the rest as it is."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from genome_lm.records import from_json, json_name, omit_none, to_json
+from genome_lm.records import Document, json_name, omit_none
 
 SCHEMA = "genome-lm.eval/1"
 SUBSETS = ("all", "unmasked", "softmasked")
@@ -255,10 +255,8 @@ class MlflowInfo:
 
 
 @dataclass(kw_only=True)
-class EvalReport:
+class EvalReport(Document):
     schema: str = SCHEMA
-    created: str
-    genome_lm: str
     data: Data
     settings: Settings
     models: dict[str, ModelInfo]
@@ -269,15 +267,3 @@ class EvalReport:
     headline: list[str] = field(default_factory=list)
     files: dict[str, str] | None = omit_none()
     mlflow: MlflowInfo | None = omit_none()
-
-    def to_json(self) -> dict:
-        return to_json(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> EvalReport:
-        """The report in ``data`` (ValueError naming the first field that does not fit; a
-        document of another schema is refused by name)."""
-        schema = data.get("schema") if isinstance(data, dict) else None
-        if schema != SCHEMA:
-            raise ValueError(f"schema {schema!r}, this genome-lm reads {SCHEMA}")
-        return from_json(cls, data)
