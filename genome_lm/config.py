@@ -41,6 +41,12 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+class MixSource(Section):
+    dataset: str = Field(description="A folder written by `genome-lm prepare`.")
+    split: str = Field("train", description="Its split to mix in.")
+    fraction: float = Field(gt=0, lt=1, description="The share of the training sequences it gives.")
+
+
 class DataConfig(Section):
     dataset: str = Field("data/demo/dataset", description="A folder written by `genome-lm prepare`.")
     train_split: str = Field("train", description="Split to train on.")
@@ -52,6 +58,16 @@ class DataConfig(Section):
     seq_len_warmup: list[tuple[int, int]] = Field(
         default_factory=list, description="[[step, seq_len], ...]: train at seq_len from that step on (e.g. 32k -> "
                                           "512k).")
+    mix: list[MixSource] = Field(
+        default_factory=list, description="Other prepared splits mixed into training, each a fraction of the "
+                                          "sequences, e.g. [{dataset: data/drill, fraction: 0.2}] (the copy drill "
+                                          "beside real DNA). The Markov baseline and eval read the main dataset only.")
+
+    @model_validator(mode="after")
+    def _mix(self):
+        if sum(m.fraction for m in self.mix) >= 1:
+            raise ValueError("data.mix: the fractions must add up to less than 1 (the rest is data.dataset)")
+        return self
 
 
 class ModelSection(Section):

@@ -10,11 +10,12 @@ is the same study on the user's own FASTA, with held-out regions.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from genome_lm.data.demo_genome import CopyPlan, planted_json_path, write_demo_genome
+from genome_lm.data.demo_genome import DRILL_RECORD, CopyPlan, planted_json_path, write_demo_genome, write_drill
 from genome_lm.data.windows import WindowSpec
 from genome_lm.engine import quiet_megatron_import
 from genome_lm.errors import GenomeLMError
@@ -64,17 +65,43 @@ DNA_MAX_CONTEXTS = [1024]  # the ablation's cut on real DNA: 4x the DSA layer's 
 DNA_EVAL_STRIDES = 4
 
 
+DNA_DRILL_BP = 4 << 20  # the copy drill mixed into real DNA (``--drill``): as long as the long recipe's
+
+
+def prepare_drill(out: Path, window: int, progress: bool = True, on_dataset: Callable | None = None) -> Path:
+    """The copy drill (``data.demo_genome.write_drill``, copies up to 16 kbp back) prepared in
+    ``out``/drill as a training split of ``window``-base windows, once; returns the folder."""
+    from genome_lm.data.prepare import PrepareRequest, prepare
+
+    fasta = out / "drill.fa"
+    if not fasta.exists():
+        write_drill(fasta, DNA_DRILL_BP)
+    prepared = prepare(PrepareRequest(fasta, out / "drill", (DRILL_RECORD,), (), WindowSpec(window, window)),
+                       quiet=not progress)
+    if on_dataset:
+        on_dataset(prepared)
+    return prepared.out
+
+
+def drill_override(dataset: Path, fraction: float) -> str:
+    """The ``--set`` item that mixes ``dataset`` into training as ``fraction`` of the sequences."""
+    return "data.mix=" + json.dumps([{"dataset": str(dataset), "fraction": fraction}])
+
+
 def run_dna_demo(out: Path, fasta: Path, train_regions: tuple[str, ...], eval_region: str, window: int, *,
                  config: str = DNA_CONFIG, overrides: list[str] | None = None, eval_windows: int | None = None,
                  max_contexts: list[int] | None = None, progress: bool = True, on_dataset: Callable | None = None,
-                 on_trained: Callable | None = None) -> DemoResult:
+                 on_trained: Callable | None = None, drill: float = 0.0, drill_dir: Path | None = None) -> DemoResult:
     """The study on the user's own FASTA (``genome-lm demo --fasta``): prepare ``train_regions``
     (chromosomes or samtools regions) for training and ``eval_region`` held out in windows that
     start every quarter window (``DNA_EVAL_STRIDES``), fine-tune (config ``dna-finetune-cpu``:
     from the shipped long-context model), then evaluate the tuned model on every held-out window
     (or ``eval_windows`` of them) against its starting weights,
     the Markov chain fitted on the training regions, uniform, and itself with its context cut
-    (``max_contexts``, default 1,024 bases). Re-running continues the run and reuses the scores."""
+    (``max_contexts``, default 1,024 bases). ``drill`` > 0 mixes the copy drill into training as
+    that fraction of the sequences (prepared once in ``drill_dir``, default ``out``; the Markov
+    chain and the evaluation read the genome only). Re-running continues the run and reuses the
+    scores."""
     from genome_lm.data.prepare import PrepareRequest, prepare
 
     prepared = prepare(PrepareRequest(Path(fasta), out / "dataset", tuple(train_regions), (eval_region,),
@@ -82,6 +109,9 @@ def run_dna_demo(out: Path, fasta: Path, train_regions: tuple[str, ...], eval_re
                        quiet=not progress)
     if on_dataset:
         on_dataset(prepared)
+    if drill:
+        mixed = prepare_drill(drill_dir or out, window, progress, on_dataset)
+        overrides = [*(overrides or []), drill_override(mixed, drill)]
     return _finetune_and_evaluate(out, config, overrides, dict(chrom=eval_region, out=out / "run" / "eval",
                                                                max_windows=eval_windows,
                                                                max_contexts=max_contexts or DNA_MAX_CONTEXTS),

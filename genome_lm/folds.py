@@ -123,6 +123,7 @@ class FoldsReport(Document):
     guard: int
     config: str
     overrides: list[str]
+    drill: float = 0.0  # the share of training sequences from the copy drill (``--drill``)
     bootstrap: Bootstrap
     edges: list[int]
     folds: list[FoldEntry]
@@ -207,18 +208,19 @@ def summary(report: FoldsReport) -> list[str]:
 
 def run_folds(out: Path, fasta: Path, region_text: str, k: int, window: int, *, config: str = DNA_CONFIG,
               overrides: list[str] | None = None, guard: int | None = None, max_contexts: list[int] | None = None,
-              eval_windows: int | None = None, resamples: int = 1000, seed: int = 0, progress: bool = True,
-              on_fold: Callable | None = None, on_dataset: Callable | None = None,
+              eval_windows: int | None = None, resamples: int = 1000, seed: int = 0, drill: float = 0.0,
+              progress: bool = True, on_fold: Callable | None = None, on_dataset: Callable | None = None,
               on_trained: Callable | None = None) -> FoldsReport:
     """Run (or finish) every fold into ``out``/fold-<k>, then pool them into ``out``/folds.json.
-    ``on_fold(plan, k)`` is called as each fold starts."""
+    ``drill`` > 0 mixes the copy drill (prepared once in ``out``/drill) into every fold's
+    training. ``on_fold(plan, k)`` is called as each fold starts."""
     from genome_lm.eval.pooled import pool
     from genome_lm.eval.report import atomic_write
 
     out = Path(out)
     region = bounded_region(fasta, region_text, out / ".fasta")
     plans = plan_folds(region, k, window, guard)
-    _check_plan(out, fasta, plans, window)
+    _check_plan(out, fasta, plans, window, drill)
     done = []
     for plan in plans:
         if on_fold:
@@ -226,7 +228,7 @@ def run_folds(out: Path, fasta: Path, region_text: str, k: int, window: int, *, 
         result = run_dna_demo(out / f"fold-{plan.index}", fasta, tuple(str(r) for r in plan.train), str(plan.held_out),
                               window, config=config, overrides=overrides, eval_windows=eval_windows,
                               max_contexts=max_contexts or DNA_MAX_CONTEXTS, progress=progress,
-                              on_dataset=on_dataset, on_trained=on_trained)
+                              on_dataset=on_dataset, on_trained=on_trained, drill=drill, drill_dir=out)
         done.append((plan, result))
     edges = done[0][1].report.settings.edges
     if any(r.report.settings.edges != edges for _, r in done):
@@ -239,7 +241,7 @@ def run_folds(out: Path, fasta: Path, region_text: str, k: int, window: int, *, 
     report = FoldsReport(created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                          genome_lm=__version__, fasta=str(fasta), region=str(region), k=k, window=window,
                          guard=window if guard is None else guard,
-                         config=config, overrides=list(overrides or []),
+                         config=config, overrides=list(overrides or []), drill=drill,
                          bootstrap=Bootstrap(resamples=resamples, seed=seed, level=0.95,
                                              unit=done[0][1].scored.unit_name),
                          edges=edges, folds=entries, pooled=pooled, findings=findings(entries, pooled))
@@ -248,18 +250,18 @@ def run_folds(out: Path, fasta: Path, region_text: str, k: int, window: int, *, 
     return report
 
 
-def _check_plan(out: Path, fasta: Path, plans: list[FoldPlan], window: int) -> None:
+def _check_plan(out: Path, fasta: Path, plans: list[FoldPlan], window: int, drill: float) -> None:
     """``out``/folds-plan.json records the folds; a re-run must ask for the same ones (its fold
     folders hold their datasets and runs)."""
     path = out / "folds-plan.json"
-    plan = {"fasta": str(Path(fasta).resolve()), "window": window,
+    plan = {"fasta": str(Path(fasta).resolve()), "window": window, "drill": drill,
             "folds": [{"held_out": str(p.held_out), "train": [str(r) for r in p.train]} for p in plans]}
     if path.exists():
         earlier = json.loads(path.read_text())
         if earlier != plan:
             raise GenomeLMError(f"{out} holds another k-fold study ({len(earlier['folds'])} folds of "
-                                f"{earlier['folds'][0]['held_out']}...; window {earlier['window']:,}); "
-                                "use another --out or remove it")
+                                f"{earlier['folds'][0]['held_out']}...; window {earlier['window']:,}; drill "
+                                f"{earlier.get('drill', 0.0)}); use another --out or remove it")
         return
     out.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(".folds-plan.json.tmp")

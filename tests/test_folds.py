@@ -168,3 +168,24 @@ def test_bad_folds_arguments_are_one_line_errors(genome, tmp_path):
                                    "--out", str(tmp_path), "--window", "8k"])
     assert too_many.exit_code == 1 and "shorter than one window" in too_many.output
     assert not (tmp_path / "folds.json").exists()
+
+
+@pytest.mark.slow
+def test_the_copy_drill_mixes_into_training_but_not_into_the_baselines(genome, tmp_path):
+    """--drill 0.3: the run trains on the genome and the drill (its loader state names the drill
+    dataset), while the Markov chain is fitted on the genome's training bases only."""
+    from genome_lm.checkpoint import latest_checkpoint
+    from genome_lm.data.manifest import Manifest
+
+    out = tmp_path / "dna"
+    result = CliRunner().invoke(app, ["demo", "--fasta", str(genome), "--train", "chr22:28,001-36,000",
+                                      "--eval", "chr22:20,001-26,000", "--drill", "0.3", "--out", str(out), *TINY])
+    assert result.exit_code == 0, result.output
+    state = json.loads((latest_checkpoint(out / "run") / "state-r00000.json").read_text())
+    (mixed,) = state["loader"]["mix"]
+    assert mixed[1:] == ["train", 0.3] and Manifest.load(out / "drill").split("train").windows
+    config = json.loads((latest_checkpoint(out / "run") / "meta.json").read_text())["config"]
+    assert config["data"]["mix"] == [{"dataset": str(out / "drill"), "split": "train", "fraction": 0.3}]
+    report = json.loads((out / "run" / "eval" / "eval.json").read_text())
+    genome_bases = sum(w.length for w in Manifest.load(out / "dataset").split("train").windows)
+    assert f"fitted on {genome_bases:,} training bases" in report["models"]["markov"]["description"]

@@ -53,6 +53,11 @@ def demo(
                                                       "folder data/folds.", min=2)] = None,
     region: Annotated[Optional[str], typer.Option(help="With --folds: the chromosome or region to cut into folds, "
                                                        "e.g. chr2 or chr2:1-2,333,275.")] = None,
+    drill: Annotated[float, typer.Option(help="With --fasta: mix the copy drill (random sequence where most bases "
+                                              "repeat something up to 16 kbp back, the long recipe's teacher of "
+                                              "copying) into fine-tuning as this fraction of the sequences, e.g. 0.2; "
+                                              "the Markov chain and the evaluation read your genome only.",
+                                         min=0.0, max=0.9)] = 0.0,
 ) -> None:
     """Run the study end to end on the built-in demo genome, on this CPU.
 
@@ -80,11 +85,11 @@ same command again to finish an interrupted study: done folds are read back, the
         return
     if folds is not None or region is not None:
         _folds_demo(fasta, folds, region, train, eval_region, out or Path("data/folds"), size(window, "--window"),
-                    quiet, config if config != DEMO_CONFIG else DNA_CONFIG, set_ or [])
+                    quiet, config if config != DEMO_CONFIG else DNA_CONFIG, set_ or [], drill)
         return
     if fasta is not None or train is not None or eval_region is not None:
         _dna_demo(fasta, train, eval_region, out or Path("data/dna"), size(window, "--window"), quiet,
-                  config if config != DEMO_CONFIG else DNA_CONFIG, set_ or [])
+                  config if config != DEMO_CONFIG else DNA_CONFIG, set_ or [], drill)
         return
     out = out or Path("data/demo")
     result = run_demo(out, size(window, "--window"), config=config, overrides=set_, eval_windows=eval_windows,
@@ -112,7 +117,7 @@ def _long_demo(out: Path, quiet: bool, overrides: list[str], eval_windows: int) 
 
 
 def _dna_demo(fasta: Path | None, train: str | None, eval_region: str | None, out: Path, window: int, quiet: bool,
-              config: str, overrides: list[str]) -> None:
+              config: str, overrides: list[str], drill: float = 0.0) -> None:
     from genome_lm.eval.report import study_summary
 
     missing = [flag for flag, value in (("--fasta", fasta), ("--train", train), ("--eval", eval_region)) if not value]
@@ -123,7 +128,7 @@ def _dna_demo(fasta: Path | None, train: str | None, eval_region: str | None, ou
         raise GenomeLMError(f"{fasta}: no such FASTA file")
     result = run_dna_demo(out, fasta, split_regions(train), eval_region, window, config=config, overrides=overrides,
                           progress=not quiet, on_dataset=lambda p: print_dataset_summary(p.manifest, reused=p.reused),
-                          on_trained=print_training)
+                          on_trained=print_training, drill=drill)
     print_report(result.report, console)
     console.print("[bold]the study in short[/bold]")
     for line in study_summary(result.report):
@@ -131,7 +136,7 @@ def _dna_demo(fasta: Path | None, train: str | None, eval_region: str | None, ou
 
 
 def _folds_demo(fasta: Path | None, folds: int | None, region: str | None, train: str | None, eval_region: str | None,
-                out: Path, window: int, quiet: bool, config: str, overrides: list[str]) -> None:
+                out: Path, window: int, quiet: bool, config: str, overrides: list[str], drill: float = 0.0) -> None:
 
     missing = [flag for flag, value in (("--fasta", fasta), ("--folds", folds), ("--region", region)) if not value]
     if missing:
@@ -145,9 +150,9 @@ def _folds_demo(fasta: Path | None, folds: int | None, region: str | None, train
         console.rule(f"fold {plan.index} of {k}: held out {plan.held_out}, tuned on "
                      f"{', '.join(str(r) for r in plan.train)}")
 
-    report = run_folds(out, fasta, region, folds, window, config=config, overrides=overrides, progress=not quiet,
-                       on_fold=announce, on_dataset=lambda p: print_dataset_summary(p.manifest, reused=p.reused),
-                       on_trained=print_training)
+    report = run_folds(out, fasta, region, folds, window, config=config, overrides=overrides, drill=drill,
+                       progress=not quiet, on_fold=announce, on_trained=print_training,
+                       on_dataset=lambda p: print_dataset_summary(p.manifest, reused=p.reused))
     print_folds(report, out / "folds.json")
 
 

@@ -431,6 +431,20 @@ def generate_demo_genome(seed: int = 0, scale: float = 1.0, copies: CopyPlan = C
     return DemoGenome(records=records, planted=planted, seed=seed, scale=scale)
 
 
+def write_drill(path: Path, drill_bp: int, seed: int = 0, distance_bp: tuple[int, int] = (64, 16_384)) -> Path:
+    """A FASTA of one record, ``drill``: ``drill_bp`` bases of the copy drill (``copy_drill``,
+    dispersed copies up to ``distance_bp[1]`` back), to mix into another genome's training
+    (``data.mix``). Written whole or not at all."""
+    if drill_bp < 1:
+        raise GenomeLMError(f"copy drill: the length must be >= 1, got {drill_bp}")
+    drill = copy_drill(np.random.default_rng([seed, 99]), drill_bp, distance_bp)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{path}.fai").unlink(missing_ok=True)
+    _atomic_write(path, _fasta({DRILL_RECORD: _LETTERS[drill].tobytes()}))
+    return path
+
+
 def planted_json_path(fasta: Path) -> Path:
     """Where :func:`write_demo_genome` puts the sidecar: ``demo.fa`` -> ``demo.planted.json``."""
     return Path(fasta).with_suffix(".planted.json")

@@ -46,11 +46,17 @@ Choices, and why:
   next epoch from its beginning (the rest of the old epoch is not seen).
 * **Windows mostly N** (``n_frac`` in the manifest above ``max_n_fraction``) are skipped and
   counted in ``skipped_windows``; their N bases would be weight-0 labels anyway.
+* **Mixing** (``data.mix``): other prepared splits join the stream as a fraction of it. With
+  fractions f_s, an epoch holds every item of the main split once (N of them) and
+  ``round(f_s / (1 - sum f) * N)`` items of mixed split s, drawn without replacement from its
+  items by ``default_rng([seed, epoch, 2, s])`` (with replacement only when it has fewer), all
+  in one permutation. ``Batch.source`` says where each row came from (0: the main split, s:
+  the s-th mixed one); ``window`` and ``offset`` refer to that source's manifest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,6 +164,7 @@ class Batch:
     offset: torch.Tensor  # [B] int64
     reverse: torch.Tensor  # [B] bool
     length: torch.Tensor  # [B] int64
+    source: torch.Tensor | None = None  # [B] int64: 0 the main split, s the s-th mixed one (``data.mix``)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -204,12 +211,7 @@ class _Crops:
         return self.window.size
 
     def batch(self, items: np.ndarray, reverse: np.ndarray) -> Batch:
-        rows = [self._row(int(i), bool(r)) for i, r in zip(items, reverse)]
-        tokens, labels, weight, window, offset, flags, length = zip(*rows)
-        return Batch(tokens=torch.from_numpy(np.stack(tokens)), labels=torch.from_numpy(np.stack(labels)),
-                     loss_weight=torch.from_numpy(np.stack(weight)), window=torch.tensor(window, dtype=torch.int64),
-                     offset=torch.tensor(offset, dtype=torch.int64), reverse=torch.tensor(flags, dtype=torch.bool),
-                     length=torch.tensor(length, dtype=torch.int64))
+        return _batch([self._row(int(i), bool(r)) for i, r in zip(items, reverse)])
 
     def _row(self, item: int, reverse: bool):
         window, start = int(self.window[item]), int(self.start[item])
@@ -224,33 +226,53 @@ class _Crops:
         return tokens, labels, weight, window, offset, reverse, n
 
 
+def _batch(rows: list, sources: list[int] | None = None) -> Batch:
+    tokens, labels, weight, window, offset, flags, length = zip(*rows)
+    return Batch(tokens=torch.from_numpy(np.stack(tokens)), labels=torch.from_numpy(np.stack(labels)),
+                 loss_weight=torch.from_numpy(np.stack(weight)), window=torch.tensor(window, dtype=torch.int64),
+                 offset=torch.tensor(offset, dtype=torch.int64), reverse=torch.tensor(flags, dtype=torch.bool),
+                 length=torch.tensor(length, dtype=torch.int64),
+                 source=None if sources is None else torch.tensor(sources, dtype=torch.int64))
+
+
 class TrainLoader:
     """Endless, shuffled, resumable batches of one split for one data-parallel rank.
 
     ``TrainLoader(dataset, split, seq_len=..., micro_batch_size=1, softmask_weight=0.1,
-    reverse_complement=0.0, max_n_fraction=0.5, seed=0, rank=0, world_size=1, shuffle=True)``.
-    :meth:`next_batch` returns this rank's ``micro_batch_size`` rows of the next global micro
-    batch; :meth:`state_dict` / :meth:`load_state_dict` save and restore the position (a small
-    JSON-able dict); :meth:`set_seq_len` switches the crop length (a new epoch unless at the
-    start of one). ``skipped_windows`` counts windows left out for their N fraction.
+    reverse_complement=0.0, max_n_fraction=0.5, seed=0, rank=0, world_size=1, shuffle=True,
+    mix=())``. :meth:`next_batch` returns this rank's ``micro_batch_size`` rows of the next
+    global micro batch; :meth:`state_dict` / :meth:`load_state_dict` save and restore the
+    position (a small JSON-able dict); :meth:`set_seq_len` switches the crop length (a new epoch
+    unless at the start of one). ``skipped_windows`` counts the main split's windows left out
+    for their N fraction. ``mix``: (dataset, split, fraction) of other splits mixed into the
+    stream (module docstring, "Mixing").
     """
 
     def __init__(self, dataset: str | Path, split: str, *, seq_len: int, micro_batch_size: int = 1,
                  softmask_weight: float = 0.1, reverse_complement: float = 0.0, max_n_fraction: float = MAX_N_FRACTION,
-                 seed: int = 0, rank: int = 0, world_size: int = 1, shuffle: bool = True):
+                 seed: int = 0, rank: int = 0, world_size: int = 1, shuffle: bool = True,
+                 mix: Sequence[tuple[str | Path, str, float]] = ()):
         if micro_batch_size < 1:
             raise GenomeLMError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if not 0 <= rank < world_size:
             raise GenomeLMError(f"rank {rank} outside world_size {world_size}")
         if not 0.0 <= reverse_complement <= 1.0:
             raise GenomeLMError(f"reverse_complement is a probability, got {reverse_complement}")
+        if any(not 0 < f < 1 for *_, f in mix) or sum(f for *_, f in mix) >= 1:
+            raise GenomeLMError(f"data.mix: each fraction must be in (0, 1) and their sum below 1, got "
+                                f"{[f for *_, f in mix]}")
         self.reader = SplitReader(dataset, split)
+        self.mixed = [(SplitReader(path, name), float(fraction)) for path, name, fraction in mix]
         self.micro_batch_size, self.rank, self.world_size = micro_batch_size, rank, world_size
         self.softmask_weight, self.reverse_complement = softmask_weight, reverse_complement
         self.max_n_fraction, self.seed, self.shuffle = max_n_fraction, int(seed), shuffle
         self.epoch, self.position = 0, 0
-        self._crops = _Crops(self.reader, seq_len, softmask_weight, max_n_fraction)
-        self._order: tuple[int, np.ndarray, np.ndarray] | None = None  # (epoch, permutation, reverse flags)
+        self._set_crops(seq_len)
+
+    def _set_crops(self, seq_len: int) -> None:
+        self._crops = _Crops(self.reader, seq_len, self.softmask_weight, self.max_n_fraction)
+        self._mixed = [_Crops(reader, seq_len, self.softmask_weight, self.max_n_fraction) for reader, _ in self.mixed]
+        self._order: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None  # epoch, sources, items, reverse
 
     @property
     def seq_len(self) -> int:
@@ -261,59 +283,77 @@ class TrainLoader:
         """Windows left out because their N fraction is above ``max_n_fraction``."""
         return int((~self._crops.keep).sum())
 
+    def _mixed_counts(self) -> list[int]:
+        """Items of each mixed split per epoch."""
+        rest = 1.0 - sum(f for _, f in self.mixed)
+        return [max(1, round(f / rest * len(self._crops))) for _, f in self.mixed]
+
     @property
     def items_per_epoch(self) -> int:
-        return len(self._crops)
+        return len(self._crops) + sum(self._mixed_counts())
 
     def set_seq_len(self, seq_len: int) -> None:
         """Crop to ``seq_len`` from now on; mid-epoch, a change moves to the start of the next epoch."""
         if seq_len == self.seq_len:
             return
-        self._crops = _Crops(self.reader, seq_len, self.softmask_weight, self.max_n_fraction)
+        self._set_crops(seq_len)
         if self.position:
             self.epoch, self.position = self.epoch + 1, 0
-        self._order = None
 
-    def _epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    def _epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(source, item, reverse flag) of every item of ``epoch``, in the order they are served."""
         if self._order is None or self._order[0] != epoch:
-            n = len(self._crops)
+            sources, items = [np.zeros(len(self._crops), dtype=np.int64)], [np.arange(len(self._crops))]
+            for s, (crops, count) in enumerate(zip(self._mixed, self._mixed_counts()), start=1):
+                rng = np.random.default_rng([self.seed, epoch, 2, s])
+                sources.append(np.full(count, s, dtype=np.int64))
+                items.append(rng.choice(len(crops), count, replace=count > len(crops)))
+            source, item = np.concatenate(sources), np.concatenate(items)
+            n = source.size
             perm = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
             reverse = np.random.default_rng([self.seed, epoch, 1]).random(n) < self.reverse_complement
-            self._order = (epoch, perm, reverse)
-        return self._order[1], self._order[2]
+            self._order = (epoch, source[perm], item[perm], reverse)
+        return self._order[1], self._order[2], self._order[3]
 
-    def _take(self, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """The next ``count`` items of the stream (and their reverse flags); advances the state."""
-        items, flags = [], []
+    def _take(self, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The next ``count`` items of the stream (sources, items, reverse flags); advances the state."""
+        parts = []
         while count:
-            perm, reverse = self._epoch_order(self.epoch)
-            k = min(count, perm.size - self.position)
-            items.append(perm[self.position : self.position + k])
-            flags.append(reverse[self.position : self.position + k])
+            source, item, reverse = self._epoch_order(self.epoch)
+            k = min(count, item.size - self.position)
+            window = slice(self.position, self.position + k)
+            parts.append((source[window], item[window], reverse[window]))
             self.position += k
             count -= k
-            if self.position == perm.size:
+            if self.position == item.size:
                 self.epoch, self.position = self.epoch + 1, 0
-        return np.concatenate(items), np.concatenate(flags)
+        return tuple(np.concatenate(column) for column in zip(*parts))
 
     def next_batch(self) -> Batch:
         """This rank's slice of the next global micro batch (``micro_batch_size`` rows)."""
-        items, reverse = self._take(self.micro_batch_size * self.world_size)
+        source, items, reverse = self._take(self.micro_batch_size * self.world_size)
         mine = slice(self.rank * self.micro_batch_size, (self.rank + 1) * self.micro_batch_size)
-        return self._crops.batch(items[mine], reverse[mine])
+        if not self.mixed:
+            return self._crops.batch(items[mine], reverse[mine])
+        crops = [self._crops, *self._mixed]
+        rows = [crops[s]._row(int(i), bool(r)) for s, i, r in zip(source[mine], items[mine], reverse[mine])]
+        return _batch(rows, [int(s) for s in source[mine]])
 
     def __iter__(self) -> Iterator[Batch]:
         while True:
             yield self.next_batch()
 
     def _fingerprint(self) -> dict:
-        return {"dataset": self.reader.manifest.request_key, "split": self.reader.split,
-                "max_n_fraction": self.max_n_fraction, "shuffle": self.shuffle}
+        out = {"dataset": self.reader.manifest.request_key, "split": self.reader.split,
+               "max_n_fraction": self.max_n_fraction, "shuffle": self.shuffle}
+        if self.mixed:  # absent without mixing: states saved before mixing existed still load
+            out["mix"] = [[reader.manifest.request_key, reader.split, fraction] for reader, fraction in self.mixed]
+        return out
 
     def state_dict(self) -> dict:
         """``{epoch, position, seed, seq_len}`` and what must match on resume; JSON-serialisable."""
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "seq_len": self.seq_len,
-                "items_per_epoch": len(self._crops), **self._fingerprint()}
+                "items_per_epoch": self.items_per_epoch, **self._fingerprint()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``: the next batches are those the saving loader would have given."""
@@ -321,13 +361,15 @@ class TrainLoader:
             if state.get(key) != mine:
                 raise GenomeLMError(f"data-loader state is for {key}={state.get(key)!r}, this loader has {mine!r}; "
                                     "resume with the dataset and data settings of the checkpoint")
+        if "mix" in state and not self.mixed:
+            raise GenomeLMError(f"data-loader state mixes in {state['mix']!r}, this loader mixes nothing; resume "
+                                "with the data settings of the checkpoint")
         self.seed = int(state["seed"])
-        self._crops = _Crops(self.reader, int(state["seq_len"]), self.softmask_weight, self.max_n_fraction)
-        if len(self._crops) != state["items_per_epoch"]:
+        self._set_crops(int(state["seq_len"]))
+        if self.items_per_epoch != state["items_per_epoch"]:
             raise GenomeLMError(f"data-loader state counts {state['items_per_epoch']} items per epoch, "
-                                f"the dataset now gives {len(self._crops)}")
+                                f"the dataset now gives {self.items_per_epoch}")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._order = None
 
 
 def eval_batches(dataset: str | Path, split: str, *, seq_len: int, batch_size: int, softmask_weight: float = 0.0,

@@ -238,7 +238,8 @@ class Trainer:
                                   micro_batch_size=cfg.train.micro_batch_size, softmask_weight=cfg.data.softmask_weight,
                                   reverse_complement=cfg.data.reverse_complement,
                                   max_n_fraction=cfg.data.max_n_fraction, seed=cfg.train.seed,
-                                  rank=pg.dp.rank(), world_size=self.dp_size)
+                                  rank=pg.dp.rank(), world_size=self.dp_size,
+                                  mix=[(m.dataset, m.split, m.fraction) for m in cfg.data.mix])
 
     def restore(self, folder: Path) -> dict:
         """Load a checkpoint into the model, optimizer and loader; returns its state."""

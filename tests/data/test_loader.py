@@ -330,3 +330,67 @@ def test_errors_name_the_path(dataset, tmp_path):
     state = TrainLoader(folder, "eval", seq_len=100).state_dict()
     with pytest.raises(GenomeLMError, match="data-loader state is for split='eval'"):
         TrainLoader(folder, "train", seq_len=100).load_state_dict(state)
+
+
+@pytest.fixture(scope="module")
+def drill(tmp_path_factory):
+    """A second prepared dataset to mix in: one record of another sequence, windows of 1000."""
+    root = tmp_path_factory.mktemp("drill")
+    fasta = write_fasta(root / "drill.fa", {"drill": random_sequence(np.random.default_rng(5), 4000)})
+    prepare(PrepareRequest(fasta, root / "ds", ("drill",), (), WindowSpec(1000, 1000, "keep", min_tail=50)),
+            workers=1, quiet=True, cache_dir=root / "cache")
+    return root / "ds"
+
+
+def test_a_mixed_split_joins_each_epoch_as_its_fraction(dataset, drill):
+    """data.mix: every epoch still serves each item of the main split exactly once, plus
+    f / (1 - f) as many items of the mixed split, distinct within the epoch, whose rows are that
+    split's crops (checked against megatron-core's reading of it); a run without mixing is
+    unchanged."""
+    folder, _ = dataset
+    kwargs = {"seq_len": 500, "micro_batch_size": 4, "seed": 4}  # 5 batches an epoch of 20
+    plain = TrainLoader(folder, "train", **kwargs)
+    mixed = TrainLoader(folder, "train", **kwargs, mix=[(drill, "train", 0.2)])
+    n = plain.items_per_epoch  # 16
+    assert mixed.items_per_epoch == n + round(0.2 / 0.8 * n) == 20
+    drill_windows = independent(drill)
+    seen_main, seen_drill, sources = Counter(), [], []
+    for epoch in range(2):
+        served = []
+        while len(served) < mixed.items_per_epoch:
+            batch = mixed.next_batch()
+            served += list(zip(batch.source.tolist(), rows(batch)))
+        main = [r[:3] for s, r in served if s == 0]
+        drilled = [r for s, r in served if s == 1]
+        assert sorted(main) == sorted(r[:3] for r in one_epoch(TrainLoader(folder, "train", **kwargs)))
+        assert len(drilled) == 4 and len({r[:2] for r in drilled}) == 4  # without replacement
+        for window, offset, reverse, tokens, *_ in drilled:
+            want = drill_windows[window][0][offset: offset + 500]
+            assert not reverse and tokens[: len(want)] == want
+        seen_main.update(main)
+        seen_drill.append({r[:2] for r in drilled})
+        sources.append([s for s, _ in served])
+    assert all(count == 2 for count in seen_main.values())  # once per epoch
+    assert sources[0] != sources[1] and seen_drill[0] != seen_drill[1]  # reshuffled, other drill crops
+    assert plain.next_batch().source is None  # without mixing the batches are as before
+
+
+def test_a_mixed_loader_resumes_exactly_and_refuses_another_mix(dataset, drill):
+    folder, _ = dataset
+    kwargs = {"seq_len": 500, "micro_batch_size": 2, "reverse_complement": 0.5, "seed": 9,
+              "mix": [(drill, "train", 0.3)]}
+    straight = TrainLoader(folder, "train", **kwargs)
+    _batches(straight, 9)
+    state = json.loads(json.dumps(straight.state_dict()))
+    rest = [(b.source.tolist(), list(rows(b))) for b in (straight.next_batch() for _ in range(15))]
+    resumed = TrainLoader(folder, "train", **kwargs)
+    resumed.load_state_dict(state)
+    assert [(b.source.tolist(), list(rows(b))) for b in (resumed.next_batch() for _ in range(15))] == rest
+    other = TrainLoader(folder, "train", **{**kwargs, "mix": [(drill, "train", 0.2)]})
+    with pytest.raises(GenomeLMError, match="data-loader state is for mix="):
+        other.load_state_dict(state)
+    unmixed = TrainLoader(folder, "train", **{**kwargs, "mix": []})
+    with pytest.raises(GenomeLMError, match="mixes nothing"):
+        unmixed.load_state_dict(state)
+    with pytest.raises(GenomeLMError, match="data.mix"):
+        TrainLoader(folder, "train", **{**kwargs, "mix": [(drill, "train", 0.6), (drill, "train", 0.5)]})
