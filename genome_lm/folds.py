@@ -263,7 +263,6 @@ def _check_plan(out: Path, fasta: Path, plans: list[FoldPlan], window: int, dril
                                 f"{earlier['folds'][0]['held_out']}...; window {earlier['window']:,}; drill "
                                 f"{earlier.get('drill', 0.0)}); use another --out or remove it")
         return
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(".folds-plan.json.tmp")
-    tmp.write_text(json.dumps(plan, indent=1) + "\n")
-    tmp.replace(path)
+    from genome_lm.eval.report import atomic_write
+
+    atomic_write(path, (json.dumps(plan, indent=1) + "\n").encode())
