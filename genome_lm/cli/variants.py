@@ -87,21 +87,22 @@ def variants(
     print_report(report)
 
 
-def print_report(report: dict) -> None:
-    data, m = report["data"], report["metrics"]
+def print_report(report) -> None:
+    """The AUROC/AUPRC table, the summary and where the files are (``report``: a VariantsReport)."""
+    data, m = report.data, report.metrics
     if m is not None:
-        table = Table(title=f"AUROC / AUPRC [95% CI], {data['positives']:,} positive and {data['negatives']:,} "
+        table = Table(title=f"AUROC / AUPRC [95% CI], {data.positives:,} positive and {data.negatives:,} "
                             "negative variants", title_justify="left")
         for col in ("score", "n", "AUROC", "AUPRC"):
             table.add_column(col, justify="left" if col == "score" else "right")
         from genome_lm.variants.report import describe
 
-        for name, e in m["overall"].items():
-            a, p = e["auroc"], e["auprc"]
-            table.add_row(describe(name), f"{e['n']:,}", f"{a['value']:.3f} [{a['ci'][0]:.3f}, {a['ci'][1]:.3f}]",
-                          f"{p['value']:.3f} [{p['ci'][0]:.3f}, {p['ci'][1]:.3f}]")
+        for name, e in m.overall.items():
+            a, p = e.auroc, e.auprc
+            table.add_row(describe(name), f"{e.n:,}", f"{a.value:.3f} [{a.ci[0]:.3f}, {a.ci[1]:.3f}]",
+                          f"{p.value:.3f} [{p.ci[0]:.3f}, {p.ci[1]:.3f}]")
         console.print(table)
-    for line in report["summary"]:
+    for line in report.summary:
         console.print(line, highlight=False)
-    for what, path in report["files"].items():
+    for what, path in report.files.items():
         console.print(f"{what}: {path}", highlight=False)

@@ -19,10 +19,13 @@ import numpy as np
 
 from genome_lm.errors import GenomeLMError
 from genome_lm.eval.report import atomic_write
+from genome_lm.eval.schema import MlflowInfo
+from genome_lm.records import to_json
 from genome_lm.tracking import Tracker
 from genome_lm.units import size_label
 
 from .metrics import auprc, auroc, bootstrap, paired_difference
+from .schema import Data, Difference, Estimate, Metrics, PositiveClass, ScoreMetrics, Skipped, VariantsReport
 
 MIN_CLASS = 10  # positives and negatives a consequence class needs for its own AUROC
 
@@ -59,13 +62,12 @@ def compare_columns(variants, fields, vcf) -> dict[str, np.ndarray]:
     return out
 
 
-def data_summary(variants, labels, skipped) -> dict:
-    kinds = Counter(v.kind for v in variants)
-    out = {"variants": len(variants), "kinds": dict(kinds), "skipped": len(skipped),
-           "skipped_by_reason": reason_counts(skipped),
-           "skipped_variants": [{"variant": s.key, "reason": s.reason} for s in skipped]}
+def data_summary(variants, labels, skipped) -> Data:
+    out = Data(variants=len(variants), kinds=dict(Counter(v.kind for v in variants)), skipped=len(skipped),
+               skipped_by_reason=reason_counts(skipped),
+               skipped_variants=[Skipped(variant=s.key, reason=s.reason) for s in skipped])
     if labels is not None:
-        out["positives"], out["negatives"] = int(np.sum(labels == 1)), int(np.sum(labels == 0))
+        out.positives, out.negatives = int(np.sum(labels == 1)), int(np.sum(labels == 0))
     return out
 
 
@@ -76,27 +78,26 @@ def ranked(scores: dict, compare: dict, kind: str) -> dict[str, np.ndarray]:
     return out
 
 
-def _stat(values, labels, metric, resamples, seed) -> dict:
-
+def _stat(values, labels, metric, resamples, seed) -> Estimate:
     value, lo, hi = bootstrap(values, labels, metric, resamples=resamples, seed=seed)
-    return {"value": value, "ci": [lo, hi]}
+    return Estimate(value=value, ci=(lo, hi))
 
 
-def _subset_metrics(columns: dict[str, np.ndarray], labels: np.ndarray, resamples: int, seed: int) -> dict:
-
+def _subset_metrics(columns: dict[str, np.ndarray], labels: np.ndarray, resamples: int,
+                    seed: int) -> dict[str, ScoreMetrics]:
     out = {}
     for name, values in columns.items():
         keep = ~np.isnan(values)
         y = labels[keep]
         if y.sum() == 0 or y.sum() == y.size:
             continue
-        out[name] = {"n": int(keep.sum()), "positives": int(y.sum()),
-                     "auroc": _stat(values[keep], y, auroc, resamples, seed),
-                     "auprc": _stat(values[keep], y, auprc, resamples, seed)}
+        out[name] = ScoreMetrics(n=int(keep.sum()), positives=int(y.sum()),
+                                 auroc=_stat(values[keep], y, auroc, resamples, seed),
+                                 auprc=_stat(values[keep], y, auprc, resamples, seed))
     return out
 
 
-def metrics(scores: dict, compare: dict, labels: np.ndarray, variants, req) -> dict:
+def metrics(scores: dict, compare: dict, labels: np.ndarray, variants, req) -> Metrics:
     """AUROC and AUPRC with bootstrap intervals for every score, overall and per consequence
     class; paired AUROC differences of the model against the chain, the VCF's scores, the
     baseline model and its own shortest context, on the variants both scored."""
@@ -123,10 +124,10 @@ def metrics(scores: dict, compare: dict, labels: np.ndarray, variants, req) -> d
             keep = ~np.isnan(columns[model]) & ~np.isnan(columns[other])
             diff, lo, hi = paired_difference(columns[model][keep], columns[other][keep], labels[keep], auroc,
                                              resamples=req.resamples, seed=req.seed)
-            pairs.append({"a": model, "b": other, "n": int(keep.sum()), "auroc_difference": diff, "ci": [lo, hi]})
-    return {"positive_class": {"label": req.label, "positive": list(req.positive),
-                               "negative": None if req.negative is None else list(req.negative)},
-            "overall": overall, "by_consequence": classes, "differences": pairs}
+            pairs.append(Difference(a=model, b=other, n=int(keep.sum()), auroc_difference=diff, ci=(lo, hi)))
+    positive_class = PositiveClass(label=req.label, positive=list(req.positive),
+                                   negative=None if req.negative is None else list(req.negative))
+    return Metrics(positive_class=positive_class, overall=overall, by_consequence=classes, differences=pairs)
 
 
 def describe(name: str) -> str:
@@ -136,24 +137,23 @@ def describe(name: str) -> str:
     return {"markov": "the Markov chain"}.get(who, who)
 
 
-def summary(report: dict) -> list[str]:
+def summary(report: VariantsReport) -> list[str]:
     """The findings in words."""
-    data, m = report["data"], report["metrics"]
-    reasons = ", ".join(f"{n} {r}" for r, n in data["skipped_by_reason"].items())
-    lines = [f"{data['variants']:,} variants scored ({data['skipped']:,} skipped"
-             + (f": {reasons})" if reasons else ")")]
+    data, m = report.data, report.metrics
+    reasons = ", ".join(f"{n} {r}" for r, n in data.skipped_by_reason.items())
+    lines = [f"{data.variants:,} variants scored ({data.skipped:,} skipped" + (f": {reasons})" if reasons else ")")]
     if m is None:
         lines.append("no --label: scores only (variants.tsv), no AUROC")
         return lines
-    lines[0] += f"; {data['positives']:,} positive, {data['negatives']:,} negative"
-    for name, entry in m["overall"].items():
-        a, p = entry["auroc"], entry["auprc"]
-        lines.append(f"{describe(name)}: AUROC {a['value']:.3f} [{a['ci'][0]:.3f}, {a['ci'][1]:.3f}], "
-                     f"AUPRC {p['value']:.3f} [{p['ci'][0]:.3f}, {p['ci'][1]:.3f}] (n={entry['n']:,})")
-    for d in m["differences"]:
-        lo, hi = d["ci"]
+    lines[0] += f"; {data.positives:,} positive, {data.negatives:,} negative"
+    for name, entry in m.overall.items():
+        a, p = entry.auroc, entry.auprc
+        lines.append(f"{describe(name)}: AUROC {a.value:.3f} [{a.ci[0]:.3f}, {a.ci[1]:.3f}], "
+                     f"AUPRC {p.value:.3f} [{p.ci[0]:.3f}, {p.ci[1]:.3f}] (n={entry.n:,})")
+    for d in m.differences:
+        lo, hi = d.ci
         verdict = "above" if lo > 0 else "below" if hi < 0 else "not distinguishable from"
-        lines.append(f"{describe(d['a'])} is {verdict} {describe(d['b'])}: AUROC {d['auroc_difference']:+.3f} "
+        lines.append(f"{describe(d.a)} is {verdict} {describe(d.b)}: AUROC {d.auroc_difference:+.3f} "
                      f"[{lo:+.3f}, {hi:+.3f}]")
     return lines
 
@@ -194,23 +194,23 @@ def roc_figure(columns: dict[str, np.ndarray], labels: np.ndarray, aurocs: dict)
     return fig
 
 
-def context_figure(report: dict):
+def context_figure(report: VariantsReport):
     import matplotlib.pyplot as plt
 
-    overall = report["metrics"]["overall"]
-    contexts = report["settings"]["contexts"]
+    overall = report.metrics.overall
+    contexts = report.settings.contexts
     fig, ax = plt.subplots(figsize=(6, 4))
     for who in ("model", "baseline"):
-        points = [(L, overall[f"{who}@{L}"]["auroc"]) for L in contexts if f"{who}@{L}" in overall]
+        points = [(L, overall[f"{who}@{L}"].auroc) for L in contexts if f"{who}@{L}" in overall]
         if points:
             x = [p[0] for p in points]
-            y = [p[1]["value"] for p in points]
-            err = [[v - p[1]["ci"][0] for p, v in zip(points, y)], [p[1]["ci"][1] - v for p, v in zip(points, y)]]
+            y = [p[1].value for p in points]
+            err = [[v - p[1].ci[0] for p, v in zip(points, y)], [p[1].ci[1] - v for p, v in zip(points, y)]]
             ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=who)
-    for name in ("markov", *report["settings"]["compare"]):
+    for name in ("markov", *report.settings.compare):
         if name in overall:
-            ax.axhline(overall[name]["auroc"]["value"], ls="--", lw=1, color="grey")
-            ax.annotate(describe(name), (contexts[0], overall[name]["auroc"]["value"]), fontsize=7)
+            ax.axhline(overall[name].auroc.value, ls="--", lw=1, color="grey")
+            ax.annotate(describe(name), (contexts[0], overall[name].auroc.value), fontsize=7)
     ax.set_xscale("log", base=2)
     ax.set_xticks(contexts, [size_label(L) for L in contexts])
     ax.set_xlabel("preceding context (bases)")
@@ -221,11 +221,11 @@ def context_figure(report: dict):
     return fig
 
 
-def write_json(report: dict, path: Path) -> None:
-    atomic_write(path, (json.dumps(report, indent=1, allow_nan=False) + "\n").encode())
+def write_json(report: VariantsReport, path: Path) -> None:
+    atomic_write(path, (json.dumps(report.to_json(), indent=1, allow_nan=False) + "\n").encode())
 
 
-def write_outputs(report: dict, variants, labels, scores: dict, compare: dict, out: Path) -> None:
+def write_outputs(report: VariantsReport, variants, labels, scores: dict, compare: dict, out: Path) -> None:
     """variants.json, variants.tsv, and with labels roc.png and auroc_by_context.png, each
     written whole (a temporary file renamed)."""
     import matplotlib
@@ -235,20 +235,21 @@ def write_outputs(report: dict, variants, labels, scores: dict, compare: dict, o
 
     files = {"json": str(out / "variants.json"), "tsv": str(out / "variants.tsv")}
     atomic_write(out / "variants.tsv", tsv_text(variants, labels, scores, compare).encode())
-    if report["metrics"] is not None:
-        columns = ranked(scores, compare, report["settings"]["score"])
-        longest = max(report["settings"]["contexts"])
+    if report.metrics is not None:
+        columns = ranked(scores, compare, report.settings.score)
+        longest = max(report.settings.contexts)
         shown = {k: v for k, v in columns.items() if "@" not in k or k.endswith(f"@{longest}")}
-        overall = report["metrics"]["overall"]
-        aurocs = {k: overall[k]["auroc"]["value"] for k in shown if k in overall}
+        overall = report.metrics.overall
+        aurocs = {k: overall[k].auroc.value for k in shown if k in overall}
         write_figure(roc_figure({k: shown[k] for k in aurocs}, labels, aurocs), out / "roc.png")
         write_figure(context_figure(report), out / "auroc_by_context.png")
         files.update(roc=str(out / "roc.png"), by_context=str(out / "auroc_by_context.png"))
-    report["files"] = files
+    report.files = files
     write_json(report, out / "variants.json")
 
 
-def log_to_mlflow(report: dict, out: Path, lm, tracking_uri: str | None, note, started: float) -> dict:
+def log_to_mlflow(report: VariantsReport, out: Path, lm, tracking_uri: str | None, note,
+                  started: float) -> MlflowInfo | None:
     """A run in the training run's store and experiment (its child when the model is one), else
     a store in ``out``: the settings, AUROC/AUPRC per score and the files."""
 
@@ -256,25 +257,25 @@ def log_to_mlflow(report: dict, out: Path, lm, tracking_uri: str | None, note, s
     run_dir = lm.run_dir if lm.run_dir is not None else out
     uri = tracking_uri or (cfg.tracking.uri if cfg is not None else None)
     experiment = cfg.tracking.experiment if cfg is not None else "genome-lm"
-    name = f"variants {Path(report['settings']['vcf']).name}"
+    name = f"variants {Path(report.settings.vcf).name}"
     with Tracker(uri, experiment=experiment, run_name=name, run_dir=run_dir,
                  start_time_ms=int(started * 1000)) as tracker:
         if not tracker.active:
             note("MLflow: tracking unavailable; the report files are complete without it")
-            return {}
-        tags = {"genome_lm.kind": "variants", "genome_lm.variants_schema": report["schema"]}
+            return None
+        tags = {"genome_lm.kind": "variants", "genome_lm.variants_schema": report.schema}
         if lm.run_id:
             tags.update({"mlflow.parentRunId": lm.run_id, "genome_lm.training_run": lm.run_id})
         tracker.set_tags(tags)
-        tracker.log_params({"settings": report["settings"], "models": report["models"],
-                            "data": {k: v for k, v in report["data"].items() if k != "skipped_variants"}})
-        if report["metrics"] is not None:
+        data = {k: v for k, v in to_json(report.data).items() if k != "skipped_variants"}
+        tracker.log_params({"settings": to_json(report.settings), "models": to_json(report.models), "data": data})
+        if report.metrics is not None:
             flat = {}
-            for score, entry in report["metrics"]["overall"].items():
+            for score, entry in report.metrics.overall.items():
                 key = score.replace("@", "_at_")
-                flat[f"variants/{key}/auroc"] = entry["auroc"]["value"]
-                flat[f"variants/{key}/auprc"] = entry["auprc"]["value"]
+                flat[f"variants/{key}/auroc"] = entry.auroc.value
+                flat[f"variants/{key}/auprc"] = entry.auprc.value
             tracker.log_metrics(flat)
-        for path in report["files"].values():
+        for path in report.files.values():
             tracker.log_artifact(path)
-        return tracker.info()
+        return MlflowInfo(**tracker.info())

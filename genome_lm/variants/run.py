@@ -31,10 +31,10 @@ from genome_lm.data.tokenizer import BASE_TOKENS, tokenize
 from genome_lm.engine import quiet_megatron_import
 from genome_lm.errors import GenomeLMError
 from genome_lm.progress import progress_bar
-from genome_lm.records import to_json
 from genome_lm.units import size_label
 
-SCHEMA = "genome-lm.variants/1"
+from .schema import MarkovInfo, Models, Settings, VariantsReport
+
 COMPLEMENT = str.maketrans("ACGTNacgtn", "TGCANtgcan")
 
 
@@ -155,7 +155,7 @@ class VariantRequest:
     tracking_uri: str | None = None
 
 
-def run_variants(req: VariantRequest, *, progress: bool = True, on_note=None) -> dict:
+def run_variants(req: VariantRequest, *, progress: bool = True, on_note=None) -> VariantsReport:
     """Score every variant of ``req.vcf``, write the report files into ``req.out``; returns the
     report."""
 
@@ -207,25 +207,20 @@ def run_variants(req: VariantRequest, *, progress: bool = True, on_note=None) ->
                                 for strand in strands]
     scores = rep.combine(per_strand)  # strand-averaged sum and mean per model, context and the chain
     compare = rep.compare_columns(variants, req.compare, req.vcf)
-    report = {
-        "schema": SCHEMA,
-        "genome_lm": __version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "seconds": round(time.time() - started, 1),
-        "settings": {"vcf": str(req.vcf), "fasta": str(req.fasta), "contexts": sorted(set(req.contexts)),
-                     "right": req.right, "reverse_complement": req.rc, "score": req.score,
-                     "max_indel": req.max_indel, "label": req.label, "positive": list(req.positive),
-                     "negative": None if req.negative is None else list(req.negative),
-                     "compare": list(req.compare), "resamples": req.resamples, "seed": req.seed,
-                     "chunk": req.chunk},
-        "models": {name: to_json(lm.info) for name, lm in loaded.items()}
-        | {"markov": {"order": markov.order, "fitted_on": records, "bases": markov.train_bases}},
-        "data": rep.data_summary(variants, labels, found.skipped),
-    }
-    report["metrics"] = rep.metrics(scores, compare, labels, variants, req) if labels is not None else None
-    report["summary"] = rep.summary(report)
+    settings = Settings(vcf=str(req.vcf), fasta=str(req.fasta), contexts=sorted(set(req.contexts)), right=req.right,
+                        reverse_complement=req.rc, score=req.score, max_indel=req.max_indel, label=req.label,
+                        positive=list(req.positive), negative=None if req.negative is None else list(req.negative),
+                        compare=list(req.compare), resamples=req.resamples, seed=req.seed, chunk=req.chunk)
+    models = Models(model=loaded["model"].info, baseline=loaded["baseline"].info if "baseline" in loaded else None,
+                    markov=MarkovInfo(order=markov.order, fitted_on=records, bases=markov.train_bases))
+    report = VariantsReport(
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), genome_lm=__version__,
+        seconds=round(time.time() - started, 1), settings=settings, models=models,
+        data=rep.data_summary(variants, labels, found.skipped),
+        metrics=rep.metrics(scores, compare, labels, variants, req) if labels is not None else None)
+    report.summary = rep.summary(report)
     rep.write_outputs(report, variants, labels, scores, compare, out)
     if req.tracking:
-        report["mlflow"] = rep.log_to_mlflow(report, out, loaded["model"], req.tracking_uri, note, started)
+        report.mlflow = rep.log_to_mlflow(report, out, loaded["model"], req.tracking_uri, note, started)
         rep.write_json(report, out / "variants.json")
     return report

@@ -16,6 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from genome_lm.cli import app
+from genome_lm.variants.schema import VariantsReport
 from tests.model.hf_oracle import make_checkpoint
 
 
@@ -89,7 +90,7 @@ def test_scores_equal_two_transformers_forwards_and_auroc_equals_sklearn(tmp_pat
                                       "--no-tracking"])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "variants.json").read_text())
-    assert report["schema"] == "genome-lm.variants/1"
+    assert VariantsReport.from_json(report).to_json() == report  # the typed report reads it back whole
     assert report["data"]["skipped"] == 2 and set(report["data"]["skipped_by_reason"]) >= {"window runs into N"}
     rows = list(csv.DictReader((out / "variants.tsv").open(), delimiter="\t"))
     assert len(rows) == report["data"]["variants"] > 14
@@ -167,6 +168,7 @@ def test_the_findlay_set_end_to_end(tmp_path):
         "--resamples", "200"])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "variants.json").read_text())
+    assert VariantsReport.from_json(report).mlflow.run_id == report["mlflow"]["run_id"]
     assert report["data"]["variants"] == 300 and report["data"]["skipped"] == 0
     overall = report["metrics"]["overall"]
     assert {"model@64", "model@256", "markov", "CADD", "PHYLOP"} <= set(overall)
