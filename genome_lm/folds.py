@@ -33,7 +33,7 @@ from genome_lm.data.names import canonical
 from genome_lm.data.regions import Region, parse_region
 from genome_lm.demo import DNA_CONFIG, DNA_MAX_CONTEXTS, run_dna_demo
 from genome_lm.errors import GenomeLMError
-from genome_lm.eval.schema import Ablation, Bootstrap, Comparison, ModelResult
+from genome_lm.eval.schema import Ablation, Bootstrap, Comparison, Delta, ModelResult
 from genome_lm.records import Document
 
 FOLDS_SCHEMA = "genome-lm.folds/1"
@@ -266,3 +266,84 @@ def _check_plan(out: Path, fasta: Path, plans: list[FoldPlan], window: int, dril
     from genome_lm.eval.report import atomic_write
 
     atomic_write(path, (json.dumps(plan, indent=1) + "\n").encode())
+
+
+# ----------------------------------------------------------------------------- reading and comparing studies
+
+
+def read_folds(out: Path) -> FoldsReport:
+    """The report of the study in ``out`` (its folder or its folds.json), checked; a one-line
+    GenomeLMError naming the file otherwise."""
+    out = Path(out)
+    path = out / "folds.json" if out.is_dir() else out
+    if not path.is_file():
+        raise GenomeLMError(f"{path}: no k-fold report here (genome-lm demo --fasta FILE --folds K --region R "
+                            f"--out {out} writes it)")
+    try:
+        return FoldsReport.from_json(json.loads(path.read_text()))
+    except json.JSONDecodeError as err:
+        raise GenomeLMError(f"{path}: not JSON ({err.msg}, line {err.lineno})") from None
+    except ValueError as err:
+        raise GenomeLMError(f"{path}: {err}") from None
+
+
+def recipe(report: FoldsReport) -> str:
+    """The study's recipe in words: its config, window, copy drill and overrides."""
+    parts = [report.config, f"window {report.window:,}"]
+    if report.drill:
+        parts.append(f"copy drill {report.drill:g}")
+    return ", ".join(parts + list(report.overrides))
+
+
+@dataclass
+class RecipeRow:
+    """One study among several tried on the same folds: the far-context gain over the start
+    beyond 2N per fold and pooled, and the tuned model against the Markov chain."""
+
+    name: str
+    recipe: str
+    gains: list[Delta | None]  # per fold (None: not measured)
+    pooled_gain: Delta | None
+    gain_holds: int  # folds where the gain's interval lies above zero
+    markov: list[str]  # per fold: holds / reversed / unclear for "the tuned model beats the Markov chain"
+    tuned_bits: float
+    markov_bits: float | None
+    far: int  # the gain is over the bases with this much context or more (2N for a cut to N)
+
+
+def _gain(ablation: Ablation | None) -> Delta | None:
+    cut = ablation.cuts[0] if ablation and ablation.cuts else None
+    return cut.gain.beyond.all if cut and cut.gain and cut.gain.beyond else None
+
+
+def compare_recipes(studies: dict[str, FoldsReport]) -> list[RecipeRow]:
+    """A row per study; the studies must hold out the same folds (same region, k and bounds),
+    so that their figures are on the same bases."""
+    (first_name, first), *others = studies.items()
+    held = [f.held_out for f in first.folds]
+    for name, report in others:
+        if [f.held_out for f in report.folds] != held:
+            raise GenomeLMError(f"{name} holds out other folds than {first_name} ({report.k} folds of "
+                                f"{report.region} against {first.k} of {first.region}): their figures are on "
+                                "different bases")
+    cuts = {name: report.pooled.ablation.cuts[0] for name, report in studies.items()
+            if report.pooled.ablation and report.pooled.ablation.cuts}
+    if len(cuts) < len(studies):
+        missing = next(name for name in studies if name not in cuts)
+        raise GenomeLMError(f"{missing}: the study has no context cut, so no far-context gain to compare")
+    if len({c.max_context for c in cuts.values()}) > 1:
+        raise GenomeLMError("the studies cut the context at different lengths ("
+                            + ", ".join(f"{name}: {c.max_context:,}" for name, c in cuts.items()) + ")")
+    rows = []
+    for name, report in studies.items():
+        gains = [_gain(f.ablation) for f in report.folds]
+        beats = "the tuned model beats the Markov chain"
+        markov = next((f.folds for f in report.findings if f.claim == beats), ["not measured"] * report.k)
+        pooled = report.pooled.results
+        rows.append(RecipeRow(
+            name=name, recipe=recipe(report), gains=gains, pooled_gain=_gain(report.pooled.ablation),
+            gain_holds=sum(g is not None and _side(g.ci, True) == "holds" for g in gains), markov=markov,
+            tuned_bits=pooled["model"].all.bits,
+            markov_bits=pooled["markov"].all.bits if "markov" in pooled else None,
+            far=cuts[name].beyond.start if cuts[name].beyond else 2 * cuts[name].max_context))
+    return rows

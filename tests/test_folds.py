@@ -189,3 +189,114 @@ def test_the_copy_drill_mixes_into_training_but_not_into_the_baselines(genome, t
     report = json.loads((out / "run" / "eval" / "eval.json").read_text())
     genome_bases = sum(w.length for w in Manifest.load(out / "dataset").split("train").windows)
     assert f"fitted on {genome_bases:,} training bases" in report["models"]["markov"]["description"]
+
+
+# ----------------------------------------------------------------------------- genome-lm folds: one study or several
+
+EDGES = [0, 50, 200, 301]
+CUT = 50  # the context cut: the far-context gain is over the bases with 100+ of context
+
+
+def _synthetic_study(rng, far_gain: list[float], overrides=()) -> tuple[FoldsReport, list[float]]:
+    """A FoldsReport through the study's own summaries, from random scores whose far-context gain
+    over the start is ``far_gain[k]`` in fold k (plus noise); also the gain each fold's scores
+    give when computed by hand."""
+    from genome_lm.eval import ablation, report
+    from genome_lm.eval.evaluate import Scored
+    from genome_lm.eval.pooled import pool
+    from genome_lm.eval.schema import Bootstrap
+    from genome_lm.eval.score import TokenScores
+    from genome_lm.folds import FoldEntry, Pooled, findings, summary
+
+    scored, entries, naive = [], [], []
+    for k, gain in enumerate(far_gain):
+        n_windows, length = 5 + k, 300  # uneven folds
+        context = np.tile(np.arange(1, length + 1), n_windows)
+        window = np.repeat(np.arange(n_windows), length)
+        soft = rng.random(context.size) < 0.4
+        far = context >= 2 * CUT
+
+        def scores(nll):
+            return TokenScores(nll, context, window, soft)
+
+        model = rng.gamma(2.0, 0.6, context.size)
+        base = model + 0.1 + rng.normal(0, 0.05, context.size)
+        markov = model + 0.3 + rng.normal(0, 0.05, context.size)
+        model_cut = model + (0.01 + gain) * far + rng.normal(0, 0.01, context.size)
+        base_cut = base + 0.01 * far + rng.normal(0, 0.01, context.size)
+        naive.append(float(((model_cut - model) - (base_cut - base))[far].mean()))
+        fold = Scored({"model": scores(model), "baseline": scores(base), "markov": scores(markov)},
+                      {"model": {CUT: scores(model_cut)}, "baseline": {CUT: scores(base_cut)}},
+                      (window, n_windows), "window")
+        results, comparison = report.summarize(fold.scores, EDGES, resamples=100, seed=1, units=fold.units)
+        ablated = ablation.summarize(fold.scores["model"], fold.cuts["model"], EDGES, resamples=100, seed=1,
+                                     units=fold.units, baseline=(fold.scores["baseline"], fold.cuts["baseline"]))
+        scored.append(fold)
+        entries.append(FoldEntry(index=k + 1, held_out=f"chrT:{1000 * k + 1}-{1000 * (k + 1)}", train=[],
+                                 report="eval.json", units=n_windows, results=results, comparison=comparison,
+                                 ablation=ablated))
+    results, comparison, ablated = pool(scored, EDGES, resamples=100, seed=1)
+    pooled = Pooled(units=[e.units for e in entries], results=results, comparison=comparison, ablation=ablated)
+    study = FoldsReport(created="2026-12-07T00:00:00+00:00", genome_lm="0.1.0", fasta="t.fa", region="chrT",
+                        k=len(far_gain), window=300, guard=300, config="dna-finetune-cpu", overrides=list(overrides),
+                        bootstrap=Bootstrap(resamples=100, seed=1, level=0.95), edges=EDGES, folds=entries,
+                        pooled=pooled, findings=findings(entries, pooled))
+    study.summary = summary(study)
+    return study, naive
+
+
+def _write(study: FoldsReport, folder) -> None:
+    folder.mkdir(parents=True)
+    (folder / "folds.json").write_text(json.dumps(study.to_json(), allow_nan=False))
+
+
+def test_folds_compares_the_recipes_of_studies_on_the_same_folds(tmp_path):
+    from genome_lm.folds import compare_recipes, read_folds
+
+    rng = np.random.default_rng(21)
+    base, base_naive = _synthetic_study(rng, [0.05, 0.04, 0.06, 0.05])
+    worse, worse_naive = _synthetic_study(rng, [0.05, -0.05, -0.04, 0.0], overrides=['train.lr_scale={"*": 0.5}'])
+    _write(base, tmp_path / "base")
+    _write(worse, tmp_path / "worse")
+    rows = compare_recipes({"base": read_folds(tmp_path / "base"), "worse": read_folds(tmp_path / "worse")})
+    for row, naive in zip(rows, (base_naive, worse_naive)):
+        np.testing.assert_allclose([g.delta for g in row.gains], naive, rtol=1e-9, atol=1e-12)
+        assert row.far == 2 * CUT and row.markov == ["holds"] * 4  # the chain is 0.3 nats worse everywhere
+    assert rows[0].gain_holds == 4 and rows[1].gain_holds == 1
+    assert rows[1].recipe == 'dna-finetune-cpu, window 300, train.lr_scale={"*": 0.5}'
+    # the pooled gain is the base-weighted mean of the folds' gains
+    far = [sum(CUT * 2 <= c < 301 for c in range(1, 301)) * (5 + k) for k in range(4)]
+    assert rows[1].pooled_gain.delta == pytest.approx(np.average(worse_naive, weights=far), rel=1e-9)
+
+    result = CliRunner().invoke(app, ["folds", str(tmp_path / "base"), str(tmp_path / "worse")],
+                                env={"COLUMNS": "260"})
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if "│" in line and "dna-finetune-cpu" in line]
+    assert len(lines) == 2 and "4 of 4 folds" in lines[0] and "1 of 4 folds" in lines[1]
+    assert f"{rows[1].gains[1].delta:+.4f}" in lines[1] and "100+ of context" in result.output
+
+    one = CliRunner().invoke(app, ["folds", str(tmp_path / "worse" / "folds.json")], env={"COLUMNS": "260"})
+    assert one.exit_code == 0, one.output
+    assert "holds in some folds (1 of 4; reversed in 2)" in one.output and "read " in one.output
+
+
+def test_folds_refuses_what_it_cannot_compare(tmp_path):
+    rng = np.random.default_rng(3)
+    four, _ = _synthetic_study(rng, [0.05] * 4)
+    three, _ = _synthetic_study(rng, [0.05] * 3)
+    _write(four, tmp_path / "four")
+    _write(three, tmp_path / "three")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "folds.json").write_text('{"schema": "genome-lm.folds/1", "k": ')
+    data = four.to_json()
+    data["folds"][0]["units"] = "many"
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "folds.json").write_text(json.dumps(data))
+    runner = CliRunner()
+    for args, named in ([[tmp_path / "four", tmp_path / "three"], "holds out other folds"],
+                        [[tmp_path / "nothing"], "no k-fold report here"],
+                        [[tmp_path / "broken"], "not JSON"],
+                        [[tmp_path / "bad"], "folds[0].units: expected an integer"]):
+        result = runner.invoke(app, ["folds", *map(str, args)])
+        lines = [x for x in result.output.splitlines() if x.strip()]
+        assert result.exit_code == 1 and len(lines) == 1 and named in lines[0], result.output

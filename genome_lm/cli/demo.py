@@ -11,7 +11,7 @@ from rich.table import Table
 from genome_lm.data.regions import split_regions
 from genome_lm.demo import DEMO_CONFIG, DNA_CONFIG, run_demo, run_dna_demo, run_long_demo
 from genome_lm.errors import GenomeLMError
-from genome_lm.folds import run_folds
+from genome_lm.folds import compare_recipes, read_folds, run_folds
 
 from .base import app, console, size
 from .data import print_dataset_summary
@@ -156,7 +156,7 @@ def _folds_demo(fasta: Path | None, folds: int | None, region: str | None, train
     print_folds(report, out / "folds.json")
 
 
-def print_folds(report, path: Path, out=None) -> None:
+def print_folds(report, path: Path, out=None, verb: str = "wrote") -> None:
     """Per fold and pooled: tuned, start and Markov bits/base, the change against the start at
     the shortest and longest context, and the far-context figures beyond 2N, with intervals;
     then the findings fold by fold."""
@@ -193,4 +193,43 @@ def print_folds(report, path: Path, out=None) -> None:
     out.print("[bold]the study in short[/bold]")
     for line in report.summary:
         out.print(f"- {line}", highlight=False, markup=False)
-    out.print(f"wrote {path}", highlight=False)
+    out.print(f"{verb} {path}", highlight=False)
+
+
+@app.command()
+def folds(
+    studies: Annotated[list[Path], typer.Argument(help="Folders of k-fold studies (genome-lm demo --folds --out DIR), "
+                                                       "or their folds.json files.", show_default=False)],
+) -> None:
+    """Show a k-fold study's report again, or compare the recipes of several studies of the same folds.
+
+    With one folder: its table (per fold and pooled, with 95% intervals) and its findings, read from folds.json.
+    With several (e.g. the same --folds run with --drill 0.2, or --set 'train.lr_scale=...', each in its own --out):
+    a row per study with its recipe, the far-context gain over the starting weights beyond 2N in each fold and pooled,
+    the folds where that gain is above zero (its interval), and the tuned model against the Markov chain. The studies
+    must hold out the same folds."""
+    reports = {str(path): read_folds(path) for path in studies}
+    if len(reports) == 1:
+        (path, report), = reports.items()
+        print_folds(report, Path(path), verb="read")
+        return
+    print_recipes(compare_recipes(reports))
+
+
+def print_recipes(rows, out=None) -> None:
+    """The recipes' table (``folds.compare_recipes``)."""
+    from genome_lm.eval.ablation import fmt_delta_ci
+
+    out = out or console
+    k = len(rows[0].gains)
+    table = Table(title=f"Recipes over the same folds: the far-context gain over the start on bases with "
+                        f"{rows[0].far:,}+ of context (nats/base, [95% CI])", title_justify="left")
+    for header in ("study", "recipe", *(f"fold {i + 1}" for i in range(k)), "pooled", "gain > 0 in",
+                   "tuned vs Markov, pooled bits/base", "below Markov in"):
+        table.add_column(header, justify="left" if header in ("study", "recipe") else "right")
+    for r in rows:
+        markov = f"{r.tuned_bits:.4f} vs {r.markov_bits:.4f}" if r.markov_bits is not None else f"{r.tuned_bits:.4f}"
+        table.add_row(r.name, r.recipe, *(fmt_delta_ci(g) if g else "-" for g in r.gains),
+                      fmt_delta_ci(r.pooled_gain) if r.pooled_gain else "-", f"{r.gain_holds} of {k} folds", markov,
+                      f"{r.markov.count('holds')} of {k} folds")
+    out.print(table)
