@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -33,8 +34,9 @@ from genome_lm.data.names import canonical
 from genome_lm.data.regions import Region, parse_region
 from genome_lm.demo import DNA_CONFIG, DNA_MAX_CONTEXTS, run_dna_demo
 from genome_lm.errors import GenomeLMError
-from genome_lm.eval.schema import Ablation, Bootstrap, Comparison, Delta, ModelResult
-from genome_lm.records import Document
+from genome_lm.eval.buckets import bootstrap_units
+from genome_lm.eval.schema import Ablation, Beyond, Bootstrap, Comparison, Data, Delta, ModelResult
+from genome_lm.records import Document, from_json
 
 FOLDS_SCHEMA = "genome-lm.folds/1"
 
@@ -347,3 +349,83 @@ def compare_recipes(studies: dict[str, FoldsReport]) -> list[RecipeRow]:
             markov_bits=pooled["markov"].all.bits if "markov" in pooled else None,
             far=cuts[name].beyond.start if cuts[name].beyond else 2 * cuts[name].max_context))
     return rows
+
+
+@dataclass
+class RecipePair:
+    """Study ``name``'s tuned models against study ``against``'s, on the same held-out bases,
+    pooled over the folds with paired intervals: the change in loss ((name - against) / against,
+    overall and by context bucket), and how much more the context beyond the cut is worth to
+    ``name``'s models than to ``against``'s (``gain``: all, unmasked and repeat bases)."""
+
+    name: str
+    against: str
+    comparison: Comparison
+    gain: Beyond  # over the bases with ``far``+ of context
+    far: int
+
+
+_MODEL_CACHE = re.compile(r"model-([0-9a-f]{16})")
+
+
+def _tuned_scores(study: Path, entry: FoldEntry, cut: int):
+    """(whole, cut to ``cut``, the split's windows) of a fold's tuned model, read from its
+    evaluation's score cache: every window its eval.json scored, from one model."""
+    from genome_lm.data.loader import SplitReader
+    from genome_lm.eval.cache import WindowCache
+    from genome_lm.eval.score import TokenScores, window_scores
+
+    fold = study / f"fold-{entry.index}"
+    eval_dir = fold / "run" / "eval"
+    path = eval_dir / "eval.json"
+    if not path.is_file():
+        raise GenomeLMError(f"{path}: missing (fold {entry.index} of {study} was not evaluated here)")
+    try:
+        data = from_json(Data, json.loads(path.read_text()).get("data"), "data")
+    except (ValueError, AttributeError) as err:
+        raise GenomeLMError(f"{path}: {err}") from None
+    reader = SplitReader(fold / "dataset", data.split)
+    lengths = {w: reader.windows[w].length - 1 for w in data.windows}
+    complete = []
+    for folder in sorted((eval_dir / ".scores").glob("model-*")):
+        match = _MODEL_CACHE.fullmatch(folder.name)
+        if match is None:
+            continue
+        caches = WindowCache(folder), WindowCache(eval_dir / ".scores" / f"model-cut{cut}-{match.group(1)}")
+        if all(c.load(w, n) is not None for c in caches for w, n in lengths.items()):
+            complete.append(caches)
+    if len(complete) != 1:
+        raise GenomeLMError(f"{eval_dir / '.scores'}: {'no' if not complete else len(complete)} tuned models with "
+                            f"every window scored whole and cut to {cut:,} (expected one)")
+    out = []
+    for cache in complete[0]:
+        out.append(TokenScores.concat([window_scores(w, reader.tokens(w), reader.softmask(w), cache.load(w, n))
+                                       for w, n in lengths.items()]))
+    return out[0], out[1], reader.windows
+
+
+def pair_recipes(studies: dict[str, tuple[Path, FoldsReport]], *, resamples: int = 1000,
+                 seed: int = 0) -> list[RecipePair]:
+    """Every study after the first against the first (``compare_recipes``'s checks first): its
+    tuned models' per-base scores against the first's, fold by fold, pooled (``eval.pooled``)."""
+    from genome_lm.eval.evaluate import Scored
+    from genome_lm.eval.pooled import pool
+
+    rows = compare_recipes({name: report for name, (_, report) in studies.items()})
+    cut = next(iter(studies.values()))[1].pooled.ablation.cuts[0].max_context
+    (first, (first_dir, first_report)), *others = studies.items()
+    pairs = []
+    for (name, (folder, report)), row in zip(others, rows[1:]):
+        folds = []
+        for mine, theirs in zip(report.folds, first_report.folds):
+            model, model_cut, windows = _tuned_scores(folder, mine, cut)
+            base, base_cut, _ = _tuned_scores(first_dir, theirs, cut)
+            if not model.same_tokens(base):
+                raise GenomeLMError(f"{name} and {first}: fold {mine.index} was scored on other bases")
+            unit, n_units, unit_name = bootstrap_units(model, windows)
+            folds.append(Scored({"model": model, "baseline": base},
+                                {"model": {cut: model_cut}, "baseline": {cut: base_cut}}, (unit, n_units), unit_name))
+        _, comparison, ablation = pool(folds, report.edges, resamples=resamples, seed=seed)
+        pairs.append(RecipePair(name=name, against=first, comparison=comparison, gain=ablation.cuts[0].gain.beyond,
+                                far=row.far))
+    return pairs

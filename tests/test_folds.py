@@ -5,6 +5,7 @@ interrupted study finished by running the command again."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -300,3 +301,87 @@ def test_folds_refuses_what_it_cannot_compare(tmp_path):
         result = runner.invoke(app, ["folds", *map(str, args)])
         lines = [x for x in result.output.splitlines() if x.strip()]
         assert result.exit_code == 1 and len(lines) == 1 and named in lines[0], result.output
+
+
+def _on_disk(tmp_path, rng, studies: dict[str, float], k: int = 3) -> dict:
+    """Studies of the same k folds written as ``demo --folds`` leaves them, with random per-base
+    scores in the tuned models' score caches: study s's far-context value is ``studies[s]`` nats
+    higher than its whole-window loss on bases with 2*CUT+ of context. Returns {name: (folder,
+    {fold: (whole, cut) nll per window})}; a stale, incomplete cache sits beside one fold's."""
+    from genome_lm.data.prepare import PrepareRequest, prepare
+    from genome_lm.data.windows import WindowSpec
+    from genome_lm.eval.cache import WindowCache
+
+    fasta = tmp_path / "t.fa"
+    seq = "".join(rng.choice(list("ACGTacgt"), 1200 * k))
+    fasta.write_text(f">chrT\n{seq}\n>chrU\n{'ACGT' * 300}\n")
+    dataset = tmp_path / "prepared"
+    manifest = prepare(PrepareRequest(fasta, dataset, ("chrU",), ("chrT",), WindowSpec(300, 300, min_tail=1)),
+                       workers=1, quiet=True).manifest
+    windows = manifest.split("eval").windows
+    out = {}
+    for s, (name, far_gain) in enumerate(studies.items()):
+        study, _ = _synthetic_study(rng, [0.01] * k)
+        folder = tmp_path / name
+        _write(study, folder)
+        per_fold = {}
+        for f in range(k):
+            fold = folder / f"fold-{f + 1}"
+            shutil.copytree(dataset, fold / "dataset")
+            mine = [i for i, w in enumerate(windows) if 1200 * f <= w.start < 1200 * (f + 1)]
+            (fold / "run" / "eval").mkdir(parents=True)
+            data = {"dataset": str(fold / "dataset"), "split": "eval", "chrom": "chrT", "source": None,
+                    "windows": mine, "window_length": 300, "tokens": 299 * len(mine)}
+            (fold / "run" / "eval" / "eval.json").write_text(json.dumps({"data": data}))
+            scores = fold / "run" / "eval" / ".scores"
+            whole, cut = WindowCache(scores / f"model-{s:016x}"), WindowCache(scores / f"model-cut{CUT}-{s:016x}")
+            per_fold[f] = {}
+            for w in mine:
+                nll = rng.gamma(2.0, 0.6, 299).astype(np.float32).astype(np.float64)
+                far = np.arange(1, 300) >= 2 * CUT
+                nll_cut = (nll + far * far_gain + rng.normal(0, 0.01, 299)).astype(np.float32).astype(np.float64)
+                whole.store(w, nll)
+                cut.store(w, nll_cut)
+                per_fold[f][w] = (nll, nll_cut)
+            if f == 1:  # a model whose evaluation was interrupted: one window only
+                WindowCache(scores / "model-00000000000000ff").store(mine[0], np.zeros(299))
+                WindowCache(scores / f"model-cut{CUT}-00000000000000ff").store(mine[0], np.zeros(299))
+        out[name] = (folder, per_fold)
+    return out
+
+
+def test_paired_recipes_against_a_hand_computation(tmp_path):
+    """--paired: the second study's tuned models against the first's on the same bases, pooled
+    over the folds: the loss change and the extra far-context value equal their hand
+    computation from the caches; the intervals are paired (the same study against itself: 0)."""
+    from genome_lm.folds import pair_recipes, read_folds
+
+    rng = np.random.default_rng(8)
+    made = _on_disk(tmp_path, rng, {"base": 0.02, "drill": 0.05})
+    studies = {name: (folder, read_folds(folder)) for name, (folder, _) in made.items()}
+    pair, = pair_recipes(studies, resamples=200, seed=2)
+    whole = {name: np.concatenate([nll for f in per_fold.values() for nll, _ in f.values()])
+             for name, (_, per_fold) in made.items()}
+    cut = {name: np.concatenate([c for f in per_fold.values() for _, c in f.values()])
+           for name, (_, per_fold) in made.items()}
+    far = np.tile(np.arange(1, 300) >= 2 * CUT, len(whole["base"]) // 299)
+    assert pair.comparison.all.change == pytest.approx(whole["drill"].sum() / whole["base"].sum() - 1, rel=1e-9)
+    want = ((cut["drill"] - whole["drill"]) - (cut["base"] - whole["base"]))[far].mean()
+    assert pair.gain.all.delta == pytest.approx(want, rel=1e-9) and pair.far == 2 * CUT
+    lo, hi = pair.gain.all.ci
+    assert lo < want < hi and 0.02 < lo  # 0.03 nats more, clearly above zero
+
+    itself, = pair_recipes({"a": studies["base"], "b": studies["base"]}, resamples=50)
+    assert itself.comparison.all.change == 0 and itself.gain.all.ci == (0.0, 0.0)
+
+    result = CliRunner().invoke(app, ["folds", str(tmp_path / "base"), str(tmp_path / "drill"), "--paired",
+                                      "--resamples", "200"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert f"{want:+.4f}" in result.output and "against" in result.output
+
+    # a second complete cache in one fold: which model was evaluated is no longer clear
+    spare = tmp_path / "drill" / "fold-1" / "run" / "eval" / ".scores"
+    shutil.copytree(spare / f"model-{1:016x}", spare / "model-00000000000000aa")
+    shutil.copytree(spare / f"model-cut{CUT}-{1:016x}", spare / f"model-cut{CUT}-00000000000000aa")
+    with pytest.raises(GenomeLMError, match="2 tuned models with every window scored"):
+        pair_recipes(studies, resamples=20)

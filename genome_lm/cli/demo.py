@@ -11,7 +11,7 @@ from rich.table import Table
 from genome_lm.data.regions import split_regions
 from genome_lm.demo import DEMO_CONFIG, DNA_CONFIG, run_demo, run_dna_demo, run_long_demo
 from genome_lm.errors import GenomeLMError
-from genome_lm.folds import compare_recipes, read_folds, run_folds
+from genome_lm.folds import compare_recipes, pair_recipes, read_folds, run_folds
 
 from .base import app, console, size
 from .data import print_dataset_summary
@@ -200,6 +200,11 @@ def print_folds(report, path: Path, out=None, verb: str = "wrote") -> None:
 def folds(
     studies: Annotated[list[Path], typer.Argument(help="Folders of k-fold studies (genome-lm demo --folds --out DIR), "
                                                        "or their folds.json files.", show_default=False)],
+    paired: Annotated[bool, typer.Option("--paired", help="Also set each study's tuned models against the first "
+                                                         "study's on the same bases, from the folds' score caches: "
+                                                         "the change in loss and the extra value of the far context, "
+                                                         "pooled over the folds with paired intervals.")] = False,
+    resamples: Annotated[int, typer.Option(help="Bootstrap resamples for --paired.", min=10)] = 1000,
 ) -> None:
     """Show a k-fold study's report again, or compare the recipes of several studies of the same folds.
 
@@ -207,13 +212,20 @@ def folds(
     With several (e.g. the same --folds run with --drill 0.2, or --set 'train.lr_scale=...', each in its own --out):
     a row per study with its recipe, the far-context gain over the starting weights beyond 2N in each fold and pooled,
     the folds where that gain is above zero (its interval), and the tuned model against the Markov chain. The studies
-    must hold out the same folds."""
+    must hold out the same folds. --paired adds, for each study after the first, its tuned models against the first's
+    on the same bases (read from each fold's score cache, run/eval/.scores): the change in loss, and how much more the
+    context beyond the cut is worth to it, pooled with paired intervals stratified by fold."""
     reports = {str(path): read_folds(path) for path in studies}
     if len(reports) == 1:
         (path, report), = reports.items()
         print_folds(report, Path(path), verb="read")
         return
     print_recipes(compare_recipes(reports))
+    if paired:
+        folders = {str(path): Path(path).parent if Path(path).suffix == ".json" else Path(path) for path in studies}
+        for pair in pair_recipes({name: (folders[name], report) for name, report in reports.items()},
+                                 resamples=resamples):
+            print_pair(pair)
 
 
 def print_recipes(rows, out=None) -> None:
@@ -233,3 +245,17 @@ def print_recipes(rows, out=None) -> None:
                       fmt_delta_ci(r.pooled_gain) if r.pooled_gain else "-", f"{r.gain_holds} of {k} folds", markov,
                       f"{r.markov.count('holds')} of {k} folds")
     out.print(table)
+
+
+def print_pair(pair, out=None) -> None:
+    """One study's tuned models against another's, in words (``folds.pair_recipes``)."""
+    from genome_lm.eval.ablation import fmt_delta_ci
+
+    out = out or console
+    c = pair.comparison.all
+    lo, hi = c.ci
+    g = pair.gain
+    out.print(f"{pair.name} against {pair.against}, on the same bases (95% CI, paired, stratified by fold): loss "
+              f"{c.change * 100:+.2f}% [{lo * 100:+.2f}%, {hi * 100:+.2f}%]; the far context (bases with {pair.far:,}+ "
+              f"of context) worth {fmt_delta_ci(g.all)} nats/base more to it (unmasked {fmt_delta_ci(g.unmasked)}, "
+              f"repeats {fmt_delta_ci(g.softmasked)})", highlight=False)

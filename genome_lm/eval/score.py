@@ -187,11 +187,17 @@ def score_split(model: GLM5Model, dataset, split: str, *, windows: list[int] | N
                     cache.store(w, nll)
             elif on_chunk is not None:  # a window read back counts as scored
                 on_chunk(len(nll))
-            context = np.arange(1, len(tokens), dtype=np.int64)
-            keep = tokens[1:] != N
-            parts.append(TokenScores(nll[keep], context[keep], np.full(int(keep.sum()), w, dtype=np.int64),
-                                     np.asarray(soft[1:], dtype=bool)[keep]))
+            parts.append(window_scores(w, tokens, soft, nll))
     finally:
         model.train(was_training)
     return TokenScores.concat(parts)
+
+
+def window_scores(window: int, tokens: np.ndarray, softmask: np.ndarray, nll: np.ndarray) -> TokenScores:
+    """One window's scores: ``nll`` [len(tokens) - 1] of every target, kept where the target is
+    not N, each with its context (its offset in the window) and whether it is soft-masked."""
+    context = np.arange(1, len(tokens), dtype=np.int64)
+    keep = tokens[1:] != N
+    return TokenScores(nll[keep], context[keep], np.full(int(keep.sum()), window, dtype=np.int64),
+                       np.asarray(softmask[1:], dtype=bool)[keep])
 
