@@ -39,6 +39,7 @@ from genome_lm.eval.schema import Ablation, Beyond, Bootstrap, Comparison, Data,
 from genome_lm.records import Document, from_json
 
 FOLDS_SCHEMA = "genome-lm.folds/1"
+BEATS_MARKOV = "the tuned model beats the Markov chain"  # a finding's claim, also read back by compare_recipes
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ def outcomes(results: dict[str, ModelResult], comparison: Comparison | None, abl
     out = {}
     if "markov" in results and model.bits is not None:
         markov = results["markov"].all.bits
-        out["the tuned model beats the Markov chain"] = _side((markov - model.bits_ci[1], markov - model.bits_ci[0])
+        out[BEATS_MARKOV] = _side((markov - model.bits_ci[1], markov - model.bits_ci[0])
                                                               if model.bits_ci[0] is not None else (None, None), True)
     if comparison is not None:
         out["fine-tuning lowers the loss against the starting weights"] = _side(comparison.all.ci, False)
@@ -217,7 +218,7 @@ def run_folds(out: Path, fasta: Path, region_text: str, k: int, window: int, *, 
     ``drill`` > 0 mixes the copy drill (prepared once in ``out``/drill) into every fold's
     training. ``on_fold(plan, k)`` is called as each fold starts."""
     from genome_lm.eval.pooled import pool
-    from genome_lm.eval.report import atomic_write
+    from genome_lm.eval.report import write_json
 
     out = Path(out)
     region = bounded_region(fasta, region_text, out / ".fasta")
@@ -248,7 +249,7 @@ def run_folds(out: Path, fasta: Path, region_text: str, k: int, window: int, *, 
                                              unit=done[0][1].scored.unit_name),
                          edges=edges, folds=entries, pooled=pooled, findings=findings(entries, pooled))
     report.summary = summary(report)
-    atomic_write(out / "folds.json", (json.dumps(report.to_json(), indent=1, allow_nan=False) + "\n").encode())
+    write_json(report, out / "folds.json")
     return report
 
 
@@ -339,8 +340,7 @@ def compare_recipes(studies: dict[str, FoldsReport]) -> list[RecipeRow]:
     rows = []
     for name, report in studies.items():
         gains = [_gain(f.ablation) for f in report.folds]
-        beats = "the tuned model beats the Markov chain"
-        markov = next((f.folds for f in report.findings if f.claim == beats), ["not measured"] * report.k)
+        markov = next((f.folds for f in report.findings if f.claim == BEATS_MARKOV), ["not measured"] * report.k)
         pooled = report.pooled.results
         rows.append(RecipeRow(
             name=name, recipe=recipe(report), gains=gains, pooled_gain=_gain(report.pooled.ablation),
@@ -386,22 +386,21 @@ def _tuned_scores(study: Path, entry: FoldEntry, cut: int):
         raise GenomeLMError(f"{path}: {err}") from None
     reader = SplitReader(fold / "dataset", data.split)
     lengths = {w: reader.windows[w].length - 1 for w in data.windows}
-    complete = []
+    complete = []  # per tuned model with every window scored: [whole, cut], each {window: nll}
     for folder in sorted((eval_dir / ".scores").glob("model-*")):
         match = _MODEL_CACHE.fullmatch(folder.name)
         if match is None:
             continue
         caches = WindowCache(folder), WindowCache(eval_dir / ".scores" / f"model-cut{cut}-{match.group(1)}")
-        if all(c.load(w, n) is not None for c in caches for w, n in lengths.items()):
-            complete.append(caches)
+        loaded = [{w: c.load(w, n) for w, n in lengths.items()} for c in caches]
+        if all(nll is not None for part in loaded for nll in part.values()):
+            complete.append(loaded)
     if len(complete) != 1:
         raise GenomeLMError(f"{eval_dir / '.scores'}: {'no' if not complete else len(complete)} tuned models with "
                             f"every window scored whole and cut to {cut:,} (expected one)")
-    out = []
-    for cache in complete[0]:
-        out.append(TokenScores.concat([window_scores(w, reader.tokens(w), reader.softmask(w), cache.load(w, n))
-                                       for w, n in lengths.items()]))
-    return out[0], out[1], reader.windows
+    whole, cut_scores = (TokenScores.concat([window_scores(w, reader.tokens(w), reader.softmask(w), nll)
+                                             for w, nll in part.items()]) for part in complete[0])
+    return whole, cut_scores, reader.windows
 
 
 def pair_recipes(studies: dict[str, tuple[Path, FoldsReport]], *, resamples: int = 1000,
@@ -414,12 +413,12 @@ def pair_recipes(studies: dict[str, tuple[Path, FoldsReport]], *, resamples: int
     rows = compare_recipes({name: report for name, (_, report) in studies.items()})
     cut = next(iter(studies.values()))[1].pooled.ablation.cuts[0].max_context
     (first, (first_dir, first_report)), *others = studies.items()
+    theirs = [_tuned_scores(first_dir, entry, cut)[:2] for entry in first_report.folds]  # read once for all
     pairs = []
     for (name, (folder, report)), row in zip(others, rows[1:]):
         folds = []
-        for mine, theirs in zip(report.folds, first_report.folds):
+        for mine, (base, base_cut) in zip(report.folds, theirs):
             model, model_cut, windows = _tuned_scores(folder, mine, cut)
-            base, base_cut, _ = _tuned_scores(first_dir, theirs, cut)
             if not model.same_tokens(base):
                 raise GenomeLMError(f"{name} and {first}: fold {mine.index} was scored on other bases")
             unit, n_units, unit_name = bootstrap_units(model, windows)

@@ -222,7 +222,7 @@ def folds(
         return
     print_recipes(compare_recipes(reports))
     if paired:
-        folders = {str(path): Path(path).parent if Path(path).suffix == ".json" else Path(path) for path in studies}
+        folders = {str(path): Path(path) if Path(path).is_dir() else Path(path).parent for path in studies}
         for pair in pair_recipes({name: (folders[name], report) for name, report in reports.items()},
                                  resamples=resamples):
             print_pair(pair)

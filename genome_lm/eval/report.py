@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from genome_lm.records import Document
+
 from .ablation import beyond_line, gain_line
 from .ablation import csv_rows as ablation_rows
 from .buckets import (
@@ -199,7 +201,8 @@ def atomic_write(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def write_json(report: EvalReport, path: Path) -> None:
+def write_json(report: Document, path: Path) -> None:
+    """A typed report (eval.json, variants.json, folds.json) written whole, NaN refused."""
     atomic_write(path, (json.dumps(report.to_json(), indent=1, allow_nan=False) + "\n").encode())
 
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from genome_lm.errors import GenomeLMError
-from genome_lm.eval.report import atomic_write
+from genome_lm.eval.report import atomic_write, write_json
 from genome_lm.eval.schema import MlflowInfo
 from genome_lm.records import to_json
 from genome_lm.tracking import Tracker
@@ -219,10 +218,6 @@ def context_figure(report: VariantsReport):
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
-
-
-def write_json(report: VariantsReport, path: Path) -> None:
-    atomic_write(path, (json.dumps(report.to_json(), indent=1, allow_nan=False) + "\n").encode())
 
 
 def write_outputs(report: VariantsReport, variants, labels, scores: dict, compare: dict, out: Path) -> None:
