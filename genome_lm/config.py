@@ -3,15 +3,17 @@ wrong types rejected.
 
 A run is described by a YAML file in ``configs/`` (``genome-lm finetune --config demo-cpu`` or a
 path) plus ``--set section.field=value`` overrides. ``load_config`` validates it (strictly: the
-string ``"true,"`` is not a bool, an unknown key is an error naming the file and the key) and
-returns a frozen ``RunConfig``; ``RunConfig.resolved()`` is what gets logged with the run.
+string ``"true,"`` is not a bool, an unknown key is an error naming the file, the key and the valid
+keys closest to it) and returns a frozen ``RunConfig``; ``RunConfig.resolved()`` is what gets logged
+with the run.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -35,6 +37,19 @@ _Loader.add_implicit_resolver(
 
 def _yaml(text: str):
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> tuple[tuple[int, int] | None, str]:
+    """((line, column) 1-based as editors count, or None) and the problem in words, with what the
+    parser was inside when that started (an unclosed bracket is found only at the end)."""
+    if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem_mark is None:
+        return None, str(exc).splitlines()[0]
+    at = (exc.problem_mark.line + 1, exc.problem_mark.column + 1)
+    problem = exc.problem or str(exc).splitlines()[0]
+    started = (exc.context_mark.line + 1, exc.context_mark.column + 1) if exc.context_mark else at
+    if exc.context and started != at:
+        problem += f" ({exc.context} at {started[0]}:{started[1]})"
+    return at, problem
 
 
 class Section(BaseModel):
@@ -133,6 +148,11 @@ class ParallelConfig(Section):
                                                                "the "
                                                                "routed tokens' all-to-all dispatch and combine (CUDA "
                                                                "streams: GPU backend and all-to-all dispatcher only).")
+    gpus: int | None = Field(None, gt=0, description="GPUs (ranks) the run is laid out for: `genome-lm plan` plans "
+                                                     "this many unless given --gpus, and `finetune` refuses another "
+                                                     "number of ranks. None = not stated: the planner takes one "
+                                                     "micro-batch per data-parallel rank (tp x cp x pp x global batch "
+                                                     "/ micro batch), the trainer the ranks it is started on.")
 
 
 class MemoryConfig(Section):
@@ -241,6 +261,16 @@ class RunConfig(Section):
                              "sequence would be balanced on its own: not the sequence's balance loss)")
         return self
 
+    # here rather than on ParallelConfig: a section's error carries the whole section as its input
+    @model_validator(mode="after")
+    def _gpus(self):
+        p = self.parallel
+        if p.gpus is not None:  # the sizes engine.parallel.ParallelSizes.check asks of the world size
+            for sizes, product in (("tp x cp x pp", p.tp * p.cp * p.pp), ("ep x etp x pp", p.ep * p.etp * p.pp)):
+                if p.gpus % product:
+                    raise ValueError(f"parallel.gpus = {p.gpus} is not a multiple of {sizes} = {product}")
+        return self
+
     def resolved(self) -> dict:
         return self.model_dump(mode="json")
 
@@ -286,7 +316,9 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[st
         try:
             tree = _yaml(path.read_text()) or {}
         except yaml.YAMLError as exc:
-            raise GenomeLMError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+            at, problem = _yaml_problem(exc)
+            where = f"{path}:{at[0]}:{at[1]}" if at else str(path)
+            raise GenomeLMError(f"{where}: not valid YAML: {problem}") from None
         if not isinstance(tree, dict):
             raise GenomeLMError(f"{path}: the top level must be a mapping of sections")
     overridden = []
@@ -295,20 +327,84 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[st
             raise GenomeLMError(f"--set {item!r}: expected section.field=value")
         key, value = item.split("=", 1)
         overridden.append(key.strip())
-        _set(tree, key.strip(), _yaml(value))
+        _set(tree, key.strip(), _set_value(item, value))
     try:
         cfg = RunConfig.model_validate(_lists_to_tuples(tree))
     except ValidationError as exc:
-        first = exc.errors()[0]
+        errors = exc.errors()
+        # an unknown key first: a misspelt field also makes the real one missing
+        first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
         first["msg"] = first["msg"].removeprefix("Value error, ")  # a validator's own sentence
         where = ".".join(str(p) for p in first["loc"])
         if not where:  # a rule across sections: its message names the fields
             raise GenomeLMError(f"{source}: {first['msg']}") from None
-        if any(where == k or where.startswith(k + ".") for k in overridden):  # --set's fault, not the file's
-            raise GenomeLMError(f"--set {where}: {first['msg']} (got {first.get('input')!r})") from None
-        raise GenomeLMError(f"{source}: {where}: {first['msg']} (got {first.get('input')!r})") from None
+        unknown = first["type"] == "extra_forbidden"
+        problem = _unknown_key(first["loc"]) if unknown else f"{first['msg']} (got {first.get('input')!r})"
+        # --set's fault, not the file's; an unknown section or field may be the start of a --set key
+        if any(where == k or where.startswith(k + ".") or (unknown and k.startswith(where + "."))
+               for k in overridden):
+            raise GenomeLMError(f"--set {where}: {problem}") from None
+        raise GenomeLMError(f"{source}: {where}: {problem}") from None
     cfg._source = None if name_or_path is None else source
     return cfg
+
+
+def _set_value(item: str, value: str):
+    """A --set value parsed as YAML; the column counts in the value, all there is to point at."""
+    try:
+        return _yaml(value)
+    except yaml.YAMLError as exc:
+        at, problem = _yaml_problem(exc)
+        if at is None:
+            where = ""
+        elif at[0] == 1:
+            where = f" at column {at[1]} of the value"
+        else:
+            where = f" at line {at[0]}, column {at[1]} of the value"
+        raise GenomeLMError(f"--set {item!r}: not valid YAML{where}: {problem}") from None
+
+
+def _unknown_key(loc: tuple) -> str:
+    """An unknown key in words, with the closest valid ones of its section (or the section's
+    fields, or the sections, when none is close)."""
+    model = _model_at(loc)
+    if model is None:  # not reached through sections: nothing to suggest from
+        return "no such field"
+    fields = list(model.model_fields)
+    parent = ".".join(str(p) for p in loc[:-1])
+    # 0.7 rather than difflib's 0.6: "trian" is train, not also tracking
+    close = difflib.get_close_matches(str(loc[-1]), fields, n=3, cutoff=0.7)
+    what = "section" if model is RunConfig else "field"
+    if close:
+        return f"no such {what}; did you mean {' or '.join(f'{parent}.{c}' if parent else c for c in close)}?"
+    if model is RunConfig:
+        return f"no such section; the sections are {', '.join(fields)}"
+    section = ".".join(str(p) for p in loc[:-1] if not isinstance(p, int))  # data.mix, not data.mix.0
+    return f"no such field; the fields of {section} are {', '.join(fields)}"
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The model class that ``loc[-1]`` would be a field of, found by walking RunConfig's fields:
+    a field that is a section, or a list of them (whose index is then skipped)."""
+    model: type[BaseModel] | None = RunConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):  # an item of a list of sections: the model is already the item's
+            continue
+        field = model.model_fields.get(part)
+        model = _section_in(field.annotation) if field is not None else None
+        if model is None:
+            return None
+    return model
+
+
+def _section_in(annotation) -> type[BaseModel] | None:
+    """The model class in a field's type: itself, or inside list[...], X | None, ..."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        if found := _section_in(arg):
+            return found
+    return None
 
 
 def _lists_to_tuples(tree):

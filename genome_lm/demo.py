@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 from genome_lm.data.demo_genome import DRILL_RECORD, CopyPlan, planted_json_path, write_demo_genome, write_drill
 from genome_lm.data.windows import WindowSpec
 from genome_lm.engine import quiet_megatron_import
-from genome_lm.errors import GenomeLMError
+from genome_lm.errors import Stopped, signal_exit_code
 
 if TYPE_CHECKING:  # the CLI imports this module for DEMO_CONFIG: keep pydantic out of its start-up
     from genome_lm.config import RunConfig
@@ -143,9 +143,9 @@ def _stop_if_stopped(trained) -> None:
     """A training stage that stopped early (a signal, non-finite losses) ends the demo: the
     next stage must not start from, or evaluate, an unfinished model."""
     if trained.stopped_by:
-
-        raise GenomeLMError(f"training in {trained.out_dir} stopped by {trained.stopped_by} at step "
-                            f"{trained.steps_done}; run the same command again to continue it")
+        raise Stopped(f"training in {trained.out_dir} stopped by {trained.stopped_by} at step "
+                      f"{trained.steps_done}; run the same command again to continue it",
+                      signal_exit_code(trained.stopped_by) or 1)
 
 
 LONG_COPIES = dict(per_mbp=1000, length_bp=(64, 1000), distance_bp=(64, 16384), inversions=0.0)

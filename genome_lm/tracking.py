@@ -42,6 +42,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -114,6 +115,9 @@ class Tracker:
     def _start(self, experiment: str, run_name: str | None, run_id: str | None, folder: Path) -> None:
         from mlflow.tracking import MlflowClient
 
+        # a new store's "Creating initial MLflow database tables..." is MLflow's business, not the user's
+        for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
+            logging.getLogger(name).setLevel(logging.WARNING)
         if self._default_store:
             folder.mkdir(parents=True, exist_ok=True)
             repoint_moved_store(folder / "mlflow.db")
@@ -188,8 +192,8 @@ class Tracker:
             return ""
         if self.tracking_uri.startswith(("http://", "https://")):
             return f"{self.tracking_uri.rstrip('/')}/#/experiments/{self._experiment_id}/runs/{self._run_id}"
-        return (f"mlflow ui --backend-store-uri {self.tracking_uri}  "
-                f"(experiment {self._experiment_id}, run {self._run_id})")
+        return (f"{mlflow_command()} ui --backend-store-uri {self.tracking_uri}, then open "
+                f"http://127.0.0.1:5000/#/experiments/{self._experiment_id}/runs/{self._run_id}")
 
     url = location
 
@@ -391,8 +395,8 @@ class Tracker:
             return True
         self._active = True
         self._note("fallback", f"tracking: {lost} is unavailable ({_short(err)}); logging to the run folder's store "
-                               f"instead, with everything this session had logged: mlflow ui --backend-store-uri "
-                               f"{self.tracking_uri}")
+                               f"instead, with everything this session had logged: {mlflow_command()} ui "
+                               f"--backend-store-uri {self.tracking_uri}")
         tags = {**self._tags, "genome_lm.fallback_from": lost}
         self._batch(params=self._params, tags=tags)
         if self._config_tree is not None:
@@ -415,6 +419,15 @@ class Tracker:
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's view for model training (not its GenAI overview)
+
+
+def mlflow_command() -> str:
+    """``mlflow`` when it is on PATH, else the one installed beside this Python (a virtual
+    environment that was not activated), so the printed command runs as it is."""
+    beside = Path(sys.executable).parent / "mlflow"
+    if shutil.which("mlflow") or not beside.exists():
+        return "mlflow"
+    return str(beside)
 
 
 def local_store(folder: Path) -> str:

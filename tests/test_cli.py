@@ -65,6 +65,10 @@ def test_demo_runs_every_stage(tmp_path):
     assert "--baseline (the run's starting weights)" in text
     # ... and against itself with its context cut; it starts from the shipped long-context model
     assert "model vs the same model with its context cut to 256 bases: loss" in text
+    # it closes with what it measured, each line with its sign: the seed's finding, the chain, the cut
+    closing = text[text.index("what this demo measured"):]
+    assert "The seed's finding" in closing and "Markov chain" in closing and "The context beyond 256" in closing
+    assert "long context helps" not in text
     meta = json.loads((tmp_path / "demo" / "run" / "checkpoints" / "step-000002" / "meta.json").read_text())
     assert Path(meta["config"]["model"]["checkpoint"]) == weights.ROOT / "tiny-long"
     again = runner.invoke(app, ["demo", "--out", str(tmp_path / "demo"), *FAST_DEMO])
@@ -145,13 +149,15 @@ def test_training_summary_reports_means_over_the_ends_of_the_run(tmp_path):
     steps = [SimpleNamespace(step=i + 1, lm_loss=x, tokens_per_s=1000.0, peak_host_mib=10.0) for i,
              x in enumerate(losses)]
     result = SimpleNamespace(all_steps=steps, history=steps, resumed_from=None, out_dir=tmp_path, steps_done=40,
-                             stopped_by=None, checkpoint=tmp_path / "ck", tracking=None)
+                             stopped_by=None, checkpoint=tmp_path / "ck", tracking=None,
+                             loss_curve=tmp_path / "loss_curve.png")
     with console.capture() as captured:
         print_training(result)
     text = " ".join(captured.get().split())
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert f"{first:.4f} (1-10)" in text and f"{last:.4f} (31-40)" in text
     assert f"{(last - first) / first * 100:+.1f}%" in text and "mean training LM loss" in text
+    assert f"loss curve: {tmp_path / 'loss_curve.png'}" in text  # every file it wrote is named
     short = steps[:3]  # fewer than 8 steps: single steps at both ends
     with console.capture() as captured:
         print_training(SimpleNamespace(**{**vars(result), "all_steps": short, "history": short, "steps_done": 3}))
@@ -224,3 +230,24 @@ def test_dna_study_bad_arguments_are_one_line_errors(tmp_path, args, message):
 def test_dna_study_needs_its_fasta(tmp_path):
     result = runner.invoke(app, ["demo", "--fasta", str(tmp_path / "none.fa"), "--train", "chr1", "--eval", "chr2"])
     assert result.exit_code == 1 and "none.fa: no such FASTA file" in result.output
+
+
+def test_an_error_message_is_printed_as_it_is(capsys):
+    """A variant key (1:100:A>T) is no emoji code, and [brackets] are no markup."""
+    from genome_lm.cli.base import fail
+
+    with pytest.raises(typer.Exit) as stop:
+        fail("variant 1:100:A>T in [bold]x.vcf[/bold] :smile:")
+    assert stop.value.exit_code == 1
+    assert capsys.readouterr().err.strip() == "error: variant 1:100:A>T in [bold]x.vcf[/bold] :smile:"
+
+
+def test_help_lists_the_commands_in_the_order_of_a_study():
+    """The demo first, then the study's stages; every command has its place in that order."""
+    from genome_lm.cli.base import STUDY_ORDER
+
+    result = runner.invoke(app, ["--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
+    listed = [line.split()[1] for line in result.output.splitlines() if line.startswith("│ ") and
+              len(line.split()) > 1 and line.split()[1] in STUDY_ORDER]
+    assert listed == STUDY_ORDER
+    assert {c[0] for c in _commands(app)} == set(STUDY_ORDER)

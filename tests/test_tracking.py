@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from genome_lm import tracking
 from genome_lm.tracking import PARAM_VALUE_LIMIT, Tracker
 
 # MLflow's SQLite store uses a SQLAlchemy option SQLAlchemy deprecates (nothing a test can act on).
@@ -89,7 +90,9 @@ def test_local_store_round_trip_and_resume(tmp_path, monkeypatch, caplog):
         tracker.log_figure(_figure(), "curve")
         location = tracker.location
     assert isinstance(run_id, str) and run_id in location
-    assert location.startswith(f"mlflow ui --backend-store-uri sqlite:///{run_dir / 'mlflow.db'}")
+    assert f"mlflow ui --backend-store-uri sqlite:///{run_dir / 'mlflow.db'}," in location
+    assert location.endswith(f"then open http://127.0.0.1:5000/#/experiments/{tracker.info()['experiment_id']}/runs/"
+                             f"{run_id}")  # the run's own page: MLflow's home page is its GenAI overview
     # the only warning: one note for the two non-finite values
     assert len(_warnings(caplog)) == 1 and "non-finite" in _warnings(caplog)[0]
 
@@ -183,7 +186,7 @@ def test_unreachable_server_falls_back_to_the_run_folder(tmp_path, caplog):
     assert len(warnings) == 1 and uri in warnings[0] and "\n" not in warnings[0]
     local = f"sqlite:///{tmp_path / 'mlflow.db'}"
     assert f"mlflow ui --backend-store-uri {local}" in warnings[0]  # how to look at it
-    assert tracker.location.startswith(f"mlflow ui --backend-store-uri {local}")
+    assert f"mlflow ui --backend-store-uri {local}," in tracker.location
     client = _local_client(tmp_path)
     run = client.get_run(tracker.run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "r"
@@ -376,3 +379,27 @@ def test_read_run_from_an_unreachable_server_is_one_line_in_seconds():
         read_run(uri, "abc")
     assert time.perf_counter() - t0 < 15 and "\n" not in str(err.value)
     assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
+
+
+def test_the_printed_mlflow_command_runs_without_an_activated_environment(monkeypatch, tmp_path):
+    """A virtual environment that was never activated has no ``mlflow`` on PATH: the command names
+    the one beside this Python; with ``mlflow`` on PATH, the bare name."""
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "mlflow").write_text("#!/bin/sh\n")
+    (bin_dir / "mlflow").chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert tracking.mlflow_command() == str(bin_dir / "mlflow")
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert tracking.mlflow_command() == "mlflow"
+
+
+
+def test_a_new_store_says_nothing_of_its_database_tables(tmp_path, capfd):
+    """A first run in a folder creates MLflow's tables: MLflow's own INFO lines about it are not
+    the user's business (they used to open every demo's output)."""
+    with Tracker(None, experiment="exp", run_name="r", run_dir=tmp_path / "run") as tracker:
+        assert tracker.active
+    captured = capfd.readouterr()
+    assert "database tables" not in captured.err + captured.out

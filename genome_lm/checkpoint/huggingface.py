@@ -23,6 +23,7 @@ parameter at a time and writes shards of at most ``max_shard_bytes``.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -277,6 +278,14 @@ def text_prefix(like: str | Path | None) -> str:
     return HFCheckpoint(like).prefix if like is not None else "model.language_model."
 
 
+def _honour_umask(path: Path) -> None:
+    """safetensors creates its files with mode 0600; give them the mode every other file of the
+    export has (0666 less the umask), so whoever can read the folder can read the weights."""
+    mask = os.umask(0)
+    os.umask(mask)
+    path.chmod(0o666 & ~mask)
+
+
 class HFWriter:
     """Writes (checkpoint key, tensor) pairs as a glm5_next safetensors folder: shards of at most
     ``max_shard_bytes``, then the index and ``config.json``. Each tensor keeps the dtype it has in
@@ -307,6 +316,7 @@ class HFWriter:
             file = f"model-{len(self.files) + 1:05d}.safetensors"
             self.out.mkdir(parents=True, exist_ok=True)
             save_file(self.pending, str(self.out / file), metadata={"format": "pt"})
+            _honour_umask(self.out / file)
             self.files.append(file)
             self.weight_map.update({k: file for k in self.pending})
             self.pending, self.pending_bytes = {}, 0

@@ -36,10 +36,14 @@ def main(
 
 from . import bench, check, data, demo, eval, plan, train, variants  # noqa: E402,F401  (registration order = --help order)
 
+# How to continue a command stopped by a second Ctrl-C (the first one checkpoints and stops cleanly).
+CONTINUE = {"finetune": "run the same command with --resume to continue from its last checkpoint"}
+
 
 def run() -> None:  # console-script entry point
     try:
         app()
     except KeyboardInterrupt:
-        print("interrupted; run the same command again to resume", file=sys.stderr)
+        command = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
+        print(f"interrupted; {CONTINUE.get(command, 'run the same command again to continue')}", file=sys.stderr)
         sys.exit(130)

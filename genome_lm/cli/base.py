@@ -3,32 +3,60 @@ and the table printer. Commands live in the sibling modules, one per subject."""
 
 from __future__ import annotations
 
+from typing import IO
+
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 from typer.core import TyperGroup, TyperOption
 
 from genome_lm.errors import GenomeLMError
 from genome_lm.units import parse_size, parse_sizes
 
-console = Console()
+from .narrow import FitTables, WholeLines
+
+
+def make_console(width: int | None = None, file: IO[str] | None = None) -> Console:
+    """A console as every command's (``console``): tables fit the width without cutting a word,
+    lines of text print whole (``narrow``). ``width`` and ``file``: fixed ones, as for a test;
+    by default the terminal's width (COLUMNS, 80 through a pipe) and stdout at each print, so
+    typer's CliRunner, which swaps sys.stdout, gets the output."""
+    made = WholeLines(width=width, file=file)
+    made.push_render_hook(FitTables())
+    return made
+
+
+console = make_console()
 
 
 def fail(exc: GenomeLMError | str, code: int = 1) -> None:
     """Print ``error: <one line>`` on stderr and exit with ``code``."""
-    Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    # the message as plain text: a variant key like 1:100:A>T is neither markup nor an emoji code
+    Console(stderr=True).print(Text.assemble(("error:", "bold red"), " ", str(exc)), highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
 class _Commands(TyperGroup):
     """The app's command group: a GenomeLMError from any command (or subcommand) becomes the
-    one-line ``error: ...`` and exit status 1; every other exception keeps its traceback."""
+    one-line ``error: ...`` and its exit status (1, or 130 for work Ctrl-C stopped); every other
+    exception keeps its traceback."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except GenomeLMError as exc:
-            fail(exc)
+            fail(exc, exc.exit_code)
+
+    def list_commands(self, ctx):
+        """--help lists the commands in the order of a study (the demo first), not in the order
+        their modules happen to be imported; a command not named in STUDY_ORDER comes last."""
+        names = super().list_commands(ctx)
+        return sorted(names, key=lambda n: STUDY_ORDER.index(n) if n in STUDY_ORDER else len(STUDY_ORDER))
+
+
+STUDY_ORDER = ["demo", "prepare", "finetune", "eval", "export", "variants", "folds", "plan", "demo-genome", "recall",
+               "check-logprobs", "parity", "preflight", "bench"]
 
 
 def _flags_without_type() -> None:

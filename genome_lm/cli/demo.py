@@ -78,8 +78,6 @@ With --fasta FILE --folds K --region R the study runs K times, each fold of R he
 each the study above, about 28 minutes on 2 cores for the chr2 piece), then pools them: OUT/folds.json gives every
 fold's figures, the pooled ones (intervals stratified by fold) and, for each finding, the folds where it holds. Run the
 same command again to finish an interrupted study: done folds are read back, the interrupted one continues."""
-    from genome_lm.eval.planted import demo_note
-
     if long:
         _long_demo(out or Path("data/long"), quiet, set_ or [], eval_windows)
         return
@@ -94,24 +92,36 @@ same command again to finish an interrupted study: done folds are read back, the
     out = out or Path("data/demo")
     result = run_demo(out, size(window, "--window"), config=config, overrides=set_, eval_windows=eval_windows,
                       progress=not quiet, on_dataset=lambda p: print_dataset_summary(p.manifest, reused=p.reused),
-                      on_trained=print_training)
+                      on_trained=_print_stage)
     report = result.report
-    print_report(report, console)  # its headline sets the model against uniform, Markov and the starting weights
+    print_report(report, console)
     console.print(f"(the model: checkpoint {report.models['model'].path})", highlight=False)
-    if report.planted:
-        console.print(demo_note(report.planted, result.config), highlight=False)
+    print_verdict(report)
+
+
+def _print_stage(trained) -> None:
+    """A training stage's summary; one a signal stopped continues when the demo is run again."""
+    print_training(trained, to_continue="run the same command again to continue")
+
+
+def print_verdict(report) -> None:
+    """The demo's closing lines: what it measured, each figure with its sign (eval.verdict)."""
+    from genome_lm.eval.verdict import demo_verdict
+
+    console.print(f"[bold]what this demo measured[/bold] (the tuned model on {report.data.chrom}; "
+                  "[95% intervals])", highlight=False)
+    for line in demo_verdict(report):
+        console.print(f"- {line}", highlight=False, markup=False)
 
 
 def _long_demo(out: Path, quiet: bool, overrides: list[str], eval_windows: int) -> None:
-    from genome_lm.eval.planted import demo_note
     from genome_lm.eval.probes.selection import describe
 
     result = run_long_demo(out, overrides=([], overrides), eval_windows=eval_windows, progress=not quiet,
                            on_dataset=lambda p: print_dataset_summary(p.manifest, reused=p.reused),
-                           on_trained=print_training)
+                           on_trained=_print_stage)
     print_report(result.report, console)
-    if result.report.planted:
-        console.print(demo_note(result.report.planted), highlight=False)
+    print_verdict(result.report)
     for line in describe(result.selection):
         console.print(line, highlight=False)
 
@@ -128,7 +138,7 @@ def _dna_demo(fasta: Path | None, train: str | None, eval_region: str | None, ou
         raise GenomeLMError(f"{fasta}: no such FASTA file")
     result = run_dna_demo(out, fasta, split_regions(train), eval_region, window, config=config, overrides=overrides,
                           progress=not quiet, on_dataset=lambda p: print_dataset_summary(p.manifest, reused=p.reused),
-                          on_trained=print_training, drill=drill)
+                          on_trained=_print_stage, drill=drill)
     print_report(result.report, console)
     console.print("[bold]the study in short[/bold]")
     for line in study_summary(result.report):
@@ -151,7 +161,7 @@ def _folds_demo(fasta: Path | None, folds: int | None, region: str | None, train
                      f"{', '.join(str(r) for r in plan.train)}")
 
     report = run_folds(out, fasta, region, folds, window, config=config, overrides=overrides, drill=drill,
-                       progress=not quiet, on_fold=announce, on_trained=print_training,
+                       progress=not quiet, on_fold=announce, on_trained=_print_stage,
                        on_dataset=lambda p: print_dataset_summary(p.manifest, reused=p.reused))
     print_folds(report, out / "folds.json")
 

@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from genome_lm.data.names import canonical
 from genome_lm.data.windows import MAX_N_FRACTION
 from genome_lm.errors import GenomeLMError
 from genome_lm.eval.buckets import units_text
@@ -191,7 +192,7 @@ def eval_command(
     chunk_size = 0 if chunk.strip() in ("0", "none") else size(chunk, "--chunk")
     if out is None:
         run = Path(model)
-        tag = f"eval-{chrom}" if chrom else "eval"
+        tag = f"eval-{folder_name(chrom)}" if chrom else "eval"
         out = run / tag if is_run_folder(run) else Path(tag)
     request = EvalRequest(model=model, out=out, baseline=baseline, dataset=dataset, fasta=fasta, chrom=chrom,
                           split=split, window=size(window, "--window"), bucket_text=buckets, chunk=chunk_size or None,
@@ -215,6 +216,14 @@ def eval_command(
         raise typer.Exit(130) from None
     if report is not None:  # under torchrun, rank 0 reports
         print_report(report)
+
+
+def folder_name(chrom: str) -> str:
+    """The default output folder's name for ``--chrom``: the same for every spelling of a human
+    chromosome (22, chr22, NC_000022.11 -> chr22), so a second eval finds the first one's scores;
+    any other name or region as typed."""
+    key = canonical(chrom)
+    return f"chr{key}" if key.isdigit() or key in ("X", "Y", "M") else chrom
 
 
 def parallel_layout(items: list[str] | None) -> dict | None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from genome_lm.engine.devices import SPECS
@@ -38,8 +39,9 @@ def plan(
     moe_chunks: Annotated[Optional[int], typer.Option(help="MoE layers in this many chunks.")] = None,
     gpu: Annotated[str, typer.Option(help="B200 (180 GB), H200 (141 GB) or H100 (80 GB).")] = "B200",
     gpu_mem: Annotated[Optional[float], typer.Option(help="GPU memory in GB (overrides --gpu).")] = None,
-    gpus: Annotated[Optional[int], typer.Option(help="GPUs in the run (default: tp x cp x pp x global batch / micro "
-                                                     "batch, one micro-batch per rank).")] = None,
+    gpus: Annotated[Optional[int], typer.Option(help="GPUs in the run (default: the config's parallel.gpus, else tp "
+                                                     "x cp x pp x global batch / micro batch, one micro-batch per "
+                                                     "rank).")] = None,
     gpus_per_node: Annotated[int, typer.Option(help="GPUs per node, for host memory per node.")] = 8,
     moe_imbalance: Annotated[float, typer.Option(help="Busiest expert-parallel rank's tokens over the mean (4 on real "
                                                       "genome data).")] = 4.0,
@@ -62,9 +64,10 @@ def plan(
     set_: Annotated[Optional[list[str]], typer.Option("--set",
                                                       help="Override any config field: section.field=value.")] = None,
     search: Annotated[bool, typer.Option("--search", help="Rank every layout (TP, CP, PP, EP, ETP) and memory switch "
-                                                          "(recompute, offload, MoE chunks) that fits --gpus of --gpu "
-                                                          "by predicted tokens/s, the published setting among them; "
-                                                          "with --write, the best as a config.")] = False,
+                                                          "(recompute, offload, MoE chunks) that fits --gpus (or the "
+                                                          "config's parallel.gpus) of --gpu by predicted tokens/s, "
+                                                          "beside the published run's setting and the config as "
+                                                          "given; with --write, the best as a config.")] = False,
     top: Annotated[int, typer.Option(help="With --search: rows of the ranking to show.")] = 10,
     write: Annotated[Optional[Path], typer.Option(help="With --search: write the fastest candidate as a config YAML "
                                                        "here (the --config file with its parallel and memory sections "
@@ -81,8 +84,9 @@ def plan(
     tokens/s for the cluster and per GPU, MFU, the time by layer type and by compute, memory,
     communication and host, and what bounds the step (docs/plan.md, "The time model")."""
     from genome_lm.config import load_config
-    from genome_lm.plan.memory_model import Hardware, estimate
+    from genome_lm.plan.memory_model import estimate
     from genome_lm.plan.report import (
+        config_label,
         print_plan,
         published_table,
         published_time_table,
@@ -106,20 +110,15 @@ def plan(
     if kernel_efficiency is not None and not 0 < kernel_efficiency <= 1:
         raise GenomeLMError(f"--kernel-efficiency {kernel_efficiency}: expected a fraction in (0, 1]")
     constants = CONSTANTS if kernel_efficiency is None else replace(CONSTANTS, kernel=kernel_efficiency)
-    name, mem_bytes = gpu_memory(gpu, gpu_mem)
-    if device == "cpu" and gpu_mem is None:  # a rank's share of this machine's memory
-        ranks = min(gpus or 1, gpus_per_node)
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        name, mem_bytes = f"CPU rank ({ram / 2**30:.1f} GiB here / {ranks})", ram / ranks
-    # the time model needs a known GPU kind; --gpu-mem with another --gpu plans memory alone
-    spec = None
-    if device == "gpu" and (gpu_mem is None or gpu.upper() in SPECS):
-        spec = replace(gpu_spec(gpu), memory=mem_bytes)
-    hw = Hardware(gpu_name=name, gpu_bytes=mem_bytes, gpus=gpus, gpus_per_node=gpus_per_node, device=device,
-                  moe_imbalance=moe_imbalance, headroom=headroom)
+
+    def hardware(count: int | None) -> tuple:
+        return _hardware(gpu, gpu_mem, count, gpus_per_node, device, moe_imbalance, headroom)
+
     if published:
+        spec, hw = hardware(gpus)
         console.print(published_table(hw))
-        console.print("Differences over 20% are explained in docs/plan.md.")
+        console.print("The plan is of the shipped configs as they are (the DSA selection shared out), not of the "
+                      "published run's setting; differences over 20% are explained in docs/plan.md.")
         console.print(published_time_table(hw, constants))
         console.print("The time model fits one constant (the kernel efficiency) on the 1M figure; the other rows "
                       "are predictions (docs/plan.md, \"The time model\").")
@@ -131,19 +130,24 @@ def plan(
               "memory.offload_activations": offload, "memory.optimizer_offload": optimizer_offload,
               "memory.moe_chunks": moe_chunks}
     options = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items() if v is not None]
-    run = load_config(config, [*(set_ or []), *options])  # validated like the trainer's config
+    # the command states the GPU count: the config's parallel.gpus gives way
+    override = ["parallel.gpus=null"] if gpus is not None else []
+    run = load_config(config, [*(set_ or []), *options, *override])  # validated like the trainer's config
+    label = config_label(config, run, load_config(config, override))  # how the tables name it
+    spec, hw = hardware(gpus or run.parallel.gpus)
     if write is not None and not search:
         raise GenomeLMError("--write goes with --search (it writes the search's best config)")
     if search:
         if spec is None:
             raise GenomeLMError("--search ranks by the time model, which is for GPUs (--device gpu, a known --gpu)")
-        if not gpus:
-            raise GenomeLMError("--search needs --gpus: the cluster to lay the run out on (e.g. --gpus 64)")
+        if not hw.gpus:
+            raise GenomeLMError("--search needs --gpus: the cluster to lay the run out on (e.g. --gpus 64), where the "
+                                "config states no parallel.gpus")
         if top < 1:
             raise GenomeLMError(f"--top {top}: expected at least 1 row")
         if write is not None and not write.resolve().parent.is_dir():
             raise GenomeLMError(f"--write {write}: no folder {write.resolve().parent} to write it in")
-        _plan_search(run, config, hw, spec, constants, json_out, top, write)
+        _plan_search(run, config, label, hw, spec, constants, json_out, top, write)
         return
     if eval_:
         _plan_eval(run, hw, spec, constants, json_out)
@@ -160,7 +164,7 @@ def plan(
             raise GenomeLMError("--plot: the time model is for GPUs (--device gpu)")
         time_plot(timing, plot)
     if json_out:
-        out = {"config": config, "gpu": name, "gpus": memory_plan.gpus, "fits": memory_plan.fits,
+        out = {"config": config, "gpu": hw.gpu_name, "gpus": memory_plan.gpus, "fits": memory_plan.fits,
                "peak_bytes": memory_plan.peak, "usable_bytes": memory_plan.usable, "peak_where": memory_plan.peak_where,
                "device": [vars(i) for i in memory_plan.device], "host": [vars(i) for i in memory_plan.host],
                "time": None if timing is None else {**timing.as_dict(), "constants": vars(constants)}}
@@ -168,9 +172,40 @@ def plan(
         return
     print_plan(memory_plan, hw, console)
     if timing is not None:
-        console.print(time_table(timing))
+        console.print(time_table(timing, label, _published_setting(run, hw, spec, constants)))
     if plot is not None:
         console.print(f"wrote {plot}")
+
+
+def _hardware(gpu: str, gpu_mem: float | None, gpus: int | None, gpus_per_node: int, device: str,
+              moe_imbalance: float, headroom: float) -> tuple:
+    """(the GPU kind for the time model or None, the ``Hardware`` to plan on) from the options."""
+    from genome_lm.plan.memory_model import Hardware
+
+    name, mem_bytes = gpu_memory(gpu, gpu_mem)
+    if device == "cpu" and gpu_mem is None:  # a rank's share of this machine's memory
+        ranks = min(gpus or 1, gpus_per_node)
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        name, mem_bytes = f"CPU rank ({ram / 2**30:.1f} GiB here / {ranks})", ram / ranks
+    # the time model needs a known GPU kind; --gpu-mem with another --gpu plans memory alone
+    spec = None
+    if device == "gpu" and (gpu_mem is None or gpu.upper() in SPECS):
+        spec = replace(gpu_spec(gpu), memory=mem_bytes)
+    return spec, Hardware(gpu_name=name, gpu_bytes=mem_bytes, gpus=gpus, gpus_per_node=gpus_per_node, device=device,
+                          moe_imbalance=moe_imbalance, headroom=headroom)
+
+
+def _published_setting(run, hw, spec, constants) -> tuple | None:
+    """(the published run's setting in words, its timing) for a config the published run ran
+    with another setting (the shipped ones share the DSA selection out), else None."""
+    from genome_lm.plan.memory_model import with_changes
+    from genome_lm.plan.published import PUBLISHED_TIME_SETTING, published_config, setting_words
+    from genome_lm.plan.time_model import estimate_time
+
+    name, words = published_config(run), setting_words(run)
+    if spec is None or name is None or not words:
+        return None
+    return f"{name} with {words}", estimate_time(with_changes(run, **PUBLISHED_TIME_SETTING), hw, spec, constants)
 
 
 def _plan_eval(run, hw, spec, constants, json_out: bool) -> None:
@@ -209,23 +244,30 @@ def _plan_eval(run, hw, spec, constants, json_out: bool) -> None:
 
 
 
-def _plan_search(run, config: str, hw, spec, constants, json_out: bool, top: int, write: Path | None) -> None:
-    """``plan --search``: the fitting candidates fastest first, the published setting's rank, and
-    what separates the best from it (``plan.search``)."""
+def _plan_search(run, config: str, label: str, hw, spec, constants, json_out: bool, top: int,
+                 write: Path | None) -> None:
+    """``plan --search``: the fitting candidates fastest first, beside the published run's setting
+    and the config as given, each named (the shipped configs are not the published setting), and
+    what separates the best from the published setting (``plan.search``)."""
     from genome_lm.config import find_config
-    from genome_lm.plan.report import gib, length_label
+    from genome_lm.plan.published import published_label, setting_words
+    from genome_lm.plan.report import gib, is_shipped, length_label
     from genome_lm.plan.search import config_yaml, differences
     from genome_lm.plan.search import search as run_search
 
     found = run_search(run, hw, spec, constants)
     best = next(c for c in found if c.fits and not c.label)
     published = next(c for c in found if c.label == "published")
+    given = next((c for c in found if c.label == "config"), None)
+    tag, published_name = published_label(run, label)
+    tags = {"published": tag, "config": "the shipped config" if is_shipped(config) else "the config as given"}
     T = length_label(run.data.seq_len)
     if write is not None:
+        against = f"{published.tokens_per_s:,.0f} for {published_name}" + (
+            f" and\n{given.tokens_per_s:,.0f} for {label}" if given else "")
         note = (f"Written by `genome-lm plan --config {config} --seq-len {T} --gpus {hw.gpus} --gpu {spec.name} "
-                f"--search`:\nthe fastest layout that fits, {best.tokens_per_s:,.0f} tokens/s predicted "
-                f"(the published setting: {published.tokens_per_s:,.0f}).\nIts parallel and memory sections come "
-                f"from the search; the rest from {config}.")
+                f"--search`:\nthe fastest layout that fits: {best.tokens_per_s:,.0f} tokens/s predicted, against\n"
+                f"{against}.\nIts parallel and memory sections come from the search; the rest from {config}.")
         text = config_yaml(find_config(config).read_text(), best, note)
         tmp = write.with_name(write.name + ".tmp")
         tmp.write_text(text)
@@ -238,18 +280,24 @@ def _plan_search(run, config: str, hw, spec, constants, json_out: bool, top: int
     table = Table(title=f"{T}-token sequences on {hw.gpus} x {spec.name}: layouts that fit, fastest first "
                         f"(predicted; docs/plan.md)", title_justify="left")
     for col, justify in (("#", "right"), ("layout", "left"), ("memory switches", "left"), ("GiB/GPU", "right"),
-                         ("tokens/s", "right"), ("vs published", "right"), ("bound by", "left")):
+                         ("tokens/s", "right"), (f"vs {tag.removeprefix('the ')}", "right"), ("bound by", "left")):
         table.add_column(col, justify=justify)
-    shown = found[:top] + ([published] if published not in found[:top] else [])
+    shown = found[:top] + [c for c in found[top:] if c.label]  # the two named rows, wherever they rank
     for c in shown:
-        rank = found.index(c) + 1
         fits = "" if c.fits else " (does not fit)"
-        table.add_row(str(rank), c.layout() + (" [published]" if c.label else ""), c.memory(), gib(c.peak) + fits,
-                      f"{c.tokens_per_s:,.0f}", f"x{c.tokens_per_s / published.tokens_per_s:.2f}",
+        tag_cell = escape(f" [{tags[c.label]}]") if c.label else ""  # rich would read [...] as markup
+        table.add_row(str(found.index(c) + 1), c.layout() + tag_cell, c.memory(),
+                      gib(c.peak) + fits, f"{c.tokens_per_s:,.0f}", f"x{c.tokens_per_s / published.tokens_per_s:.2f}",
                       c.bound(), style="bold" if c is best else ("italic" if c.label else None))
     console.print(table)
-    console.print(f"{sum(1 for c in found if not c.label)} candidates fit. The best against the published setting, "
-                  "the parts that differ most (seconds a step):", highlight=False)
+    console.print(f"{sum(1 for c in found if not c.label)} candidates fit. Beside them:", highlight=False)
+    console.print(f"  {published_name}: {published.tokens_per_s:,.0f} tokens/s (#{found.index(published) + 1})",
+                  highlight=False)
+    if given is not None:
+        console.print(f"  {label}: {given.tokens_per_s:,.0f} tokens/s (#{found.index(given) + 1})", highlight=False)
+    elif setting_words(run):
+        console.print(f"  {label}: its layout does not split {hw.gpus} GPUs or its batch", highlight=False)
+    console.print(f"The best against {tag}, the parts that differ most (seconds a step):", highlight=False)
     for name, a, b in differences(best.timing, published.timing):
         console.print(f"  {name}: {a:,.1f} s against {b:,.1f} s", highlight=False)
     if write is not None:

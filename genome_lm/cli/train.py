@@ -11,6 +11,7 @@ from rich.table import Table
 
 from genome_lm.engine import quiet_megatron_import
 from genome_lm.engine.backend import on_gpu
+from genome_lm.errors import signal_exit_code
 from genome_lm.train.launch import train_on_ray
 
 from .base import app, console
@@ -65,6 +66,8 @@ def finetune(
                            resume_from=resume_from, overwrite=overwrite)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 reports
         print_training(result)
+    if (code := signal_exit_code(result.stopped_by)) is not None:  # checkpointed; the shell still sees why
+        raise typer.Exit(code)
 
 
 SMOOTH_STEPS = 10  # the summary's loss: the mean over this many steps at each end (a quarter of a short run)
@@ -82,16 +85,30 @@ def loss_ends(steps) -> tuple[tuple[float, int, int], tuple[float, int, int]]:
     return mean(steps[:n]), mean(steps[-n:])
 
 
-def print_training(result) -> None:
+def print_training(result, to_continue: str = "continue with --resume") -> None:
     """The run's summary: where it resumed from, the loss at its start and end (means over a few
-    steps), speed, the checkpoint, MLflow."""
+    steps), speed, the checkpoint, MLflow; ``to_continue``: how to continue a run a signal
+    stopped, in the words of the command that ran it."""
     steps = result.all_steps
     if result.resumed_from is not None:
         console.print(f"resumed from step {result.resumed_from.name.split('-')[-1].lstrip('0') or '0'} "
                       f"({result.resumed_from})", highlight=False)
     if not steps:
         console.print("no steps run")
-        return
+    else:
+        _print_losses(result, steps)
+    if result.stopped_by:
+        console.print(f"stopped by {result.stopped_by}; {to_continue}", highlight=False)
+    if result.checkpoint is not None:
+        console.print(f"checkpoint: {result.checkpoint}", highlight=False)
+    if result.loss_curve is not None:
+        console.print(f"loss curve: {result.loss_curve}", highlight=False)
+    if result.tracking:
+        console.print(f"MLflow: {result.tracking}", highlight=False)
+
+
+def _print_losses(result, steps) -> None:
+    """The table of the run's loss at its start and end, its speed and peak memory."""
     if not result.history:
         console.print(f"the run was already complete at step {result.steps_done}")
     (first, a0, a1), (last, b0, b1) = loss_ends(steps)
@@ -108,11 +125,6 @@ def print_training(result) -> None:
     table.add_row(f"{result.steps_done}", f"{first:.4f} ({span(a0, a1)})", f"{last:.4f} ({span(b0, b1)})",
                   f"{change:+.1f}%", f"{steps[-1].tokens_per_s:,.0f}", f"{steps[-1].peak_host_mib:,.0f}")
     console.print(table)
-    if result.stopped_by:
-        console.print(f"stopped by {result.stopped_by}; continue with --resume", highlight=False)
-    console.print(f"checkpoint: {result.checkpoint}", highlight=False)
-    if result.tracking:
-        console.print(f"MLflow: {result.tracking}", highlight=False)
 
 
 @app.command()

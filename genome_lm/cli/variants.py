@@ -24,7 +24,8 @@ def variants(
                                              "indexed if it has no .fai).")],
     model: Annotated[str, typer.Option(help="A training run folder, a checkpoint, a Hugging Face folder, "
                                             "builtin:tiny-long or preset:NAME.")],
-    out: Annotated[Path, typer.Option(help="Folder for variants.json, variants.tsv and the plots.")] = Path("variants"),
+    out: Annotated[Path, typer.Option(help="Folder for variants.json, variants.tsv, skipped.tsv and the plots.")] = (
+        Path("variants")),
     baseline: Annotated[Optional[str], typer.Option(help="A second model scored the same way ('init': the model's "
                                                          "starting weights).")] = None,
     contexts: Annotated[str, typer.Option(help="Preceding context lengths to score every variant at, e.g. "
@@ -73,7 +74,7 @@ def variants(
     per variant), roc.png and auroc_by_context.png, and an MLflow run.
 
     Skipped variants (REF not matching the FASTA, N or the record's end inside the window, long indels, symbolic
-    alleles) are counted and listed in the report.
+    alleles) are counted and listed in the report and in skipped.tsv (one row each with its reason).
     """
 
     chunk_size = 0 if chunk.strip() in ("0", "none") else size(chunk, "--chunk")

@@ -60,6 +60,15 @@ class ParallelSizes:
                                 f"{self.ep * self.etp * self.pp}")
 
 
+def check_stated_gpus(stated: int | None, world_size: int) -> None:
+    """A config that states its GPU count (``parallel.gpus``) runs on that many ranks: on another
+    number the data-parallel size would change, and with it the batch split and the plan."""
+    if stated is not None and stated != world_size:
+        ranks = "rank" if world_size == 1 else "ranks"
+        raise GenomeLMError(f"parallel.gpus is {stated} but the job has {world_size} {ranks} (start {stated}, or "
+                            "--set parallel.gpus=null to run on these)")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

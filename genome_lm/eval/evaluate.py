@@ -208,6 +208,7 @@ def evaluate_scored(req: EvalRequest, *, progress: bool = True, on_note=None) ->
             loaded["baseline"] = load_model(req.baseline, pg, init_of=loaded["model"], sizes=sizes)
         chosen = _choose_windows(req, _dataset(req, loaded["model"], rank, world, progress))
         jobs = _jobs(req, loaded)
+        _note_size(req, chosen, jobs, note)
         scored = _score(req, loaded, jobs, chosen, pg, sizes, world, note, progress)
     if rank != 0:
         return None
@@ -218,6 +219,19 @@ def evaluate_scored(req: EvalRequest, *, progress: bool = True, on_note=None) ->
         report.mlflow = log_to_mlflow(report, out, loaded["model"], req.tracking_uri, note, started_ms)
         rep.write_json(report, out / "eval.json")
     return report, everything
+
+
+MANY_WINDOWS = 16  # more, without --max-windows, and the run gets a hint (the demo's chr22: 55, 10 minutes here)
+
+
+def _note_size(req: EvalRequest, chosen: _Selection, jobs: list, note) -> None:
+    """Before long work, say how much there is and how to do less."""
+    n = len(chosen.windows)
+    if req.max_windows is not None or n <= MANY_WINDOWS:
+        return
+    bases = sum(chosen.split.windows[i].length for i in chosen.windows)
+    note(f"scoring all {n:,} windows ({bases / 1e6:,.1f} Mbp) {len(jobs)} time{'s' if len(jobs) > 1 else ''} "
+         f"({', '.join(label for label, *_ in jobs)}); --max-windows N scores N of them, evenly spaced")
 
 
 def _dataset(req: EvalRequest, model, rank: int, world: int, progress: bool) -> Path:
@@ -451,14 +465,22 @@ def metrics(report: EvalReport) -> tuple[dict[str, float], list[tuple[str, float
     return flat, series
 
 
-def eval_run_name(report: EvalReport, lm) -> str:
-    """``eval chr22: demo-cpu step 40`` (the config of the training run and its step), else the
-    model's kind and path."""
+def eval_run_name(report: EvalReport, lm, out: Path) -> str:
+    """``eval chr22: demo-cpu step 40 (8 windows, vs init, cut to 256, in eval-chr22)``: the
+    training run's config and step (else the model's kind and path), then what tells two
+    evaluations of it apart in MLflow's list: the windows, the baseline, the context cuts and the
+    output folder."""
     info = report.models["model"]
     step = f" step {info.step}" if info.step is not None else ""
     cfg = lm.config
     what = Path(cfg.source).stem if cfg is not None and cfg.source else info.path or info.kind
-    return f"eval {report.data.chrom}: {what}{step}"
+    parts = [f"{len(report.data.windows)} window{'s' if len(report.data.windows) != 1 else ''}"]
+    if "baseline" in report.models:
+        parts.append(f"vs {report.models['baseline'].kind}")
+    if report.ablation:
+        parts.append("cut to " + ", ".join(f"{cut.max_context:,}" for cut in report.ablation.cuts))
+    parts.append(f"in {Path(out).name}")
+    return f"eval {report.data.chrom}: {what}{step} ({', '.join(parts)})"
 
 
 def log_to_mlflow(report: EvalReport, out: Path, lm, tracking_uri: str | None, note,
@@ -473,7 +495,7 @@ def log_to_mlflow(report: EvalReport, out: Path, lm, tracking_uri: str | None, n
     run_dir = lm.run_dir if lm.run_dir is not None else out
     uri = tracking_uri or (cfg.tracking.uri if cfg is not None else None)
     experiment = cfg.tracking.experiment if cfg is not None else "genome-lm"
-    with Tracker(uri, experiment=experiment, run_name=eval_run_name(report, lm), run_dir=run_dir,
+    with Tracker(uri, experiment=experiment, run_name=eval_run_name(report, lm, out), run_dir=run_dir,
                  start_time_ms=started_ms) as tracker:
         if not tracker.active:
             note("MLflow: tracking unavailable; the report files are complete without it")

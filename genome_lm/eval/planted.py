@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,9 +28,6 @@ from genome_lm.errors import GenomeLMError
 
 from .schema import Advantage, CopyGroup, DistanceRow, Planted, PlantedModel
 from .score import TokenScores
-
-if TYPE_CHECKING:
-    from genome_lm.config import RunConfig
 
 LEVEL = 0.95
 MIN_COPIES_FOR_CI = 3  # per group and distance bin: resampling one or two copies gives no interval worth the name
@@ -98,8 +94,9 @@ def analyse(scores: dict[str, TokenScores], windows, planted: list[dict], *, res
     out = Planted(copies_total=len(planted), tokens_on_copies=int(on_copy.sum()),
                   tokens_in_context=int(in_context.sum()), tokens_out_of_context=int((on_copy & ~in_context).sum()),
                   distance_edges=edges, models={})
+    advantages = {}  # name -> the advantage's bootstrap samples (the same resampled copies for every model)
     for name, s in scores.items():
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(seed)  # reset per model: each model's draws are the same, so paired
         groups = {}
         samples = {}
         for group, sel in (("in_context", in_context), ("out_of_context", on_copy & ~in_context)):
@@ -113,6 +110,7 @@ def analyse(scores: dict[str, TokenScores], windows, planted: list[dict], *, res
             ci = np.percentile(diff, [lo_q, hi_q])
             advantage = Advantage(nats=groups["out_of_context"].nats - groups["in_context"].nats,
                                   ci=(float(ci[0]), float(ci[1])), excludes_zero=bool(ci[0] > 0 or ci[1] < 0))
+            advantages[name] = diff
         background = s.nll[~on_copy]
         by_distance = []
         for a, b in zip(edges[:-1], edges[1:]):
@@ -132,7 +130,18 @@ def analyse(scores: dict[str, TokenScores], windows, planted: list[dict], *, res
                 by_distance.append(row)
         out.models[name] = PlantedModel(**groups, background_nats=float(background.mean()) if background.size else None,
                                         advantage=advantage, by_distance=by_distance)
+    if "model" in advantages and "baseline" in advantages:
+        out.models["model"].change_vs_baseline = _change(out.models["model"].advantage,
+                                                         out.models["baseline"].advantage,
+                                                         advantages["model"] - advantages["baseline"])
     return out
+
+
+def _change(model: Advantage, baseline: Advantage, paired: np.ndarray) -> Advantage:
+    """The model's copy advantage minus the baseline's, with a paired interval: both models'
+    bootstrap samples drew the same copies, so their difference per draw is the difference's."""
+    lo, hi = np.percentile(paired, [(1 - LEVEL) / 2 * 100, (1 + LEVEL) / 2 * 100])
+    return Advantage(nats=model.nats - baseline.nats, ci=(float(lo), float(hi)), excludes_zero=bool(lo > 0 or hi < 0))
 
 
 def verdict(section: Planted, name: str = "model") -> str:
@@ -147,7 +156,7 @@ def verdict(section: Planted, name: str = "model") -> str:
             f"{entry.in_context.nats:.4f} nats/base, copy advantage {adv.nats:+.4f} (95% CI {lo:+.4f} to "
             f"{hi:+.4f})")
     if lo > 0:
-        return text + ": the model uses the first copy when it lies in the window"
+        return text + ": it uses the first copy when it lies in the window"
     return text + ": the interval does not exclude zero, no measurable use of the first copy"
 
 
@@ -189,51 +198,17 @@ def distance_figure(section: Planted, ax=None):
             rows = [(a, b, nats) for a, b, nats in rows if nats is not None]
             x = [math.sqrt(max(a, 1) * b) for a, b, _ in rows]
             plotted = plotted or bool(rows)
-            ax.plot(x, [nats / math.log(2) for _, _, nats in rows], "o-" if fill != "none" else "o--",
+            ax.plot(x, [nats for _, _, nats in rows], "o-" if fill != "none" else "o--",
                     color=color, markerfacecolor=fill, label=f"{name}, first copy {group.replace('_', ' ')}")
         if entry.background_nats is not None:
-            ax.axhline(entry.background_nats / math.log(2), color=color, ls=":", lw=1)
+            ax.axhline(entry.background_nats, color=color, ls=":", lw=1)
     if plotted:
         ax.set_xscale("log")
         ax.legend(fontsize=7)
     else:
         ax.text(0.5, 0.5, "no scored base lies in a planted copy", ha="center", transform=ax.transAxes)
     ax.set_xlabel("distance from the first copy (bases)")
-    ax.set_ylabel("loss on the later copy (bits per base)")
+    ax.set_ylabel("loss on the later copy (nats per base)")
     ax.set_title("planted copies: dotted = loss off copies")
     fig.tight_layout()
     return fig
-
-
-def demo_note(section: Planted, cfg: RunConfig | None = None, name: str = "model") -> str:
-    """For `genome-lm demo`: whether the tuned model uses a first copy in the window, and when it
-    does not, why the tiny demo cannot be expected to and what it would take."""
-    entry = section.models.get(name)
-    adv = entry.advantage if entry else None
-    if adv is not None and adv.ci[0] > 0:
-        return (f"long context helps on the demo genome: later copies whose first copy lies in the window cost "
-                f"{adv.nats:.4f} nats/base less than those whose first copy lies outside it "
-                f"(95% CI {adv.ci[0]:.4f} to {adv.ci[1]:.4f}).")
-    if cfg is None:
-        model = "the tuned tiny model"
-    else:
-        start = f"from {cfg.model.checkpoint}" if cfg.model.checkpoint else "from random weights"
-        model = f"the tuned tiny model (trained {cfg.train.steps} steps on {cfg.data.seq_len:,}-base crops {start})"
-    if adv is None:
-        finding = (f"{model} could not be compared: too few scored bases of planted copies in and out of context "
-                   f"({section.tokens_in_context:,} in, {section.tokens_out_of_context:,} out).")
-    else:
-        lo, hi = adv.ci
-        numbers = f"copy advantage {adv.nats:+.4f} nats/base, 95% CI {lo:+.4f} to {hi:+.4f}"
-        if hi < 0:
-            finding = (f"{model} does worse, not better, on planted copies whose first copy is in the window "
-                       f"({numbers}: the interval lies below zero), no sign that it uses the first copy.")
-        else:
-            finding = (f"{model} has no measurable advantage on planted copies whose first copy is in the window "
-                       f"({numbers}): its interval includes zero.")
-    return ("Not shown by this demo: " + finding + " Planted copies lie 1-500 kbp after their source, mostly beyond "
-            "a training crop, so training rarely shows a copy with its source in view, and a ~0.3M-parameter model "
-            "spends its first steps on base composition. What it takes: a curriculum that starts with short-range "
-            "copies (a copy drill of repeated units and copies inside the crop), then a genome whose planted copies "
-            "lie inside the training crop, with a seq_len warm-up and hundreds of steps rather than tens; "
-            "`genome-lm demo --long` runs that recipe (about 25 minutes on 2 cores).")

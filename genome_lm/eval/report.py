@@ -249,9 +249,9 @@ def _save_figure(fig, path: Path) -> None:
 
 
 def loss_figure(report: EvalReport, axes=None):
-    """Loss (bits per base) against preceding context per model, with bootstrap intervals, and
-    the relative change against the baseline when there is one (a second panel). ``axes``: draw
-    into these (one, or two with a baseline) instead of a new figure."""
+    """Loss (nats per base, the tables' unit) against preceding context per model, with bootstrap
+    intervals, and the relative change against the baseline when there is one (a second panel).
+    ``axes``: draw into these (one, or two with a baseline) instead of a new figure."""
     import matplotlib.pyplot as plt
 
     comparison = report.comparison
@@ -262,11 +262,11 @@ def loss_figure(report: EvalReport, axes=None):
     ax = axes[0]
     for name, entry in report.results.items():
         buckets = [b for b in entry.buckets if b.tokens]
-        y, err = errorbars(buckets, "bits", "bits_ci")
+        y, err = errorbars(buckets, "nats", "nats_ci")
         ax.errorbar(bucket_centres(buckets), y, yerr=err, marker="o", capsize=3, label=_label(report, name))
     ax.set_xscale("log")
     ax.set_xlabel("preceding context in the window (bases)")
-    ax.set_ylabel("loss (bits per base)")
+    ax.set_ylabel("loss (nats per base)")
     where = report.data.chrom or report.data.split
     ax.set_title(f"{where}: loss by context (95% CI over {units_text(report)})")
     ax.legend()

@@ -184,6 +184,8 @@ class PlantedModel:
     background_nats: float | None
     advantage: Advantage | None
     by_distance: list[DistanceRow]
+    # "model" only, with a baseline: its advantage minus the baseline's, paired over the same copies
+    change_vs_baseline: Advantage | None = omit_none()
 
 
 @dataclass(kw_only=True)

@@ -51,7 +51,7 @@ class Hardware:
 
     gpu_name: str = "B200"
     gpu_bytes: float = 180e9
-    gpus: int | None = None  # None: tp * cp * (global batch / micro batch), one micro-batch per rank
+    gpus: int | None = None  # None: the config's parallel.gpus, else one micro-batch per data-parallel rank
     gpus_per_node: int = 8
     device: str = "gpu"
     moe_imbalance: float = 4.0
@@ -71,6 +71,17 @@ class Item:
 
 
 @dataclass
+class Saving:
+    """What one memory switch does, against the same run without it: the bytes it saves on the
+    GPU's peak and of host memory per GPU, each negative where the switch costs them instead."""
+
+    switch: str  # as the run sets it: "recompute full"
+    against: str  # what the run without it has instead: "none"
+    gpu: float
+    host: float
+
+
+@dataclass
 class Plan:
     """Per-GPU device memory items, per-GPU host items, and the step's peak."""
 
@@ -82,7 +93,7 @@ class Plan:
     params_local: float
     device: list[Item] = field(default_factory=list)  # static + activation peak parts
     activations: list[Item] = field(default_factory=list)  # per layer type, saved (before offload)
-    savings: list[Item] = field(default_factory=list)  # what the memory switches save, at the peak
+    savings: list[Saving] = field(default_factory=list)  # what the memory switches save or cost
     host: list[Item] = field(default_factory=list)  # per GPU
     peak_where: str = ""
     offloaded_per_token: float = 0.0
@@ -263,12 +274,15 @@ def shard_for(run: RunConfig, hw: Hardware) -> act.Shard:
 
 
 def world_size(run: RunConfig, hw: Hardware) -> int:
+    """The run's GPUs: ``hw.gpus`` (--gpus), else the count the config states (``parallel.gpus``),
+    else one micro-batch per data-parallel rank. They must hold the layout as the trainer's
+    process groups do (``engine.parallel.ParallelSizes.check``)."""
     p = run.parallel
-    gpus = hw.gpus or p.tp * p.cp * p.pp * (run.train.global_batch_size // run.train.micro_batch_size)
-    if gpus % (p.tp * p.cp * p.pp):
-        raise GenomeLMError(f"--gpus {gpus} is not a multiple of tp x cp x pp = {p.tp * p.cp * p.pp}")
-    if gpus % (p.ep * p.etp):
-        raise GenomeLMError(f"--gpus {gpus} is not a multiple of ep x etp = {p.ep * p.etp}")
+    gpus = hw.gpus or p.gpus or p.tp * p.cp * p.pp * (run.train.global_batch_size // run.train.micro_batch_size)
+    what = f"--gpus {gpus}" if hw.gpus else f"parallel.gpus = {gpus}" if p.gpus else f"{gpus} GPUs"
+    for sizes, product in (("tp x cp x pp", p.tp * p.cp * p.pp), ("ep x etp x pp", p.ep * p.etp * p.pp)):
+        if gpus % product:
+            raise GenomeLMError(f"{what} is not a multiple of {sizes} = {product}")
     return gpus
 
 
@@ -312,24 +326,28 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
     on_gpu = hw.device == "gpu"
     offload = mem.offload_activations and on_gpu
 
-    # what the switches save (each against the same run without it): device peak, host memory
-    def saving(name: str, **without) -> None:
+    # each switch against the same run without it, on the GPU's peak and in host memory: a
+    # switch can save on one side and cost on the other (offload), or save only host memory
+    # (recompute under offload shrinks what goes to the host)
+    def saving(switch: str, against: str, **without) -> None:
         other = busiest(with_changes(run, memory=without), hw)
-        plan.savings.append(Item(name, other.peak - plan.peak,
-                                 f"host {(other.host_per_gpu - plan.host_per_gpu) / GiB:+,.2f} GiB per GPU"))
+        plan.savings.append(Saving(switch, against, other.peak - plan.peak, other.host_per_gpu - plan.host_per_gpu))
 
     if mem.recompute != "none":
-        saving(f"recompute {mem.recompute}", recompute="none")
+        how = {"full": " nested" if getattr(mem, "recompute_nested", False) else "",
+               "selective": f" ({', '.join(mem.recompute_modules)})"}[mem.recompute]
+        saving(f"recompute {mem.recompute}{how}", "none", recompute="none")
     if offload:
-        saving("activation offload", offload_activations=False)
+        saving("activation offload", "off", offload_activations=False)
     if mem.optimizer_offload and on_gpu:
-        saving("optimizer offload", optimizer_offload=False)
-    if mem.moe_chunks > 1:  # dispatch buffers only: a saved or recomputed layer keeps every chunk's activations
-        saving(f"MoE in {mem.moe_chunks} chunks", moe_chunks=1, moe_chunk_recompute=False)
+        saving("optimizer offload", "off", optimizer_offload=False)
+    if mem.moe_chunks > 1:  # against the whole MoE, so with the chunks' recompute, which needs chunks
+        recomputed = ", each recomputed" if mem.moe_chunk_recompute else ""
+        saving(f"MoE in {mem.moe_chunks} chunks{recomputed}", "whole", moe_chunks=1, moe_chunk_recompute=False)
     if mem.moe_chunk_recompute and mem.moe_chunks > 1:
-        saving("MoE chunks recomputed", moe_chunk_recompute=False)
+        saving("each MoE chunk recomputed", f"the {mem.moe_chunks} chunks kept", moe_chunk_recompute=False)
     if mem.dsa_query_chunk:  # against the model's default of 64 queries per block
-        saving(f"DSA query chunk {mem.dsa_query_chunk} (vs {act.DSA_DEFAULT_CHUNK})", dsa_query_chunk=None)
+        saving(f"DSA query chunk {mem.dsa_query_chunk}", f"{act.DSA_DEFAULT_CHUNK}", dsa_query_chunk=None)
     return plan
 
 
@@ -496,6 +514,5 @@ def with_changes(run: RunConfig, **sections) -> RunConfig:
     return run.model_copy(update=update)
 
 
-__all__ = ["Hardware", "Plan", "Item", "busiest", "estimate", "stage_plans", "parameter_split", "model_config",
-           "with_changes", "GiB",
-           "pinned_size"]
+__all__ = ["Hardware", "Plan", "Item", "Saving", "busiest", "estimate", "stage_plans", "parameter_split",
+           "model_config", "with_changes", "GiB", "pinned_size"]

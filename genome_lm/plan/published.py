@@ -86,6 +86,10 @@ class PublishedTime:
     def run(self):
         return with_changes(load_config(self.config), **self.run_changes())
 
+    def shipped_run(self):
+        """The shipped config with the figure's own changes only (as `plan` runs it)."""
+        return with_changes(load_config(self.config), **self.changes)
+
 
 TIME_FIGURES = [
     PublishedTime("tokens/s at 1M, 64 x B200", 13700, "tokens/s", "glm-5.3-flash-1m-64xb200", {}, fitted=True),
@@ -96,14 +100,15 @@ TIME_FIGURES = [
 ]
 
 
-def predicted_time(fig: PublishedTime, hw: Hardware = Hardware(), constants=None) -> float:
-    """The time model's figure for ``fig``: tokens/s, or the offload's step-time cost."""
+def predicted_time(fig: PublishedTime, hw: Hardware = Hardware(), constants=None, shipped: bool = False) -> float:
+    """The time model's figure for ``fig``: tokens/s, or the offload's step-time cost, in the
+    published run's setting, or (``shipped``) in the shipped config's."""
     from .time_model import CONSTANTS, estimate_time
 
     c = constants or CONSTANTS
-    run = fig.run()
+    run = fig.shipped_run() if shipped else fig.run()
     if fig.unit == "%":
-        off = with_changes(run, memory={**PUBLISHED_TIME_SETTING["memory"], "offload_activations": False})
+        off = with_changes(run, memory={"offload_activations": False})
         return estimate_time(run, hw, c=c).step_seconds / estimate_time(off, hw, c=c).step_seconds - 1
     return estimate_time(run, hw, c=c).tokens_per_s
 
@@ -111,3 +116,43 @@ def predicted_time(fig: PublishedTime, hw: Hardware = Hardware(), constants=None
 def compare_time(hw: Hardware = Hardware(), constants=None) -> list[tuple[PublishedTime, float]]:
     """(figure, predicted) for each published time figure."""
     return [(fig, predicted_time(fig, hw, constants)) for fig in TIME_FIGURES]
+
+
+# ------------------------------------------------------------------- naming the two apart
+# What the published setting turns off, in words, most telling first
+SETTING_WORDS = {("parallel", "split_dsa_selection"): "DSA selection on every rank",
+                 ("memory", "moe_chunk_recompute"): "MoE chunks not recomputed",
+                 ("parallel", "overlap_grad_reduce"): "gradient reduction not overlapped",
+                 ("parallel", "moe_shared_expert_overlap"): "shared expert not overlapped"}
+
+
+def setting_words(run) -> str:
+    """How the published run's setting differs from ``run``, in words ("" where it does not)."""
+    return ", ".join(words for (section, name), words in SETTING_WORDS.items()
+                     if getattr(getattr(run, section), name) != PUBLISHED_TIME_SETTING[section][name])
+
+
+def _layout(run) -> tuple:
+    """What the published setting of ``run`` keeps from it: the model, layout, memory and batch."""
+    r = with_changes(run, **PUBLISHED_TIME_SETTING)
+    return (r.model.preset, r.parallel.model_dump(exclude={"gpus"}), r.memory.model_dump(),
+            r.train.global_batch_size, r.train.micro_batch_size)
+
+
+def published_config(run) -> str | None:
+    """The shipped config a published time figure names whose layout ``run`` has (at any
+    length): then ``run`` with the published setting is the published run's setting. Else None."""
+    return next((name for name in dict.fromkeys(f.config for f in TIME_FIGURES)
+                 if _layout(load_config(name)) == _layout(run)), None)
+
+
+def published_label(run, config_label: str) -> tuple[str, str]:
+    """(short, long) names of ``run`` with the published setting: the published run's setting
+    where ``run`` has its layout, else ``config_label``'s layout with the published run's
+    switches; the long one says how it differs from ``run``."""
+    name, words = published_config(run), setting_words(run)
+    if name is None:
+        short, what = "the published run's switches", config_label
+    else:
+        short, what = "the published run's setting", name
+    return short, f"{short} ({what}{' with ' + words if words else ''})"

@@ -10,17 +10,42 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from genome_lm.config import RunConfig
+from genome_lm.config import CONFIG_DIR, RunConfig, find_config
 from genome_lm.errors import GenomeLMError
 from genome_lm.units import size_label
 
-from .memory_model import GiB, Hardware, Plan, busiest, estimate, with_changes
+from .memory_model import GiB, Hardware, Plan, busiest, estimate, with_changes, world_size
 
 SWEEP_LENGTHS = [32768 * 2**i for i in range(6)]  # 32k .. 1M
+SHOWN = 0.005 * GiB  # less than this reads 0.00 GiB in the tables
 
 
 def gib(nbytes: float) -> str:
     return f"{nbytes / GiB:,.2f}"
+
+
+def effect(nbytes: float, per: str = "") -> str:
+    """Bytes a switch saves, in words: "saves 2.00 GiB", "costs 2.00 GiB" where negative, or
+    "unchanged" where the tables would show 0.00."""
+    if abs(nbytes) < SHOWN:
+        return "unchanged"
+    return f"{'saves' if nbytes > 0 else 'costs'} {gib(abs(nbytes))} GiB{per}"
+
+
+def is_shipped(config: str) -> bool:
+    return find_config(config).resolve().parent == CONFIG_DIR.resolve()
+
+
+def config_label(config: str, run: RunConfig | None = None, written: RunConfig | None = None) -> str:
+    """How the tables name the config a plan is of: "the shipped config NAME" (one of configs/)
+    or "the config PATH", and how ``run`` differs from it as ``written``: at another length, or
+    otherwise changed by the command's options."""
+    label = f"the shipped config {find_config(config).stem}" if is_shipped(config) else f"the config {config}"
+    if run is None or run == written:
+        return label
+    if run == with_changes(written, data={"seq_len": run.data.seq_len}):
+        return f"{label} at {length_label(run.data.seq_len)}"
+    return f"{label} with this command's changes"
 
 
 def length_label(n: int) -> str:
@@ -56,8 +81,11 @@ def budget_table(plan: Plan) -> Table:
         table.add_row(item.name, gib(item.bytes), item.note)
     if plan.savings:
         table.add_section()
-        for item in plan.savings:
-            table.add_row(f"saved by {item.name}", gib(item.bytes), item.note)
+        table.add_row("[italic]each switch against the same run without it (GiB: what it saves on the GPU's peak)"
+                      "[/italic]", "", "")
+        for s in plan.savings:
+            table.add_row(f"{s.switch} (vs {s.against})", gib(s.gpu if abs(s.gpu) >= SHOWN else 0.0),
+                          f"GPU peak: {effect(s.gpu)}; host: {effect(s.host, ' per GPU')}")
     if plan.host:
         table.add_section()
         for item in plan.host:
@@ -129,12 +157,13 @@ def suggest(run: RunConfig, hw: Hardware) -> Suggestion | None:
     pipeline parallel keeps the data-parallel size, so it multiplies the GPUs. A pipeline size
     that cannot split the model's layers is skipped."""
     p = run.parallel
+    base = world_size(run, hw)  # --gpus, the config's parallel.gpus or one micro-batch per rank
 
     def try_(changes: dict) -> Plan | None:
         try:
             changed = with_changes(run, **changes)
             q = changed.parallel
-            gpus = hw.gpus // (p.cp * p.pp) * q.cp * q.pp if hw.gpus else None
+            gpus = base // (p.cp * p.pp) * q.cp * q.pp
             plan = busiest(changed, Hardware(**{**hw.__dict__, "gpus": gpus}))
         except GenomeLMError:
             return None
@@ -210,8 +239,9 @@ def sweep_time_table(run: RunConfig, hw: Hardware, gpu, constants=None, lengths=
 def published_table(hw: Hardware) -> Table:
     from .published import UNITS, compare
 
-    table = Table(title="GLM-5.3-Flash on 64 x B200: published figures next to the plan", title_justify="left")
-    for col in ("figure", "config (changes)", "published", "plan", "plan / published", "source"):
+    table = Table(title="GLM-5.3-Flash on 64 x B200: published figures next to the plan of the shipped configs",
+                  title_justify="left")
+    for col in ("figure", "shipped config (changes)", "published", "plan", "plan / published", "source"):
         table.add_column(col, justify="right" if col in ("published", "plan", "plan / published") else "left")
     for fig, planned in compare(hw):
         unit = UNITS[fig.unit]
@@ -230,11 +260,14 @@ def print_plan(plan: Plan, hw: Hardware, console: Console | None = None) -> None
 
 
 # ------------------------------------------------------------------------------------ time
-def time_table(timing) -> Table:
-    """Step time, throughput and MFU, and the step split by layer type and by resource."""
+def time_table(timing, label: str = "", published: tuple[str, object] | None = None) -> Table:
+    """Step time, throughput and MFU, and the step split by layer type and by resource, of
+    ``label`` (the config, in words); ``published``: (the published run's setting in words, its
+    timing), for a config the published run ran otherwise."""
     run = timing.run
-    table = Table(title=f"Step time on {timing.gpus} x {timing.gpu.name} (predicted; plan.time_model, docs/plan.md)",
-                  title_justify="left")
+    of = f" of {label}" if label else ""
+    table = Table(title=f"Step time{of} on {timing.gpus} x {timing.gpu.name} (predicted; plan.time_model, "
+                        "docs/plan.md)", title_justify="left")
     table.add_column("per step", style="bold")
     table.add_column("value", justify="right")
     table.add_column("note")
@@ -261,6 +294,12 @@ def time_table(timing) -> Table:
         for item in timing.hidden:  # overlapped: not in the step time above
             table.add_row(f"[dim]hidden: {item.name}[/dim]", f"[dim]{item.seconds:,.2f} s[/dim]",
                           "[dim]overlapped, not in the step time[/dim]")
+    if published is not None:  # the published figures are of another setting than the table's
+        setting, other = published
+        table.add_section()
+        table.add_row("the published run's setting", f"{other.tokens_per_s:,.0f}",
+                      f"tokens/s predicted for {setting}, as the published run ran it (genome-lm plan "
+                      "--published)", style="italic")
     return table
 
 
@@ -295,17 +334,21 @@ def time_plot(timing, path) -> None:
 
 
 def published_time_table(hw: Hardware, constants=None) -> Table:
-    from .published import compare_time
+    from .published import compare_time, predicted_time
 
     table = Table(title="GLM-5.3-Flash on 64 x B200: published throughput next to the time model", title_justify="left")
-    for col in ("figure", "config (changes)", "published", "predicted", "predicted / published", "role"):
-        table.add_column(col, justify="right" if col in ("published", "predicted", "predicted / published") else "left")
+    numbers = ("published", "predicted", "predicted / published", "the shipped config, predicted")
+    for col in ("figure", "the published run's setting (changes)", *numbers, "role"):
+        table.add_column(col, justify="right" if col in numbers else "left")
     for fig, value in compare_time(hw, constants):
         changes = ", ".join(f"{k}={v}" for sec in fig.run_changes().values() for k, v in sec.items())
+        shipped = predicted_time(fig, hw, constants, shipped=True)
         if fig.unit == "%":
-            cells = (f"+{fig.value:.0%}", f"{value:+.1%}", f"{(value - fig.value) * 100:+.1f} points")
+            cells = (f"+{fig.value:.0%}", f"{value:+.1%}", f"{(value - fig.value) * 100:+.1f} points",
+                     f"{shipped:+.1%}")
         else:
-            cells = (f"{fig.value:,.0f} tokens/s", f"{value:,.0f} tokens/s", f"x{value / fig.value:.2f}")
+            cells = (f"{fig.value:,.0f} tokens/s", f"{value:,.0f} tokens/s", f"x{value / fig.value:.2f}",
+                     f"{shipped:,.0f} tokens/s")
         table.add_row(fig.figure, fig.config + (f" ({changes})" if changes else ""), *cells,
                       "fitted (kernel efficiency)" if fig.fitted else "predicted")
     return table

@@ -18,7 +18,9 @@ order of how many switches they turn on and skips one that turns on a superset o
 of a combination that already fits (it cannot be faster); the rest it sizes, and it times those
 that fit. The published setting (the config as the published run ran it: the DSA selection on
 every rank, ``published.PUBLISHED_TIME_SETTING``) is timed too, so the table says how far the
-best layout is from it and why (the parts of the step that differ most).
+best layout is from it and why (the parts of the step that differ most), and so is the config
+as given, which for the shipped configs is not the published setting (they share the selection
+out).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ RECOMPUTE = ("none", "selective", "full")
 @dataclass
 class Candidate:
     run: RunConfig
-    label: str  # "published" for the published setting, else ""
+    label: str  # "published" for the published setting, "config" for the config as given, else ""
     peak: float  # bytes per GPU, the busiest rank
     fits: bool
     timing: Timing | None = None
@@ -97,7 +99,7 @@ def layouts(run: RunConfig, hw: Hardware):
         for ep, etp in product(TWOS, (1, 2)):
             if cfg.n_routed_experts % ep or gpus % (ep * etp * pp) or ep * etp * pp > gpus:
                 continue
-            yield {"tp": tp, "cp": cp, "pp": pp, "ep": ep, "etp": etp, "sequence_parallel": tp > 1,
+            yield {"gpus": gpus, "tp": tp, "cp": cp, "pp": pp, "ep": ep, "etp": etp, "sequence_parallel": tp > 1,
                    "split_dsa_selection": True, "overlap_grad_reduce": True, "moe_shared_expert_overlap": ep > 1}
 
 
@@ -124,7 +126,7 @@ def _dominated(levels: tuple, fitting: list[tuple]) -> bool:
 def search(run: RunConfig, hw: Hardware, gpu: GPUSpec, constants: Constants = CONSTANTS) -> list[Candidate]:
     """Every fitting candidate, fastest first, with the published setting among them (fitting
     or not: its ``fits`` says). ``hw.gpus`` must be set."""
-    from .published import PUBLISHED_TIME_SETTING
+    from .published import PUBLISHED_TIME_SETTING, setting_words
 
     if not hw.gpus:
         raise GenomeLMError("plan --search needs --gpus (the cluster to lay the run out on)")
@@ -146,10 +148,25 @@ def search(run: RunConfig, hw: Hardware, gpu: GPUSpec, constants: Constants = CO
     published = with_changes(run, **PUBLISHED_TIME_SETTING)
     plan = busiest(with_changes(run, parallel=PUBLISHED_TIME_SETTING["parallel"]), hw)
     found.append(Candidate(published, "published", plan.peak, plan.fits, estimate_time(published, hw, gpu, constants)))
+    # the config as given, unless it is the published setting already
+    if setting_words(run) and (given := _as_given(run, hw, gpu, constants)) is not None:
+        found.append(given)
     if not any(c.fits and not c.label for c in found):
         raise GenomeLMError(f"no layout of {hw.gpus} {hw.gpu_name} GPUs fits {run.data.seq_len:,}-token sequences "
                             "with any memory switch (try more GPUs or a shorter --seq-len)")
     return sorted(found, key=lambda c: -c.tokens_per_s)
+
+
+def _as_given(run: RunConfig, hw: Hardware, gpu: GPUSpec, constants: Constants) -> Candidate | None:
+    """The config itself on the search's GPUs, or None where its layout does not split them or
+    its batch as ``layouts`` asks."""
+    p = run.parallel
+    replicas, rest = divmod(hw.gpus, p.tp * p.cp * p.pp)
+    sequences = run.train.global_batch_size // run.train.micro_batch_size
+    if rest or sequences % replicas or hw.gpus % (p.ep * p.etp * p.pp):
+        return None
+    plan = busiest(run, hw)
+    return Candidate(run, "config", plan.peak, plan.fits, estimate_time(run, hw, gpu, constants))
 
 
 def differences(best: Timing, other: Timing, top: int = 4) -> list[tuple[str, float, float]]:

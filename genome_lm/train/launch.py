@@ -22,12 +22,14 @@ if TYPE_CHECKING:
 
 def check_layout(cfg: RunConfig, world_size: int) -> None:
     """The parallel layout's one-line errors for ``world_size`` ranks, raised here instead of on
-    every rank once the workers are placed: the sizes against the world, and the pipeline split
-    of the model's layers (``model.model.pipeline_split``, as the ranks will build it)."""
-    from genome_lm.engine.parallel import ParallelSizes
+    every rank once the workers are placed: the sizes against the world, the config's stated GPU
+    count against it, and the pipeline split of the model's layers (``model.model.pipeline_split``,
+    as the ranks will build it)."""
+    from genome_lm.engine.parallel import ParallelSizes, check_stated_gpus
     from genome_lm.model.model import pipeline_stages
 
     ParallelSizes.of(cfg.parallel).check(world_size)
+    check_stated_gpus(cfg.parallel.gpus, world_size)
     pipeline_stages(model_config(cfg), cfg)
 
 

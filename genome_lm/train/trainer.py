@@ -109,6 +109,7 @@ class TrainResult:
     stopped_by: str | None = None
     tracking: str = ""
     resumed_from: Path | None = None  # the checkpoint this call continued from
+    loss_curve: Path | None = None  # loss_curve.png in the run folder (rank 0, when matplotlib is there)
     earlier: list[StepMetrics] = field(default_factory=list)  # the run's steps before it (from the checkpoint)
 
     @property
@@ -331,12 +332,13 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True, tracki
 
     A run folder that already holds checkpoints is refused unless ``resume`` (its latest),
     ``resume_from`` (a given checkpoint) or ``overwrite`` (its checkpoints are deleted first)."""
-    from genome_lm.engine.parallel import ParallelSizes, parallel_context
+    from genome_lm.engine.parallel import ParallelSizes, check_stated_gpus, parallel_context
 
     sizes, backend, out = ParallelSizes.of(cfg.parallel), current(), Path(cfg.train.out_dir)
     check_run_folder(out, resume=resume, resume_from=resume_from, overwrite=overwrite)
     # memory.host_heap: `genome-lm finetune` resolves auto from the plan (plan.memory_model.host_heap)
     with parallel_context(sizes, host_heap=cfg.memory.host_heap) as pg, _StopFlag() as stop:
+        check_stated_gpus(cfg.parallel.gpus, dist.get_world_size())  # torchrun's ranks (Ray's: check_layout)
         rank = dist.get_rank()
         if overwrite and not (resume or resume_from) and rank == 0 and existing_checkpoints(out):
             log.warning("%s: --overwrite: deleting its checkpoints (up to %s) before a new run",
@@ -446,8 +448,9 @@ def _log_curve(tracker, result: TrainResult, out: Path, rank: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    steps = result.all_steps  # a resumed run's curve starts at its first step, not at the resume
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([m.step for m in result.history], [m.lm_loss for m in result.history], label="LM loss")
+    ax.plot([m.step for m in steps], [m.lm_loss for m in steps], label="LM loss")
     ax.set_xlabel("step")
     ax.set_ylabel("weighted cross-entropy (nats)")
     ax.legend()
@@ -457,6 +460,7 @@ def _log_curve(tracker, result: TrainResult, out: Path, rank: int) -> None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     tracker.log_artifact(path)
+    result.loss_curve = path
 
 
 def _report(bar, rank: int, text: str) -> None:

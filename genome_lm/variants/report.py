@@ -34,6 +34,11 @@ def reason_counts(skipped) -> dict[str, int]:
     return dict(Counter(s.reason.split(" (")[0] for s in skipped).most_common())
 
 
+def reasons_in_words(counts: dict[str, int]) -> str:
+    """``reason_counts`` as a reader wants it: "3 REF does not match the FASTA, 1 window runs into N"."""
+    return ", ".join(f"{n:,} {reason}" for reason, n in counts.items())
+
+
 def combine(per_strand: dict[str, list[tuple[np.ndarray, np.ndarray]]]) -> dict[str, dict[str, np.ndarray]]:
     """{score name: {"sum": llr, "mean": llr}} averaged over the strands scored."""
     return {name: {"sum": np.mean([s for s, _ in runs], axis=0), "mean": np.mean([m for _, m in runs], axis=0)}
@@ -136,11 +141,14 @@ def describe(name: str) -> str:
     return {"markov": "the Markov chain"}.get(who, who)
 
 
-def summary(report: VariantsReport) -> list[str]:
-    """The findings in words."""
+def summary(report: VariantsReport, skipped_list: Path | None = None) -> list[str]:
+    """The findings in words; ``skipped_list``: the file that lists the skipped variants."""
     data, m = report.data, report.metrics
-    reasons = ", ".join(f"{n} {r}" for r, n in data.skipped_by_reason.items())
-    lines = [f"{data.variants:,} variants scored ({data.skipped:,} skipped" + (f": {reasons})" if reasons else ")")]
+    skipped = f"{data.skipped:,} skipped"
+    if data.skipped:
+        skipped += f": {reasons_in_words(data.skipped_by_reason)}"
+        skipped += f"; listed in {skipped_list}" if skipped_list is not None else ""
+    lines = [f"{data.variants:,} variants scored ({skipped})"]
     if m is None:
         lines.append("no --label: scores only (variants.tsv), no AUROC")
         return lines
@@ -158,6 +166,7 @@ def summary(report: VariantsReport) -> list[str]:
 
 
 TSV_FIXED = ("variant", "chrom", "pos", "ref", "alt", "kind", "label")
+SKIPPED_TSV = "skipped.tsv"
 
 
 def tsv_text(variants, labels, scores: dict, compare: dict) -> str:
@@ -170,6 +179,16 @@ def tsv_text(variants, labels, scores: dict, compare: dict) -> str:
         values = [scores[name][kind][i] for name, kind in columns] + [compare[c][i] for c in compare]
         writer.writerow([v.key, v.chrom, v.pos, v.ref, v.alt, v.kind, label,
                          *("" if np.isnan(x) else f"{x:.6g}" for x in values)])
+    return buf.getvalue()
+
+
+def skipped_text(skipped) -> str:
+    """One row per skipped VCF allele (``vcf.Skipped``) with the whole reason, its position included."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, delimiter="\t", lineterminator="\n")
+    writer.writerow(["variant", "chrom", "pos", "ref", "alt", "id", "reason"])
+    for s in skipped:
+        writer.writerow([s.key, s.chrom, s.pos, s.ref, s.alt, s.id or "", s.reason])
     return buf.getvalue()
 
 
@@ -220,9 +239,10 @@ def context_figure(report: VariantsReport):
     return fig
 
 
-def write_outputs(report: VariantsReport, variants, labels, scores: dict, compare: dict, out: Path) -> None:
-    """variants.json, variants.tsv, and with labels roc.png and auroc_by_context.png, each
-    written whole (a temporary file renamed)."""
+def write_outputs(report: VariantsReport, variants, labels, scores: dict, compare: dict, out: Path,
+                  skipped=()) -> None:
+    """variants.json, variants.tsv, skipped.tsv when ``skipped`` (``vcf.Skipped``) has any, and
+    with labels roc.png and auroc_by_context.png, each written whole (a temporary file renamed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -230,6 +250,9 @@ def write_outputs(report: VariantsReport, variants, labels, scores: dict, compar
 
     files = {"json": str(out / "variants.json"), "tsv": str(out / "variants.tsv")}
     atomic_write(out / "variants.tsv", tsv_text(variants, labels, scores, compare).encode())
+    if skipped:
+        atomic_write(out / SKIPPED_TSV, skipped_text(skipped).encode())
+        files["skipped"] = str(out / SKIPPED_TSV)
     if report.metrics is not None:
         columns = ranked(scores, compare, report.settings.score)
         longest = max(report.settings.contexts)

@@ -155,6 +155,19 @@ class VariantRequest:
     tracking_uri: str | None = None
 
 
+def no_variant_scored(vcf: Path, skipped) -> str:
+    """Why a run has nothing to score, in one line: the skips by reason and the first of them, to
+    look up (nothing is written, so no file lists them)."""
+    from .report import reason_counts, reasons_in_words
+
+    if not skipped:
+        return f"{vcf}: no variant could be scored: the file has no variant records"
+    first = skipped[0]  # not as its key, chrom:pos:ref>alt: the CLI's console would read :100: as an emoji
+    return (f"{vcf}: no variant could be scored: {len(skipped):,} skipped "
+            f"({reasons_in_words(reason_counts(skipped))}); the first: {first.chrom}:{first.pos} "
+            f"{first.ref}>{first.alt}, {first.reason}")
+
+
 def run_variants(req: VariantRequest, *, progress: bool = True, on_note=None) -> VariantsReport:
     """Score every variant of ``req.vcf``, write the report files into ``req.out``; returns the
     report."""
@@ -184,8 +197,7 @@ def run_variants(req: VariantRequest, *, progress: bool = True, on_note=None) ->
         variants = variants[:req.max_variants]
         labels = None if labels is None else labels[:req.max_variants]
     if not variants:
-        raise GenomeLMError(f"{req.vcf}: no variant could be scored ({len(found.skipped)} skipped: "
-                            f"{rep.reason_counts(found.skipped)})")
+        raise GenomeLMError(no_variant_scored(req.vcf, found.skipped))
     with Reference(req.fasta) as fasta:
         records = sorted({v.contig for v in variants})
         markov = fit_markov_on(reference_sequences(fasta, records))
@@ -218,8 +230,8 @@ def run_variants(req: VariantRequest, *, progress: bool = True, on_note=None) ->
         seconds=round(time.time() - started, 1), settings=settings, models=models,
         data=rep.data_summary(variants, labels, found.skipped),
         metrics=rep.metrics(scores, compare, labels, variants, req) if labels is not None else None)
-    report.summary = rep.summary(report)
-    rep.write_outputs(report, variants, labels, scores, compare, out)
+    report.summary = rep.summary(report, out / rep.SKIPPED_TSV if found.skipped else None)
+    rep.write_outputs(report, variants, labels, scores, compare, out, skipped=found.skipped)
     if req.tracking:
         report.mlflow = rep.log_to_mlflow(report, out, loaded["model"], req.tracking_uri, note, started)
         rep.write_json(report, out / "variants.json")

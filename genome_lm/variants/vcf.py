@@ -114,10 +114,17 @@ class Variant:
 
 @dataclass(frozen=True)
 class Skipped:
-    """A VCF allele that was not kept, and why."""
+    """A VCF allele that was not kept, and why. ``key`` and ``reason`` are what it is compared
+    by; the record's fields, for the list of skipped variants, are what the key already names
+    (and the ID)."""
 
     key: str
     reason: str
+    chrom: str = field(default="", compare=False)
+    pos: int = field(default=0, compare=False)
+    ref: str = field(default="", compare=False)
+    alt: str = field(default="", compare=False)
+    id: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -267,39 +274,40 @@ def read_variants(
         unknown: set[str] = set()
         placeable = False
 
-        def skip(key: str, reason: str) -> None:
+        def skip(record: pysam.VariantRecord, alt: str, reason: str) -> None:
+            key = _key(record.chrom, record.pos, record.ref, alt)
             if strict:
                 raise GenomeLMError(f"{vcf_path}: variant {key}: {reason}")
-            skipped.append(Skipped(key, reason))
+            skipped.append(Skipped(key, reason, chrom=record.chrom, pos=record.pos, ref=record.ref, alt=alt,
+                                   id=record.id))
 
         for record in _records(vcf_path, vcf):
             chrom, pos, ref = record.chrom, record.pos, record.ref
             alts = record.alts or ()
             if not alts:
-                skip(_key(chrom, pos, ref, "."), "no ALT")
+                skip(record, ".", "no ALT")
                 continue
             if chrom not in contigs:
                 contigs[chrom] = fasta.contig(chrom)
             contig = contigs[chrom]
             for index, alt in enumerate(alts):
-                key = _key(chrom, pos, ref, alt)
                 if contig is None:
                     unknown.add(chrom)
-                    skip(key, f"chromosome {chrom} not in the FASTA")
+                    skip(record, alt, f"chromosome {chrom} not in the FASTA")
                     continue
                 placeable = True
                 if reason := _allele_problem(ref, alt):
-                    skip(key, reason)
+                    skip(record, alt, reason)
                     continue
                 info = _info_for(record, index, flags)
                 variant = Variant(chrom, contig, pos, ref, alt, record.id, info)
                 if reason := _placement_problem(variant, fasta, left, right, max_indel):
-                    skip(key, reason)
+                    skip(record, alt, reason)
                     continue
                 if labeller is not None:
                     value = labeller(variant)
                     if isinstance(value, str):
-                        skip(key, value)
+                        skip(record, alt, value)
                         continue
                     labels.append(value)
                 variants.append(variant)

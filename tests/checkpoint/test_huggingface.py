@@ -2,6 +2,7 @@
 test_parallel.py)."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -72,6 +73,20 @@ def test_export_without_source_reloads_identically(hf_dir, model_from, tmp_path)
     for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
         if a is not None:
             assert torch.equal(a, b), name
+
+
+def test_exported_weights_are_readable_like_the_rest_of_the_folder(hf_dir, model_from, tmp_path):
+    """safetensors writes 0600; the export gives its weights the umask's mode, as config.json has."""
+    model = model_from()
+    load_hf_checkpoint(model, hf_dir)
+    old = os.umask(0o022)
+    try:
+        export_hf_checkpoint(model, tmp_path / "plain", max_shard_bytes=20_000)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "plain").iterdir()}
+    assert len([n for n in modes if n.endswith(".safetensors")]) > 1
+    assert set(modes.values()) == {0o644}, modes
 
 
 def _copy(hf_dir, tmp_path):

@@ -111,7 +111,8 @@ def test_logged_to_mlflow_as_a_child_of_the_training_run(evaluated, demo_run):
     assert {"eval.json", "eval.csv", "loss_by_context.png"} <= artifacts
     # named after the training run's config and step; its duration spans the scoring (it starts
     # before the first window is scored, not when the results are logged)
-    assert run.info.run_name == "eval chr22: demo-cpu step 2"
+    windows = len(report["data"]["windows"])
+    assert run.info.run_name == f"eval chr22: demo-cpu step 2 ({windows} windows, vs init, in {out.name})"
     first_scored_ms = min(p.stat().st_mtime for p in (out / ".scores").glob("*/window-*.npy")) * 1000
     assert run.info.start_time <= first_scored_ms <= run.info.end_time
 

@@ -3,9 +3,8 @@
 import numpy as np
 import pytest
 
-from genome_lm.config import DataConfig, ModelSection, RunConfig, TrainConfig
 from genome_lm.data.manifest import Window
-from genome_lm.eval.planted import analyse, by_distance_line, copy_positions, demo_note, verdict
+from genome_lm.eval.planted import analyse, by_distance_line, copy_positions, verdict
 from genome_lm.eval.schema import Advantage, CopyGroup, Planted, PlantedModel
 from genome_lm.eval.score import TokenScores
 
@@ -88,6 +87,37 @@ def test_copy_advantage_and_its_interval():
     again = analyse({"model": TokenScores(used, s.context, s.window, s.softmasked)}, windows, planted,
                     resamples=300, seed=0)
     assert again.models["model"].advantage == adv  # seeded
+    assert again.models["model"].change_vs_baseline is None  # no baseline to set it against
+
+
+def test_the_change_in_copy_advantage_is_paired_over_copies():
+    """The model's copy advantage minus its baseline's, with an interval from the same resampled
+    copies: a model 0.3 nats better on in-context copies and otherwise its baseline has a change of
+    exactly 0.3 in every draw, while each model's own interval is as wide as the copies' noise."""
+    rng = np.random.default_rng(3)
+    windows, planted = _many_copies(rng)
+    s = _scores(windows)
+    copy_ids, _, in_context = copy_positions(s, windows, planted)
+    per_copy = rng.normal(0, 0.3, len(planted))  # copy-level noise: wide unpaired intervals
+    nll = 1.2 + rng.normal(0, 0.05, s.nll.size) + np.where(copy_ids >= 0, per_copy[copy_ids], 0)
+    section = analyse({"model": TokenScores(nll - 0.3 * in_context, s.context, s.window, s.softmasked),
+                       "baseline": TokenScores(nll, s.context, s.window, s.softmasked)}, windows, planted,
+                      resamples=400, seed=0)
+    model, base = section.models["model"], section.models["baseline"]
+    change = model.change_vs_baseline
+    assert change.nats == pytest.approx(model.advantage.nats - base.advantage.nats)
+    assert change.nats == pytest.approx(0.3, abs=1e-9)
+    assert change.ci[0] == pytest.approx(0.3, abs=1e-9) and change.ci[1] == pytest.approx(0.3, abs=1e-9)
+    assert change.excludes_zero
+    assert base.advantage.ci[1] - base.advantage.ci[0] > 0.1  # unpaired, the copies' noise shows
+    assert base.change_vs_baseline is None
+    # the baseline 0.1 nats worse on half the copies out of context: a change with a real interval
+    worse = nll + 0.1 * ((copy_ids % 4 == 1) & ~in_context)  # 10 of the 20 copies out of context
+    mixed = analyse({"model": TokenScores(nll, s.context, s.window, s.softmasked),
+                     "baseline": TokenScores(worse, s.context, s.window, s.softmasked)}, windows, planted,
+                    resamples=400, seed=0)
+    lo, hi = mixed.models["model"].change_vs_baseline.ci
+    assert lo < mixed.models["model"].change_vs_baseline.nats < hi and hi < 0
 
 
 @pytest.mark.parametrize("gain", [0.3, 0.0])
@@ -138,55 +168,3 @@ def _section(advantage, tokens_in=6000, tokens_out=5000):
                                                                                "ci": tuple(advantage["ci"])}))
     return Planted(copies_total=40, tokens_on_copies=tokens_in + tokens_out, tokens_in_context=tokens_in,
                    tokens_out_of_context=tokens_out, distance_edges=[0, 1024], models={"model": entry})
-
-
-def _cfg(steps, seq_len):
-    return RunConfig(data=DataConfig(seq_len=seq_len), train=TrainConfig(steps=steps))
-
-
-WHAT_IT_WOULD_TAKE = ("What it takes", "hundreds of steps", "seq_len warm-up", "curriculum", "short-range copies",
-                      "genome-lm demo --long")
-
-
-def test_demo_note_when_the_interval_excludes_zero_above():
-    note = demo_note(_section({"nats": 0.1234, "ci": [0.0456, 0.2011], "excludes_zero": True}), _cfg(40, 4096))
-    assert note.startswith("long context helps on the demo genome")
-    assert "0.1234 nats/base less" in note and "95% CI 0.0456 to 0.2011" in note
-    assert "Not shown" not in note and "What it takes" not in note
-
-
-@pytest.mark.parametrize("ci", [[-0.0312, 0.0587], [0.0, 0.05], [-0.02, 0.0]])
-def test_demo_note_when_the_interval_includes_zero(ci):
-    note = demo_note(_section({"nats": 0.0138, "ci": ci, "excludes_zero": False}), _cfg(40, 4096))
-    assert note.startswith("Not shown by this demo")
-    assert "no measurable advantage" in note and "includes zero" in note
-    assert f"copy advantage +0.0138 nats/base, 95% CI {ci[0]:+.4f} to {ci[1]:+.4f}" in note
-    assert "trained 40 steps on 4,096-base crops from random weights" in note  # from the run's config
-    assert all(phrase in note for phrase in WHAT_IT_WOULD_TAKE), note
-    assert "long context helps" not in note
-    # without the run's config: no invented step count or crop length
-    plain = demo_note(_section({"nats": 0.0138, "ci": ci, "excludes_zero": False}))
-    assert "-base crops" not in plain and "random weights" not in plain
-    assert "What it takes" in plain
-    other = demo_note(_section({"nats": 0.0138, "ci": ci, "excludes_zero": False}), _cfg(1500, 65536))
-    assert "trained 1500 steps on 65,536-base crops" in other
-    started = _cfg(40, 4096).model_copy(update={"model": ModelSection(checkpoint="runs/base")})
-    assert "trained 40 steps on 4,096-base crops from runs/base" in demo_note(
-        _section({"nats": 0.0138, "ci": ci, "excludes_zero": False}), started)
-
-
-def test_demo_note_when_the_advantage_is_negative():
-    note = demo_note(_section({"nats": -0.0821, "ci": [-0.1504, -0.0213], "excludes_zero": True}), _cfg(40, 4096))
-    assert note.startswith("Not shown by this demo")
-    assert "copy advantage -0.0821 nats/base, 95% CI -0.1504 to -0.0213" in note
-    assert "does worse" in note and "below zero" in note
-    assert "includes zero" not in note and "long context helps" not in note  # the interval does exclude zero
-    assert all(phrase in note for phrase in WHAT_IT_WOULD_TAKE)
-
-
-def test_demo_note_without_copies_to_compare():
-    note = demo_note(_section(None, tokens_in=0, tokens_out=1234), _cfg(40, 4096))
-    assert note.startswith("Not shown by this demo") and "could not be compared" in note
-    assert "(0 in, 1,234 out)" in note and "includes zero" not in note and "CI" not in note
-    missing = demo_note(_section(None), name="baseline")  # a model the section does not have
-    assert "could not be compared" in missing

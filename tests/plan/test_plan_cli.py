@@ -20,7 +20,7 @@ def test_plan_prints_the_budget_and_the_verdict():
     result = invoke("--config", "glm-5.3-flash-1m-64xb200")
     assert result.exit_code == 0, result.output
     for text in ("parameters", "gradients", "optimizer state", "activations at the peak", "KDA + MoE",
-                 "DSA + MoE", "host: offloaded activations", "host per node", "saved by activation offload"):
+                 "DSA + MoE", "host: offloaded activations", "host per node", "activation offload (vs off)"):
         assert text in result.output
     assert "fit" in result.output
 
@@ -120,9 +120,10 @@ def test_when_only_pipeline_parallel_fits_it_is_suggested():
 def test_savings_are_each_switch_against_the_same_run():
     run = load_config("glm-5.3-flash-512k-64xb200")
     plan = estimate(run, Hardware())
-    saved = {item.name: item.bytes for item in plan.savings}
+    saved = {item.switch: item for item in plan.savings}
     off = estimate(with_changes(run, memory={"offload_activations": False}), Hardware())
-    assert saved["activation offload"] == off.peak - plan.peak > 0
+    assert saved["activation offload"].gpu == off.peak - plan.peak > 0
+    assert saved["activation offload"].host == off.host_per_gpu - plan.host_per_gpu < 0
 
 
 def test_switches_lower_the_device_peak_and_offload_fills_host_memory():

@@ -91,7 +91,7 @@ def test_the_search_writes_its_best_as_a_config(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--search"], "--search needs --gpus"),
+    (["--search", "--set", "parallel.gpus=null"], "--search needs --gpus"),  # nor does the config state them
     (["--write", "x.yaml"], "--write goes with --search"),
     (["--search", "--gpus", "64", "--top", "0"], "--top 0"),
     (["--search", "--gpus", "64", "--device", "cpu"], "time model"),
