@@ -245,6 +245,33 @@ class TrackingConfig(Section):
     run_name: str | None = None
 
 
+LORA_TARGETS = ("*.self_attention.[qkvo]_proj", "*.self_attention.q_b_proj", "*.linear_fc1", "*.linear_fc2")
+
+
+class PeftConfig(Section):
+    """Parameter-efficient fine-tuning: the base model frozen, small adapters trained
+    (``genome_lm.model.peft``; docs/training.md)."""
+
+    method: Literal["none", "lora"] = Field(
+        "none", description="none = full fine-tuning; lora = low-rank adapters on the frozen base (y = W x + "
+                            "alpha / rank * B A x, B starting at zero): gradients and optimizer state only for the "
+                            "adapters and the tensors `train` names.")
+    rank: int = Field(8, ge=1, description="The adapters' rank r.")
+    alpha: float = Field(16.0, gt=0, description="The adapters' scale is alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on an adapter's input while training (each rank "
+                                                        "draws its own mask).")
+    targets: list[str] = Field(
+        list(LORA_TARGETS), min_length=1,
+        description="Module names that get an adapter, as shell patterns over the names in the whole model (layers "
+                    "numbered from 0 over every pipeline stage): the default takes the KDA and MLA query, key, value "
+                    "and output projections and every MLP's fc1 and fc2 (dense, shared and routed experts); e.g. "
+                    "'*.indexer.wq_b' adds the DSA indexer's. A pattern that matches nothing is an error.")
+    train: list[str] = Field(
+        [], description="Parameters trained whole beside the adapters, as shell patterns over parameter names "
+                        "(e.g. '*.router.weight', 'output_layer.weight'); the rest of the base stays frozen, and "
+                        "so do the routers' expert biases unless a router weight is trained.")
+
+
 class RunConfig(Section):
     _source: str | None = PrivateAttr(None)  # the file it was read from (load_config), for names
     data: DataConfig = DataConfig()
@@ -253,6 +280,7 @@ class RunConfig(Section):
     memory: MemoryConfig = MemoryConfig()
     train: TrainConfig = TrainConfig()
     tracking: TrackingConfig = TrackingConfig()
+    peft: PeftConfig = PeftConfig()
 
     @model_validator(mode="after")
     def _moe_aux_loss(self):

@@ -183,8 +183,8 @@ class StepProgress:
                              mfu="" if mfu is None else f"{tflops:.3g} TFLOP/s/GPU, MFU {mfu:.1%}")
 
     def note(self, text: str) -> None:
-        if self.enabled:
-            self.progress.console.print(text, highlight=False)
+        if self.enabled:  # whole, never hard-wrapped: notes name paths and commands
+            self.progress.console.print(text, highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         if self.enabled:

@@ -88,3 +88,14 @@ def test_plain_lines_carry_tflops_and_mfu(log_file, monkeypatch):
     bar.update(SimpleNamespace(step=1, lm_loss=2.0, tokens_per_s=1_000.0, tflops_per_gpu=1.5, mfu=0.25))
     bar.close()
     assert log_file.getvalue().splitlines() == ["train: step 1/1, loss 2.0000, tok/s 1,000, TFLOP/s/GPU 1.5, MFU 25.0%"]
+
+
+def test_a_note_prints_whole_at_80_columns(monkeypatch):
+    """Piped, at 80 columns: a note (the backend line, a checkpoint's path) is one line."""
+    out = io.StringIO()
+    monkeypatch.setattr(progress, "Console", lambda **kw: Console(file=out, width=80, color_system=None, **kw))
+    bar = progress.StepProgress(True, start=0, total=5)
+    note = "backend: cpu (gloo process groups, local specs, allgather MoE dispatcher, cpu-adamw optimizer, kernels)"
+    bar.note(note)
+    bar.close()
+    assert note in out.getvalue().splitlines()

@@ -64,6 +64,10 @@ def build(cfg: RunConfig, pg: ProcessGroupCollection, sizes: ParallelSizes) -> G
         load_hf_checkpoint(model, ckpt.path)
     if run_ckpt is not None:
         load_weights(run_ckpt, model)
+    if cfg.peft.method == "lora":  # from outside, on the loaded base, before anything wraps the model
+        from genome_lm.model.peft import apply_lora
+
+        apply_lora(model, cfg.peft, seed=cfg.train.seed)
     return model
 
 
@@ -81,6 +85,9 @@ def _check_start_checkpoint(folder: Path, cfg: RunConfig, sizes: ParallelSizes):
     if recorded["preset"] != cfg.model.preset:
         raise GenomeLMError(f"{folder}: trained with model preset {recorded['preset']!r}, this run has "
                             f"{cfg.model.preset!r} (set model.preset to {recorded['preset']!r})")
+    if meta["config"].get("peft", {}).get("method", "none") != "none":
+        raise GenomeLMError(f"{folder}: a LoRA run's checkpoint (its adapters beside its base) cannot yet be the start "
+                            "of another run; start from its base, or resume it with --resume")
     if not reshards(meta):
         ours = weight_layout(vars(sizes))
         theirs = {k: meta["layout"].get(k) for k in ours}

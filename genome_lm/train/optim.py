@@ -143,17 +143,19 @@ def lr_scales(named, patterns: dict[str, float]) -> dict[str, float]:
 
 def allreduce_sequence_parallel_grads(model: GLM5Model) -> None:
     """Sum over tensor-parallel ranks the gradients of replicated parameters that saw only this
-    rank's tokens (megatron-core marks them ``sequence_parallel``: the MoE routers). Call after
-    backward, before the optimizer; a no-op without tensor parallel."""
-    group = model.pg.tp
-    if group.size() == 1:
-        return
-    for p in model.parameters():
-        if getattr(p, "sequence_parallel", False):
-            grad = getattr(p, "main_grad", None)
-            grad = p.grad if grad is None else grad
-            if grad is not None:
-                torch.distributed.all_reduce(grad, group=group)
+    rank's tokens (megatron-core marks them ``sequence_parallel``: the MoE routers), and over
+    expert-tensor-parallel ranks those of the routed experts' whole LoRA tensors, whose gradient
+    is one rank's share (``expert_tp_partial``, model.peft). Call after backward, before the
+    optimizer; a no-op without tensor parallel."""
+    for group, mark in ((model.pg.tp, "sequence_parallel"), (model.pg.expt_tp, "expert_tp_partial")):
+        if group is None or group.size() == 1:
+            continue
+        for p in model.parameters():
+            if getattr(p, mark, False) and p.requires_grad:
+                grad = getattr(p, "main_grad", None)
+                grad = p.grad if grad is None else grad
+                if grad is not None:
+                    torch.distributed.all_reduce(grad, group=group)
 
 
 # ------------------------------------------------------------------ the optimizer the loop steps
