@@ -224,3 +224,11 @@ def apply_lora(model: GLM5Model, cfg: PeftConfig, seed: int = 0) -> dict[str, in
                 module.frozen_expert_bias = True
     adapter = sum(_attach(model, name, module, cfg, seed) for name, module in chosen)
     return {"adapter": adapter, "trained": whole, "frozen": frozen}
+
+
+def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``weight + scale * B A`` for whole tensors (a GLU fc1's ``B`` as stored, ``[2, F, r]``:
+    its halves in the weight's ``[gate; up]`` order), computed in fp32, in the weight's dtype."""
+    delta = b.reshape(-1, b.shape[-1]).float() @ a.float()
+    return (weight.float() + scale * delta).to(weight.dtype)
+

@@ -68,10 +68,29 @@ def _export_pieces(folder: Path, meta: dict, out: Path, like, max_shard_bytes: i
 
     reader = piece_reader(folder, meta)
     try:
-        export_full_tensors(full_model_tensors(reader), _model_config(folder, meta), out, like=like,
-                            max_shard_bytes=max_shard_bytes)
+        tensors = full_model_tensors(reader)
+        peft = meta.get("config", {}).get("peft", {})
+        if peft.get("method", "none") == "lora":
+            tensors = _merged(tensors, reader, peft["alpha"] / peft["rank"])
+        export_full_tensors(tensors, _model_config(folder, meta), out, like=like, max_shard_bytes=max_shard_bytes)
     finally:
         reader.close()
+
+
+def _merged(tensors, reader, scale: float):
+    """A LoRA run's weights with each adapter folded into its base weight (W + scale B A, in
+    fp32, then the weight's dtype); the adapters themselves are not written."""
+    from genome_lm.checkpoint.sharded import MODEL
+    from genome_lm.model.peft import merged_weight
+
+    keys = set(reader.keys(MODEL))
+    for name, tensor in tensors:
+        if ".lora_" in name:
+            continue
+        stem = MODEL + name.removesuffix("weight")
+        if name.endswith(".weight") and stem + "lora_a" in keys:
+            tensor = merged_weight(tensor, reader.full(stem + "lora_a"), reader.full(stem + "lora_b"), scale)
+        yield name, tensor
 
 
 def _export_under_layout(folder: Path, meta: dict, out: Path, like, max_shard_bytes: int) -> None:

@@ -2,6 +2,7 @@
 expert biases) never move, the adapters do, and a run resumed from its checkpoint continues the
 unbroken run's losses exactly."""
 
+import json
 import shutil
 
 import pytest
@@ -47,3 +48,19 @@ def test_a_lora_run_moves_only_its_adapters_and_resumes_exactly(small_dataset, t
     assert [m.lm_loss for m in resumed.history] == [m.lm_loss for m in whole.history[2:]]
     again = read_weights(resumed_ckpts / "step-000004")
     assert all(torch.equal(again[n], fourth[n]) for n in fourth)
+
+    # exported merged: the Hugging Face folder gives the run's logits (base + adapters)
+    from genome_lm.eval.models import load_model
+    from genome_lm.train.export import export_run
+
+    hf = export_run(tmp_path / "a", tmp_path / "hf")
+    index = json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index and not any("lora" in k for k in index)
+    tokens = torch.randint(4, 8, (2, 200), generator=torch.Generator().manual_seed(5))
+    with parallel_context() as pg, torch.no_grad():
+        run_logits = load_model(tmp_path / "a", pg).model.eval()(tokens).logits
+        hf_logits = load_model(hf, pg).model.eval()(tokens).logits
+        base_logits = load_model("builtin:tiny-long", pg).model.eval()(tokens).logits
+    gap = (run_logits - hf_logits).abs().max()
+    assert gap / run_logits.abs().max() < 1e-6, gap
+    assert gap < (run_logits - base_logits).abs().max() / 100  # the adapters moved the logits; the export has them
