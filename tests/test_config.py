@@ -101,7 +101,8 @@ def test_a_set_value_that_is_not_yaml_is_one_line_naming_the_item():
     ("train.stpes=3", "--set train.stpes: no such field; did you mean train.steps?"),
     ("model.chekpoint=x", "--set model.chekpoint: no such field; did you mean model.checkpoint?"),
     ("trian.steps=3", "--set trian: no such section; did you mean train?"),
-    ("zzz.steps=3", "--set zzz: no such section; the sections are data, model, parallel, memory, train, tracking, peft"),
+    ("zzz.steps=3",
+     "--set zzz: no such section; the sections are data, model, parallel, memory, train, tracking, peft"),
     ("data.mix=[{dataset: d, fraction: 0.2, splt: eval}]",
      "--set data.mix.0.splt: no such field; did you mean data.mix.0.split?"),
     ("data.mix=[{dataset: d, fractoin: 0.2}]",  # the typo, not the missing fraction it causes
