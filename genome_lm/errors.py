@@ -30,4 +30,3 @@ class Stopped(GenomeLMError):
     def __init__(self, message: str, exit_code: int = 1):
         super().__init__(message)
         self.exit_code = exit_code
-

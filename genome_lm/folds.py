@@ -35,7 +35,7 @@ from genome_lm.data.regions import Region, parse_region
 from genome_lm.demo import DNA_CONFIG, DNA_MAX_CONTEXTS, run_dna_demo
 from genome_lm.errors import GenomeLMError
 from genome_lm.eval.buckets import bootstrap_units
-from genome_lm.eval.schema import Ablation, Beyond, Bootstrap, Comparison, Data, Delta, ModelResult
+from genome_lm.eval.schema import Ablation, Beyond, Bootstrap, Comparison, Data, Delta, ModelResult, interval_side
 from genome_lm.records import Document, from_json
 
 FOLDS_SCHEMA = "genome-lm.folds/1"
@@ -137,14 +137,12 @@ class FoldsReport(Document):
 
 def _side(ci, above: bool) -> str:
     """holds / reversed / unclear for a claim that the interval ``ci`` lies above (or below) 0."""
-    lo, hi = ci
-    if lo is None or hi is None:
+    side = interval_side(ci)
+    if side is None:
         return "not measured"
-    if (lo > 0) if above else (hi < 0):
-        return "holds"
-    if (hi < 0) if above else (lo > 0):
-        return "reversed"
-    return "unclear"
+    if side == 0:
+        return "unclear"
+    return "holds" if (side == 1) == above else "reversed"
 
 
 def outcomes(results: dict[str, ModelResult], comparison: Comparison | None, ablation: Ablation | None

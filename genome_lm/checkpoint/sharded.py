@@ -32,8 +32,7 @@ promise, and the placement rules are the ones the Hugging Face loader already us
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,13 +40,13 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from genome_lm.engine.layout import global_expert_name
 from genome_lm.errors import GenomeLMError
 
 from .huggingface import groups_of, is_glu
 
 FORMAT = 2  # meta.json "format": 1 (or absent) is the per-rank format of earlier genome-lm versions
 MODEL, OPTIM = "model/", "optim/"
-_LOCAL_EXPERT = re.compile(r"local_experts\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -79,11 +78,8 @@ def box_of(model, name: str, tensor: torch.Tensor, *, groups=None) -> Box:
     shape, offset = list(size), [0] * len(size)
     if groups is not None:
         tp_group, ep_group = groups(name)
-        if ep_group is not None and ep_group.size() > 1 and (m := _LOCAL_EXPERT.search(key)):
-            from genome_lm.engine.layout import expert_offset
-
-            first = expert_offset(model.cfg.n_routed_experts, ep_group)
-            key = key[:m.start()] + f"local_experts.{first + int(m.group(1))}." + key[m.end():]
+        if ep_group is not None:
+            key = global_expert_name(key, model.cfg.n_routed_experts, ep_group)
         if getattr(tensor, "tensor_model_parallel", False) and tp_group is not None and tp_group.size() > 1:
             dim = tensor.partition_dim
             if glu:
@@ -243,12 +239,16 @@ class PieceReader:
         self._handles.clear()
 
 
-def full_model_tensors(reader: PieceReader, *, unmap_every: int = 64 * 2**20) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, whole tensor) of every weight, one at a time, in the index's order; a GLU weight in
-    its parameter's shape ``[2 F, H]``. The files are unmapped after every ``unmap_every`` bytes
-    read: mapped pages that were read count in the process's resident memory until then."""
+def full_model_tensors(reader: PieceReader, *, unmap_every: int = 64 * 2**20,
+                       keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) of every weight (those whose key ``keep`` accepts), one at a time, in
+    the index's order; a GLU weight in its parameter's shape ``[2 F, H]``. The files are unmapped
+    after every ``unmap_every`` bytes read: mapped pages that were read count in the process's
+    resident memory until then."""
     read = 0
     for key in reader.keys(MODEL):
+        if keep is not None and not keep(key):
+            continue
         tensor = reader.full(key)
         name = key[len(MODEL):]
         read += tensor.numel() * tensor.element_size()

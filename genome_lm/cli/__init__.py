@@ -1,8 +1,9 @@
 """The `genome-lm` command line: thin commands (parse the options, call one function, print).
 
-One module per subject registers its commands on the shared app (``base.app``), in the order
-of a study: data, training, evaluation, planning, checks, the demo, benchmarks. A GenomeLMError
-from any command is printed as one ``error:`` line with exit status 1 (``base._Commands``).
+One module per subject registers its commands on the shared app (``base.app``); --help lists
+them in the order of a study, the demo first (``base.STUDY_ORDER``). A GenomeLMError from any
+command is printed as one ``error:`` line with its exit status, 1 or 128 + the signal that
+stopped the work (``base._Commands``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def main(
     """genome-lm: fine-tune a long-context genome language model."""
 
 
-from . import bench, check, data, demo, eval, plan, train, variants  # noqa: E402,F401  (registration order = --help order)
+from . import bench, check, data, demo, eval, plan, train, variants  # noqa: E402,F401  (--help: base.STUDY_ORDER)
 
 # How to continue a command stopped by a second Ctrl-C (the first one checkpoints and stops cleanly).
 CONTINUE = {"finetune": "run the same command with --resume to continue from its last checkpoint"}

@@ -13,6 +13,7 @@ Model-format code (``checkpoint.huggingface``) names the tensors; this module on
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -59,6 +60,17 @@ def expert_offset(n_experts: int, group) -> int:
     if group is None:
         return 0
     return group.rank() * (n_experts // group.size())
+
+
+_LOCAL_EXPERT = re.compile(r"local_experts\.(\d+)\.")
+
+
+def global_expert_name(name: str, n_experts: int, group) -> str:
+    """``name`` with a routed expert's local index (``local_experts.<j>.``) replaced by its index
+    in the whole model under expert parallel ``group``; any other name as it is."""
+    if group is None or group.size() == 1 or not (m := _LOCAL_EXPERT.search(name)):
+        return name
+    return name[:m.start()] + f"local_experts.{expert_offset(n_experts, group) + int(m.group(1))}." + name[m.end():]
 
 
 def to_rank0(items: Iterable[tuple[str, torch.Tensor]], pp) -> Iterator[tuple[str, torch.Tensor]]:

@@ -32,6 +32,15 @@ SUBSETS = ("all", "unmasked", "softmasked")
 Interval = tuple[float | None, float | None]  # [low, high] of a 95% bootstrap interval; None: not measured
 
 
+def interval_side(ci: Interval, at: float = 0.0) -> int | None:
+    """Where the interval ``ci`` lies: 1 above ``at``, -1 below it, 0 when it holds it; None when
+    it was not measured."""
+    lo, hi = ci
+    if lo is None or hi is None:
+        return None
+    return 1 if lo > at else -1 if hi < at else 0
+
+
 @dataclass(kw_only=True)
 class Span:
     """A context bucket: bases with ``start <= context < end`` (JSON ``from``, ``to``)."""

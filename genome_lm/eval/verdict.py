@@ -10,7 +10,7 @@ on the demo genome's planted copies; each line says which way the figure points 
 from __future__ import annotations
 
 from .ablation import fmt_delta, fmt_delta_ci
-from .schema import Advantage, BucketChange, EvalReport, Stat
+from .schema import Advantage, BucketChange, EvalReport, Stat, interval_side
 
 
 def _pct(change) -> str:
@@ -32,8 +32,9 @@ def seed_finding(report: EvalReport) -> str | None:
     buckets: list[BucketChange] = [b for b, r in zip(comparison.buckets, report.results["model"].buckets)
                                    if r.tokens and b.measured]
     overall = f"{_pct(comparison.all)} against its starting weights"
-    if comparison.all.ci[1] >= 0:
-        fell = "rose" if comparison.all.ci[0] > 0 else "did not measurably change"
+    side = interval_side(comparison.all.ci)
+    if side != -1:
+        fell = "rose" if side == 1 else "did not measurably change"
         return f"The seed's finding is not reproduced here: fine-tuning's loss {fell} ({overall})."
     if not buckets:
         return f"Fine-tuning lowered the loss ({overall}); no context bucket was measured apart."
@@ -57,9 +58,10 @@ def markov_line(report: EvalReport) -> str | None:
     change = (model.bits - markov.bits) / markov.bits * 100
     order = report.models["markov"].order
     figures = f"{model.bits:.4f} [{lo:.4f}, {hi:.4f}] vs {markov.bits:.4f} bits/base"
-    if hi is not None and hi < markov.bits:
+    side = interval_side(model.bits_ci, at=markov.bits)
+    if side == -1:
         words = f"the tuned model beats it, {-change:.2f}% lower"
-    elif lo is not None and lo > markov.bits:
+    elif side == 1:
         words = f"the chain is {change:.2f}% better: the tuned model does not beat it"
     else:
         words = "level with it (the chain lies within the model's interval)"
@@ -76,16 +78,14 @@ def far_context_lines(report: EvalReport) -> list[str]:
     lines = []
     for cut in report.ablation.cuts if report.ablation else []:
         own = cut.all
-        if own.delta is None or own.ci[0] is None:
+        if own.delta is None or interval_side(own.ci) is None:
             continue
-        lo, hi = own.ci
-        uses = "used" if lo > 0 else "hurts" if hi < 0 else "not measurably used"
+        uses = {1: "used", -1: "hurts", 0: "not measurably used"}[interval_side(own.ci)]
         line = f"The context beyond {cut.max_context:,} bases: {uses} ({_cost(own, 'the tuned model')}"
         gain = cut.gain.all if cut.gain else None
-        if gain is not None and gain.delta is not None and gain.ci[0] is not None:
-            glo, ghi = gain.ci
-            more = ("more to it than to its start" if glo > 0 else "less to it than to its start" if ghi < 0
-                    else "to it as much as to its start (no measurable difference)")
+        if gain is not None and gain.delta is not None and interval_side(gain.ci) is not None:
+            more = {1: "more to it than to its start", -1: "less to it than to its start",
+                    0: "to it as much as to its start (no measurable difference)"}[interval_side(gain.ci)]
             line += (f"; its start {fmt_delta(cut.baseline.all.delta)}); it is worth {more}: "
                      f"{fmt_delta_ci(gain)} nats/base.")
         else:
@@ -106,9 +106,8 @@ def planted_line(report: EvalReport) -> str | None:
     if entry is None or entry.advantage is None:
         return None
     adv = entry.advantage
-    seen = ("it uses a first copy in the window" if adv.ci[0] > 0 else
-            "no measurable use of a first copy in the window" if adv.ci[1] >= 0 else
-            "it does worse where the first copy is in the window")
+    seen = {1: "it uses a first copy in the window", 0: "no measurable use of a first copy in the window",
+            -1: "it does worse where the first copy is in the window"}[interval_side(adv.ci)]
     line = (f"Planted copies: the tuned model's loss is {_advantage(adv)} nats/base lower where the first copy "
             f"lies in the window ({seen})")
     start = planted.models.get("baseline")
@@ -116,8 +115,8 @@ def planted_line(report: EvalReport) -> str | None:
     if start is None or start.advantage is None or change is None:
         return line + "."
     lo, hi = change.ci
-    moved = ("fine-tuning raised it" if lo > 0 else "fine-tuning lowered it" if hi < 0
-             else "fine-tuning changed it by no measurable amount")
+    moved = {1: "fine-tuning raised it", -1: "fine-tuning lowered it",
+             0: "fine-tuning changed it by no measurable amount"}[interval_side(change.ci)]
     return line + (f"; its start's was {_advantage(start.advantage)}: {moved}, {change.nats:+.4f} "
                    f"[{lo:+.4f}, {hi:+.4f}] (paired over the same copies).")
 

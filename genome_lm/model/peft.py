@@ -35,6 +35,7 @@ rank takes its slice, so every layout starts from the same adapters.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from genome_lm.engine.layout import global_expert_name
 from genome_lm.errors import GenomeLMError
 
 if TYPE_CHECKING:
@@ -94,36 +96,45 @@ def _generator(name: str, seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
 
 
+def _communication(split: _Split):
+    """What the rank-r activation ``lora_a x`` goes through between ``lora_a`` and ``lora_b``
+    (None: nothing, one rank or a routed expert): into the column layer's parallel region, or
+    summed over the row layer's ranks; each in its sequence-parallel form where the layer has it."""
+    if split.group is None or split.group.size() == 1 or split.expert or split.kind == "replicated":
+        return None
+    from megatron.core.tensor_parallel import mappings
+
+    if split.kind == "column":
+        op = (mappings.gather_from_sequence_parallel_region if split.sequence_parallel
+              else mappings.copy_to_tensor_model_parallel_region)
+    else:
+        op = (mappings.reduce_scatter_to_sequence_parallel_region if split.sequence_parallel
+              else mappings.reduce_from_tensor_model_parallel_region)
+    return functools.partial(op, group=split.group)
+
+
 class _Hook:
     """The forward hook that adds ``scale * lora_b (lora_a dropout(x))`` to a layer's output."""
 
     def __init__(self, split: _Split, scale: float, dropout: float):
-        self.split, self.scale, self.dropout = split, scale, dropout
+        self.communicate, self.scale, self.dropout = _communication(split), scale, dropout
 
     def __call__(self, module: nn.Module, args, output):
-        from megatron.core.tensor_parallel import mappings
-
-        split, x = self.split, args[0]
+        x = args[0]
         if self.dropout and module.training:
             x = nn.functional.dropout(x, self.dropout)
         a, b = module.lora_a, module.lora_b
         h = x @ a.to(x.dtype).t()
-        tp = split.group
-        many = tp is not None and tp.size() > 1 and not split.expert
-        if split.kind == "column" and many:
-            h = (mappings.gather_from_sequence_parallel_region(h, group=tp) if split.sequence_parallel
-                 else mappings.copy_to_tensor_model_parallel_region(h, group=tp))
-        elif split.kind == "row" and many:
-            h = (mappings.reduce_scatter_to_sequence_parallel_region(h, group=tp) if split.sequence_parallel
-                 else mappings.reduce_from_tensor_model_parallel_region(h, group=tp))
+        if self.communicate is not None:
+            h = self.communicate(h)
         delta = (h @ b.reshape(-1, b.shape[-1]).to(h.dtype).t()) * self.scale
         if isinstance(output, tuple):  # megatron-core's linears return (output, bias)
             return (output[0] + delta.to(output[0].dtype), *output[1:])
         return output + delta.to(output.dtype)
 
 
-def _attach(model: GLM5Model, name: str, module: nn.Module, cfg: PeftConfig, seed: int) -> int:
-    """Give ``module`` its adapter; returns the adapter's parameter count on this rank."""
+def _attach(model: GLM5Model, name: str, module: nn.Module, cfg: PeftConfig, seed: int) -> None:
+    """Give ``module`` its adapter."""
     split = _split(name, module)
     n_in, n_out = _in_out(module)
     r = cfg.rank
@@ -133,13 +144,7 @@ def _attach(model: GLM5Model, name: str, module: nn.Module, cfg: PeftConfig, see
     weight = module.weight
     tp = split.group.size() if split.group is not None else 1
     tp_rank = split.group.rank() if split.group is not None else 0
-    key = model.global_name(name)
-    if split.expert and (ep := model.pg.ep).size() > 1:  # experts by their index in the whole model
-        from genome_lm.engine.layout import expert_offset
-
-        first = expert_offset(model.cfg.n_routed_experts, ep)
-        head, j, tail = key.partition("local_experts.")[0], *key.partition("local_experts.")[2].split(".", 1)
-        key = f"{head}local_experts.{first + int(j)}.{tail}"
+    key = global_expert_name(model.global_name(name), model.cfg.n_routed_experts, model.pg.ep)
     full_a = torch.empty(r, n_in).uniform_(-1 / math.sqrt(n_in), 1 / math.sqrt(n_in), generator=_generator(key, seed))
     dtype = weight.dtype
     if split.kind == "row":
@@ -166,7 +171,6 @@ def _attach(model: GLM5Model, name: str, module: nn.Module, cfg: PeftConfig, see
         if hasattr(weight, "sequence_parallel") and split.kind == "replicated":
             p.sequence_parallel = weight.sequence_parallel  # the DSA indexer's split selection
     module.register_forward_hook(_Hook(split, cfg.alpha / r, cfg.dropout))
-    return module.lora_a.numel() + module.lora_b.numel()
 
 
 def _matches(name: str, patterns) -> str | None:
@@ -188,11 +192,10 @@ def _require_every_pattern(model: GLM5Model, counts: dict[str, int], what: str) 
                             "layers.0.self_attention.q_proj, layers.1.mlp.experts.local_experts.0.linear_fc1)")
 
 
-def apply_lora(model: GLM5Model, cfg: PeftConfig, seed: int = 0) -> dict[str, int]:
-    """Freeze ``model``'s base and give every module ``cfg.targets`` names (by its name in the
-    whole model) a LoRA adapter. Returns {"adapter": parameters on this rank, "trained": those
-    trained whole (``cfg.train``), "frozen": the rest}. Call before the model is wrapped for
-    data parallel (its gradient buffers are sized from ``requires_grad``)."""
+def apply_lora(model: GLM5Model, cfg: PeftConfig, seed: int = 0) -> None:
+    """Freeze ``model``'s base (but the parameters ``cfg.train`` names) and give every module
+    ``cfg.targets`` names (by its name in the whole model) a LoRA adapter. Call before the model
+    is wrapped for data parallel (its gradient buffers are sized from ``requires_grad``)."""
     counts = {p: 0 for p in cfg.targets}
     chosen = []
     for name, module in model.named_modules():
@@ -206,24 +209,21 @@ def apply_lora(model: GLM5Model, cfg: PeftConfig, seed: int = 0) -> dict[str, in
         chosen.append((name, module))
     _require_every_pattern(model, counts, "peft.targets")
     trained = {p: 0 for p in cfg.train}
-    frozen = whole = 0
     routers_trained = False
     for name, p in model.named_parameters():
         pattern = _matches(model.global_name(name), cfg.train)
         if pattern is None:
             p.requires_grad_(False)
-            frozen += p.numel()
         else:
             trained[pattern] += 1
-            whole += p.numel()
             routers_trained |= name.endswith("router.weight")
     _require_every_pattern(model, trained, "peft.train")
     if not routers_trained:  # a frozen router keeps its expert bias too (megatron-core skips it then)
         for module in model.modules():
             if hasattr(module, "expert_bias"):
                 module.frozen_expert_bias = True
-    adapter = sum(_attach(model, name, module, cfg, seed) for name, module in chosen)
-    return {"adapter": adapter, "trained": whole, "frozen": frozen}
+    for name, module in chosen:
+        _attach(model, name, module, cfg, seed)
 
 
 def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:

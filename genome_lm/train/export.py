@@ -68,25 +68,25 @@ def _export_pieces(folder: Path, meta: dict, out: Path, like, max_shard_bytes: i
 
     reader = piece_reader(folder, meta)
     try:
-        tensors = full_model_tensors(reader)
         peft = meta.get("config", {}).get("peft", {})
         if peft.get("method", "none") == "lora":
-            tensors = _merged(tensors, reader, peft["alpha"] / peft["rank"])
+            tensors = _merged(full_model_tensors(reader, keep=lambda key: ".lora_" not in key), reader,
+                              peft["alpha"] / peft["rank"])
+        else:
+            tensors = full_model_tensors(reader)
         export_full_tensors(tensors, _model_config(folder, meta), out, like=like, max_shard_bytes=max_shard_bytes)
     finally:
         reader.close()
 
 
 def _merged(tensors, reader, scale: float):
-    """A LoRA run's weights with each adapter folded into its base weight (W + scale B A, in
-    fp32, then the weight's dtype); the adapters themselves are not written."""
+    """A LoRA run's base weights (``tensors``) with each adapter, read from ``reader`` when its
+    weight comes, folded in (W + scale B A, in fp32, then the weight's dtype)."""
     from genome_lm.checkpoint.sharded import MODEL
     from genome_lm.model.peft import merged_weight
 
     keys = set(reader.keys(MODEL))
     for name, tensor in tensors:
-        if ".lora_" in name:
-            continue
         stem = MODEL + name.removesuffix("weight")
         if name.endswith(".weight") and stem + "lora_a" in keys:
             tensor = merged_weight(tensor, reader.full(stem + "lora_a"), reader.full(stem + "lora_b"), scale)

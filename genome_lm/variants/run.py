@@ -162,7 +162,7 @@ def no_variant_scored(vcf: Path, skipped) -> str:
 
     if not skipped:
         return f"{vcf}: no variant could be scored: the file has no variant records"
-    first = skipped[0]  # not as its key, chrom:pos:ref>alt: the CLI's console would read :100: as an emoji
+    first = skipped[0]  # chrom:pos ref>alt, as a reader looks it up in the VCF
     return (f"{vcf}: no variant could be scored: {len(skipped):,} skipped "
             f"({reasons_in_words(reason_counts(skipped))}); the first: {first.chrom}:{first.pos} "
             f"{first.ref}>{first.alt}, {first.reason}")
