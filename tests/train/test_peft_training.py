@@ -64,3 +64,17 @@ def test_a_lora_run_moves_only_its_adapters_and_resumes_exactly(small_dataset, t
     gap = (run_logits - hf_logits).abs().max()
     assert gap / run_logits.abs().max() < 1e-6, gap
     assert gap < (run_logits - base_logits).abs().max() / 100  # the adapters moved the logits; the export has them
+
+    # a LoRA run's checkpoint is not yet a start for another run: one line, exit 1, nothing written
+    from typer.testing import CliRunner
+
+    from genome_lm.cli import app
+
+    sets = [f"data.dataset={small_dataset}", "data.seq_len=256", "model.kernel_backend=torch",
+            f"model.checkpoint={tmp_path / 'a'}", f"train.out_dir={tmp_path / 'c'}"]
+    result = CliRunner().invoke(app, ["finetune", "--config", "demo-finetune-cpu", "--quiet",
+                                      *(x for s in sets for x in ("--set", s))])
+    assert result.exit_code == 1, result.output
+    assert "a LoRA run's checkpoint" in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "c" / "checkpoints").exists()
+
