@@ -100,11 +100,11 @@ class GLM5Model(nn.Module):
                     p.sequence_parallel = True
 
     def global_name(self, name: str) -> str:
-        """A parameter's name with the layer numbered as in the whole model (under pipeline
-        parallel a stage's ``layers.0`` is the model's ``layers.<offset>``)."""
+        """A parameter's or module's name with the layer numbered as in the whole model (under
+        pipeline parallel a stage's ``layers.0`` is the model's ``layers.<offset>``)."""
         if self.layer_offset and name.startswith("layers."):
-            i, rest = name[len("layers."):].split(".", 1)
-            return f"layers.{int(i) + self.layer_offset}.{rest}"
+            i, dot, rest = name[len("layers."):].partition(".")
+            return f"layers.{int(i) + self.layer_offset}{dot}{rest}"
         return name
 
     def stream_shape(self, batch: int, positions: int) -> tuple[int, int, int, int]:

@@ -3,7 +3,10 @@
     python tests/model/dist_worker.py RANK WORLD PORT JSON
 JSON: {"hf": checkpoint dir, "sizes": {"tp": 2, "cp": 2, ...}, "ids": path of a saved id tensor,
        "indexer_loss": "off"|"dense"|"sparse", "out": result file (rank 0 writes it),
-       "export": optional dir to export the loaded model to, "query_chunk": DSA queries per block}
+       "export": optional dir to export the loaded model to, "query_chunk": DSA queries per block,
+       "lora": optional {"targets": [...], "train": [...]}: LoRA (rank 4) on the loaded base, every
+       adapter tensor drawn whole from its name and sliced like its layer, so all layouts hold the
+       same non-zero adapters}
 The first rank of each pipeline stage s writes OUT.stage<s> with torch.save: {"loss": its part
 of the loss, "logits": [B, T, V] in natural order (last stage; else None), "grads": {name in the
 whole model's numbering: full-size gradient}, "selections": the stage's DSA layers' token
@@ -23,9 +26,10 @@ import torch.nn.functional as F  # noqa: E402
 
 from genome_lm.checkpoint.huggingface import HFCheckpoint, export_hf_checkpoint, groups_of, load_hf_checkpoint  # noqa: E402
 from genome_lm.engine.context_parallel import zigzag_merge, zigzag_split  # noqa: E402
-from genome_lm.engine.layout import ep_gather, tp_gather  # noqa: E402
+from genome_lm.engine.layout import ep_gather, global_expert_name, tp_gather, tp_slice  # noqa: E402
 from genome_lm.engine.parallel import ParallelSizes, init_distributed, parallel_context  # noqa: E402
 from genome_lm.model.model import build_model  # noqa: E402
+from genome_lm.model.peft import apply_lora  # noqa: E402
 from genome_lm.train.optim import allreduce_sequence_parallel_grads  # noqa: E402
 
 
@@ -50,6 +54,27 @@ def full_grads(model):
             continue
         grads[name] = g
     return grads
+
+
+def add_lora(model, spec):
+    """LoRA with every ``lora_a`` and ``lora_b`` random (B non-zero, so the adapters change the
+    output): each drawn whole from its whole-model name, this rank keeping its slice."""
+    from genome_lm.config import PeftConfig
+
+    apply_lora(model, PeftConfig(method="lora", rank=4, alpha=8, **spec), seed=5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" not in name:
+                continue
+            tp_group, ep_group = groups_of(model, name)
+            key = global_expert_name(model.global_name(name), model.cfg.n_routed_experts, ep_group)
+            split = getattr(p, "tensor_model_parallel", False) and tp_group.size() > 1
+            shape = list(p.shape)
+            if split:
+                shape[p.partition_dim] *= tp_group.size()
+            gen = torch.Generator().manual_seed(sum(map(ord, key)) * 7919 + len(key))
+            full = torch.randn(shape, generator=gen) * 0.3
+            p.copy_(tp_slice(full, p, tp_group))
 
 
 def pipeline(model, pg, spec, all_ids):
@@ -125,6 +150,8 @@ def main(rank, world, port, spec):
         cfg = HFCheckpoint(spec["hf"]).config()
         model = build_model(cfg, pg, sizes, kernel_backend="torch", absorbed_mla=spec.get("absorbed", False))
         load_hf_checkpoint(model, spec["hf"])
+        if spec.get("lora"):
+            add_lora(model, spec["lora"])
         if spec.get("query_chunk"):
             from genome_lm.train.memory import apply_dsa_query_chunk
             apply_dsa_query_chunk(model, spec["query_chunk"])

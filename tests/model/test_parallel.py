@@ -30,10 +30,10 @@ def setup(tmp_path_factory):
 
 
 def _run(root, ckpt, world, sizes, name, indexer_loss="off", export=None, ids="ids", absorbed=False,
-         query_chunk=None):
+         query_chunk=None, lora=None):
     spec = {"hf": str(ckpt), "sizes": sizes, "ids": str(root / f"{ids}.pt"), "out": str(root / f"{name}.pt"),
             "indexer_loss": indexer_loss, "export": str(export) if export else None, "absorbed": absorbed,
-            "query_chunk": query_chunk}
+            "query_chunk": query_chunk, "lora": lora}
     run_workers(WORKER, world, spec)
     return _merge_stages(root / f"{name}.pt", sizes.get("pp", 1))
 
@@ -47,12 +47,12 @@ def _merge_stages(out, stages):
             "selections": [idx for part in parts for idx in part["selections"]]}
 
 
-def _one_process(root, ckpt, indexer_loss, ids="ids", query_chunk=None):
-    """The single-process reference, computed once per (ids, indexer loss, query chunk) in this module."""
-    name = f"one-{ids}-{indexer_loss}" + (f"-chunk{query_chunk}" if query_chunk else "")
+def _one_process(root, ckpt, indexer_loss, ids="ids", query_chunk=None, lora=None):
+    """The single-process reference, computed once per (ids, indexer loss, query chunk, LoRA) in this module."""
+    name = f"one-{ids}-{indexer_loss}" + (f"-chunk{query_chunk}" if query_chunk else "") + ("-lora" if lora else "")
     if (root / f"{name}.pt.stage0").exists():
         return _merge_stages(root / f"{name}.pt", 1)
-    return _run(root, ckpt, 1, {}, name, indexer_loss, ids=ids, query_chunk=query_chunk)
+    return _run(root, ckpt, 1, {}, name, indexer_loss, ids=ids, query_chunk=query_chunk, lora=lora)
 
 
 def _assert_same(one, two):
@@ -256,3 +256,42 @@ def test_checkpoint_round_trip_through_pipeline_stages(pipeline_setup):
     out = root / "export-pp2-tp2"
     _run(root, ckpt, 4, {"pp": 2, "tp": 2}, "export", export=out)
     _assert_same_text_weights(ckpt, out)
+
+
+# the default targets, the DSA indexer's query projection, and the routers trained whole
+LORA = {"targets": ["*.self_attention.[qkvo]_proj", "*.self_attention.q_b_proj", "*.linear_fc1", "*.linear_fc2",
+                    "*.indexer.wq_b"],
+        "train": ["*.router.weight"]}
+
+
+@pytest.mark.parametrize("sizes,ids", [
+    pytest.param({"tp": 2}, "ids", id="tp2"),
+    pytest.param({"tp": 2, "sequence_parallel": True}, "ids", id="tp2-sp"),
+    pytest.param({"ep": 2}, "ids", id="ep2"),
+    pytest.param({"tp": 2, "etp": 2}, "ids", id="tp2-etp2"),
+    pytest.param({"tp": 2, "etp": 2, "sequence_parallel": True}, "ids", id="tp2-etp2-sp"),
+    pytest.param({"cp": 2}, "ids-cp", id="cp2"),
+    pytest.param({"pp": 2}, "ids", id="pp2"),
+])
+def test_lora_matches_one_process(setup, pipeline_setup, sizes, ids):
+    """Non-zero adapters on every targeted projection (KDA, MLA, the indexer, dense, shared and
+    routed experts) and the routers trained whole: the loss (LM + sparse indexer loss), logits and
+    every gradient (adapters, routers; zero for the frozen base) equal one process's."""
+    root, ckpt = pipeline_setup if "pp" in sizes else setup
+    name = "lora-" + "-".join(f"{k}{v}" for k, v in sizes.items())
+    one = _one_process(root, ckpt, "sparse", ids=ids, lora=LORA)
+    world = sizes.get("pp", 1) * sizes.get("tp", 1) * sizes.get("ep", 1) * sizes.get("cp", 1)
+    two = _run(root, ckpt, world, sizes, name, "sparse", ids=ids, lora=LORA)
+    torch.testing.assert_close(two["logits"], one["logits"], rtol=1e-5, atol=1e-6)
+    sel = two["selections"]
+    per = len(sel) // len(one["selections"])
+    two["selections"] = [torch.cat(sel[i : i + per]) for i in range(0, len(sel), per)]
+    errs = _assert_same(one, two)
+    trained = [k for k in one["grads"] if ".lora_" in k or k.endswith("router.weight")]
+    assert any(".local_experts." in k for k in trained) and any("indexer.wq_b" in k for k in trained)
+    moved = {k for k in trained if one["grads"][k].abs().max() > 0}
+    # every adapter but those of routed experts no token chose (the random router picks few here)
+    assert {k for k in trained if ".local_experts." not in k} <= moved
+    assert any(".local_experts." in k for k in moved)
+    assert all(one["grads"][k].abs().max() == 0 for k in one["grads"] if k not in trained)
+    assert max(errs.values()) < 1e-4
