@@ -98,6 +98,16 @@ class HFCheckpoint:
     def dtype_of(self, key: str) -> torch.dtype:
         return self.get(key).dtype
 
+    def shape(self, key: str) -> tuple[int, ...]:
+        """A tensor's shape, from its file's header (the tensor is not read)."""
+        if key not in self.weight_map:
+            raise CheckpointError(f"{self.path}: tensor {key} is missing")
+        file = self.weight_map[key]
+        if not (self.path / file).exists():
+            raise CheckpointError(f"{self.path / file}: missing (listed in the index)")
+        with self._open(self.path / file, "pt") as f:
+            return tuple(f.get_slice(key).get_shape())
+
     def close(self) -> None:
         self._handles.clear()
 

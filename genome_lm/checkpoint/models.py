@@ -47,6 +47,10 @@ def build(cfg: RunConfig, pg: ProcessGroupCollection, sizes: ParallelSizes) -> G
 
     model_cfg = get_preset(cfg.model.preset)
     ckpt = run_ckpt = None
+    if cfg.peft.method != "none" and not cfg.model.checkpoint:
+        raise GenomeLMError(f"peft.method={cfg.peft.method} adapts a trained base: set model.checkpoint (a Hugging "
+                            "Face folder, a genome-lm run or builtin:tiny-long); a randomly initialised base has "
+                            "nothing to adapt")
     if cfg.model.checkpoint:
         run_ckpt = training_checkpoint(Path(cfg.model.checkpoint))
         if run_ckpt is not None:
@@ -67,7 +71,11 @@ def build(cfg: RunConfig, pg: ProcessGroupCollection, sizes: ParallelSizes) -> G
     if cfg.peft.method == "lora":  # from outside, on the loaded base, before anything wraps the model
         from genome_lm.model.peft import apply_lora
 
+        from .sharded import content_digest
+
         apply_lora(model, cfg.peft, seed=cfg.train.seed)
+        model.base_digest = content_digest(model)  # what an adapter checkpoint names its base by
+        model.base_source = cfg.model.checkpoint
     return model
 
 

@@ -31,6 +31,7 @@ promise, and the placement rules are the ones the Hugging Face loader already us
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -91,14 +92,74 @@ def box_of(model, name: str, tensor: torch.Tensor, *, groups=None) -> Box:
     return Box(MODEL + key, tuple(shape), tuple(offset), size)
 
 
-def model_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
+def model_tensors(model, *, base: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(local name, tensor) of everything a checkpoint keeps of a model on this rank: its
-    parameters and the MoE routers' expert biases (a buffer that training updates)."""
+    parameters and the MoE routers' expert biases (a buffer that training updates). Of a model
+    with LoRA adapters (``model.peft``), only what training changes: the adapters, the tensors
+    ``peft.train`` names and the expert biases of trained routers; the frozen base is named by
+    its digest instead (``content_digest``). ``base``: the frozen base's tensors instead."""
+    adapted = getattr(model, "peft", None) is not None
     for name, param in model.named_parameters():
-        yield name, param
+        if not adapted or param.requires_grad != base:
+            yield name, param
     for name, buf in model.named_buffers():
         if name.endswith("expert_bias"):
-            yield name, buf
+            owner = model.get_submodule(name.rpartition(".")[0])
+            if not adapted or bool(getattr(owner, "frozen_expert_bias", False)) == base:
+                yield name, buf
+
+
+# constants of the base's fingerprint (below 2**29, so no product leaves int64)
+_MIX_BITS, _MIX_INDEX = 40_503, 2_654_435
+
+
+def _fingerprint(tensor: torch.Tensor, box: Box) -> int:
+    """A sum over the box's values of a mix of each value's bits and its index in the whole
+    tensor: boxes of the same tensor add up to the same number under any layout (integer sums,
+    exact in any order), and a changed value changes it."""
+    x = tensor.detach().reshape(box.size or (1,))
+    size = x.element_size()
+    bits = x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]).to(torch.int64)
+    bits = bits & (2**(8 * size) - 1 if size < 8 else 2**62 - 1)
+    shape = box.shape or (1,)
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    offset = box.offset or (0,)
+    rows = max(1, 2**22 // max(1, math.prod(x.shape[1:])))
+    total = 0
+    for start in range(0, x.shape[0], rows):
+        part = bits[start:start + rows]
+        index = torch.zeros((), dtype=torch.int64, device=x.device)
+        for d, n in enumerate(part.shape):
+            first = offset[d] + (start if d == 0 else 0)
+            view = [1] * part.dim()
+            view[d] = n
+            index = index + (torch.arange(n, device=x.device) + first).view(view) * strides[d]
+        total += int((((part * _MIX_BITS) ^ (index * _MIX_INDEX)) & 0x7FFFFFFF).sum())
+    return total
+
+
+def content_digest(model) -> str:
+    """Collective. A SHA-256 over ``model``'s frozen base (``model_tensors(base=True)``, or every
+    tensor of a model without adapters): each tensor's key, global shape, dtype and fingerprint
+    (boxes held by several ranks counted once), so the same weights give the same digest under
+    any parallel layout, and any changed value, shape or dtype another."""
+    groups = _layout_of(model)
+    adapted = getattr(model, "peft", None) is not None
+    mine = {}
+    for name, t in model_tensors(model, base=adapted):
+        box = box_of(model, name, t, groups=groups)
+        mine[(box.key, box.offset)] = (box.shape, str(t.dtype), _fingerprint(t, box))
+    sums: dict[str, list] = {}
+    seen = set()
+    for part in _gather_objects(mine):
+        for (key, offset), (shape, dtype, value) in part.items():
+            if (key, offset) in seen:
+                continue
+            seen.add((key, offset))
+            entry = sums.setdefault(key, [shape, dtype, 0])
+            entry[2] += value
+    lines = "".join(f"{key} {list(shape)} {dtype} {value}\n" for key, (shape, dtype, value) in sorted(sums.items()))
+    return hashlib.sha256(lines.encode()).hexdigest()
 
 
 def model_boxes(model) -> dict[str, tuple[torch.Tensor, Box]]:

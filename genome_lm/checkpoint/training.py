@@ -236,6 +236,7 @@ def load_checkpoint(folder: str | Path, model: GLM5Model, optimizer=None, layout
 def _load_model(folder: Path, meta: dict, model, rank: int) -> None:
     """The weights into ``model``: from the pieces when the checkpoint reshards, else this rank's
     file of the earlier per-rank format."""
+    _check_base(folder, meta, model)
     if not reshards(meta):
         _load_legacy_rank(folder, model, rank)
         return
@@ -244,6 +245,32 @@ def _load_model(folder: Path, meta: dict, model, rank: int) -> None:
         load_model_pieces(reader, model)
     finally:
         reader.close()
+
+
+def base_record(model) -> dict | None:
+    """What an adapter checkpoint records of the frozen base it was trained on (None for a model
+    without adapters): where it came from and its content digest (``sharded.content_digest``)."""
+    digest = getattr(model, "base_digest", None)
+    if digest is None:
+        return None
+    return {"checkpoint": getattr(model, "base_source", None), "digest": digest}
+
+
+def _check_base(folder: Path, meta: dict, model) -> None:
+    """Adapters load only onto the base they were trained on, and only into a model with adapters."""
+    recorded, ours = meta.get("base"), base_record(model)
+    if recorded is None and ours is None:
+        return
+    if recorded is None:
+        raise GenomeLMError(f"{folder}: holds a whole model, not LoRA adapters, and this model has adapters "
+                            "(peft.method=lora): load it without peft")
+    if ours is None:
+        raise GenomeLMError(f"{folder}: holds only LoRA adapters (base {recorded['checkpoint']}); load it through its "
+                            "run's config, which rebuilds the base and adds them")
+    if recorded["digest"] != ours["digest"]:
+        raise GenomeLMError(f"{folder}: its adapters were trained on the base {recorded['checkpoint']} (digest "
+                            f"{recorded['digest'][:12]}), and the base loaded now, {ours['checkpoint']}, differs "
+                            f"(digest {ours['digest'][:12]}): load them onto the weights they were trained on")
 
 
 def _load_optimizer(folder: Path, meta: dict, model, optimizer, groups: list[dict] | None, same_layout: bool,

@@ -134,10 +134,15 @@ def export(
     checkpoint: Annotated[Optional[str], typer.Option(help="Checkpoint folder name (default: the latest).")] = None,
     like: Annotated[Optional[Path], typer.Option(help="A Hugging Face checkpoint whose config.json and tensor dtypes "
                                                       "to copy.")] = None,
+    adapters: Annotated[bool, typer.Option("--adapters", help="A LoRA run (peft.method=lora): write its adapters "
+                                           "alone in the Hugging Face PEFT layout (adapter_config.json + "
+                                           "adapter_model.safetensors, which peft loads onto transformers' "
+                                           "glm5_next base) instead of the merged model.")] = False,
 ) -> None:
-    """Write a training checkpoint as Hugging Face glm5_next safetensors (sharded, with an index)."""
+    """Write a training checkpoint as Hugging Face glm5_next safetensors (sharded, with an index); a
+    LoRA run's adapters are folded into the weights, or written alone with --adapters."""
     from genome_lm.train.export import export_run
 
     with quiet_megatron_import():
-        path = export_run(run, out, checkpoint=checkpoint, like=like)
+        path = export_run(run, out, checkpoint=checkpoint, like=like, adapters=adapters)
     console.print(f"wrote {path}", highlight=False)

@@ -224,6 +224,27 @@ def apply_lora(model: GLM5Model, cfg: PeftConfig, seed: int = 0) -> None:
                 module.frozen_expert_bias = True
     for name, module in chosen:
         _attach(model, name, module, cfg, seed)
+    model.peft = cfg  # checkpoints keep only what trains (checkpoint.sharded.model_tensors)
+
+
+@torch.no_grad()
+def merge_lora(model: GLM5Model) -> None:
+    """Fold every adapter into its weight on this rank (``W + s B A`` of the local slices, which
+    is this rank's slice of the whole merge under any split: see the module docstring) and remove
+    the adapters and their hooks: the model is then a plain one, exported as any other."""
+    cfg = getattr(model, "peft", None)
+    if cfg is None:
+        return
+    for module in model.modules():
+        if not hasattr(module, "lora_a"):
+            continue
+        weight = module.weight
+        weight.copy_(merged_weight(weight, module.lora_a, module.lora_b, cfg.alpha / cfg.rank))
+        for key, hook in list(module._forward_hooks.items()):
+            if isinstance(hook, _Hook):
+                del module._forward_hooks[key]
+        del module.lora_a, module.lora_b
+    model.peft = None
 
 
 def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:

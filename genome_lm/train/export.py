@@ -7,6 +7,11 @@ the earlier per-rank format written by several ranks exports only under its own 
 (``torchrun`` with the same sizes), where each rank loads its shards and ``export_hf_checkpoint``
 gathers them.
 
+A LoRA run's checkpoint holds its adapters only (and names its base by path and digest): its base
+is rebuilt as the run built it, the adapters are folded into the weights and the merged model is
+written; with ``adapters=True`` (``--adapters``) the adapters alone are written in the Hugging Face
+PEFT layout instead (``checkpoint.hf_peft``), for peft to load onto transformers' glm5_next.
+
 The folder is written as ``<out>.partial`` and renamed when complete: an interrupted export leaves
 no folder that looks finished.
 """
@@ -20,12 +25,13 @@ from pathlib import Path
 
 import torch
 
+from genome_lm import weights
 from genome_lm.errors import GenomeLMError
 from genome_lm.model.config import ModelConfig
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | None = None,
-               like: str | Path | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
+               like: str | Path | None = None, max_shard_bytes: int = 5 * 2**30, adapters: bool = False) -> Path:
     from genome_lm.checkpoint import resolve, verify
     from genome_lm.checkpoint.training import reshards
 
@@ -36,6 +42,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | None =
     if out.exists() and any(out.iterdir()):
         raise GenomeLMError(f"{out}: exists and is not empty; export into a new folder")
     meta = verify(folder)
+    if adapters:
+        return _export_adapters(folder, meta, out, like)
     partial = out.with_name(out.name + ".partial")
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     if rank0:
@@ -66,31 +74,60 @@ def _export_pieces(folder: Path, meta: dict, out: Path, like, max_shard_bytes: i
     from genome_lm.checkpoint.sharded import full_model_tensors
     from genome_lm.checkpoint.training import piece_reader
 
+    if "base" in meta:
+        _export_adapted(folder, meta, out, like, max_shard_bytes)
+        return
     reader = piece_reader(folder, meta)
     try:
-        peft = meta.get("config", {}).get("peft", {})
-        if peft.get("method", "none") == "lora":
-            tensors = _merged(full_model_tensors(reader, keep=lambda key: ".lora_" not in key), reader,
-                              peft["alpha"] / peft["rank"])
-        else:
-            tensors = full_model_tensors(reader)
-        export_full_tensors(tensors, _model_config(folder, meta), out, like=like, max_shard_bytes=max_shard_bytes)
+        export_full_tensors(full_model_tensors(reader), _model_config(folder, meta), out, like=like,
+                            max_shard_bytes=max_shard_bytes)
     finally:
         reader.close()
 
 
-def _merged(tensors, reader, scale: float):
-    """A LoRA run's base weights (``tensors``) with each adapter, read from ``reader`` when its
-    weight comes, folded in (W + scale B A, in fp32, then the weight's dtype)."""
-    from genome_lm.checkpoint.sharded import MODEL
-    from genome_lm.model.peft import merged_weight
+def _export_adapters(folder: Path, meta: dict, out: Path, like) -> Path:
+    """The adapters alone, as a Hugging Face PEFT folder for transformers' glm5_next
+    (``checkpoint.hf_peft``), checked against the base's shapes when the base is a Hugging Face
+    folder (or ``like`` names one)."""
+    from genome_lm.checkpoint.hf_peft import export_peft_adapter
+    from genome_lm.checkpoint.paths import training_checkpoint
+    from genome_lm.checkpoint.sharded import full_model_tensors
+    from genome_lm.checkpoint.training import piece_reader
+    from genome_lm.config import RunConfig
 
-    keys = set(reader.keys(MODEL))
-    for name, tensor in tensors:
-        stem = MODEL + name.removesuffix("weight")
-        if name.endswith(".weight") and stem + "lora_a" in keys:
-            tensor = merged_weight(tensor, reader.full(stem + "lora_a"), reader.full(stem + "lora_b"), scale)
-        yield name, tensor
+    if "base" not in meta:
+        raise GenomeLMError(f"{folder}: not a LoRA run's checkpoint (peft.method=none): --adapters exports the "
+                            "adapters of a run with peft.method=lora")
+    base = meta["base"].get("checkpoint")
+    if like is None and base and training_checkpoint(Path(weights.resolve(str(base)))) is None:
+        like = weights.resolve(str(base))
+    peft = RunConfig.model_validate(meta["config"], strict=False).peft
+    reader = piece_reader(folder, meta)
+    try:
+        return export_peft_adapter(full_model_tensors(reader, keep=lambda key: ".lora_" in key), peft,
+                                   _model_config(folder, meta), out, like=like,
+                                   base_model_name_or_path=str(base) if base else None)
+    finally:
+        reader.close()
+
+
+def _export_adapted(folder: Path, meta: dict, out: Path, like, max_shard_bytes: int) -> None:
+    """An adapter checkpoint: its base rebuilt as its run built it (and checked against the digest
+    the checkpoint recorded), the adapters loaded and folded into the weights, the merged model
+    written. Holds the whole model in this process; a model too large for one process is exported
+    under torchrun, each rank merging its own slices (``model.peft.merge_lora``)."""
+    from genome_lm.checkpoint import build, load_weights
+    from genome_lm.checkpoint.huggingface import export_hf_checkpoint
+    from genome_lm.config import RunConfig
+    from genome_lm.engine.parallel import ParallelSizes, parallel_context
+    from genome_lm.model.peft import merge_lora
+
+    cfg = RunConfig.model_validate(meta["config"], strict=False)
+    with parallel_context() as pg:
+        model = build(cfg, pg, ParallelSizes())
+        load_weights(folder, model)
+        merge_lora(model)
+        export_hf_checkpoint(model, out, like=like, max_shard_bytes=max_shard_bytes)
 
 
 def _export_under_layout(folder: Path, meta: dict, out: Path, like, max_shard_bytes: int) -> None:

@@ -49,6 +49,8 @@ from genome_lm.checkpoint import (
     save_checkpoint,
     token_map,
 )
+from genome_lm.checkpoint.sharded import content_digest
+from genome_lm.checkpoint.training import base_record
 from genome_lm.engine.backend import current, on_gpu
 from genome_lm.errors import GenomeLMError
 from genome_lm.progress import StepProgress
@@ -251,6 +253,11 @@ class Trainer:
     def save(self, out: Path, step: int, run_id: str | None, history: list[StepMetrics]) -> Path:
         meta = {"config": self.cfg.resolved(), "config_source": self.cfg.source, "layout": vars(self.sizes),
                 "model_config": self.model.cfg.to_hf()}
+        if (base := base_record(self.model)) is not None:  # an adapter checkpoint names its base
+            if content_digest(self.model) != base["digest"]:
+                raise GenomeLMError("the frozen base changed during training (its digest differs from the one taken "
+                                    "when it was loaded): a bug; no checkpoint written")
+            meta["base"] = base
         state = {"step": step, "loader": self.loader.state_dict(), "run_id": run_id,
                  "history": [dataclasses.asdict(m) for m in history]}
         return save_checkpoint(out, step, self.model, self.optimizer, state, meta)

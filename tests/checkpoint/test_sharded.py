@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from genome_lm.checkpoint import load_checkpoint, read_weights, save_checkpoint
-from genome_lm.checkpoint.sharded import Box, PieceReader
+from genome_lm.checkpoint.sharded import Box, PieceReader, _fingerprint
 from genome_lm.errors import GenomeLMError
 
 
@@ -71,3 +71,32 @@ def test_boxes_are_read_across_pieces_of_any_split(tmp_path):
     with pytest.raises(GenomeLMError, match="has shape \\(6, 10\\) in the checkpoint, the model's is \\(5, 10\\)"):
         reader.read(Box("model/w", (5, 10), (0, 0), (5, 10)))
     reader.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_base_fingerprint_is_the_same_over_any_split_and_changes_with_any_value(dtype):
+    """The base digest's per-tensor fingerprint: the boxes of any split (uneven, in any order) add
+    up to the whole tensor's; one value changed by one unit in the last place, or two values
+    swapped, changes it."""
+    gen = torch.Generator().manual_seed(11)
+    full = torch.randn(7, 5, 3, generator=gen).to(dtype)
+    whole = _fingerprint(full, Box("model/w", (7, 5, 3), (0, 0, 0), (7, 5, 3)))
+    for cuts in ([(0, 3), (3, 7)], [(0, 1), (1, 6), (6, 7)]):
+        for dim in (0, 1):
+            parts = []
+            for lo, hi in cuts:
+                hi = min(hi, full.shape[dim])
+                if lo >= hi:
+                    continue
+                offset, size = [0, 0, 0], list(full.shape)
+                offset[dim], size[dim] = lo, hi - lo
+                parts.append(_fingerprint(full.narrow(dim, lo, hi - lo).contiguous(),
+                                          Box("model/w", (7, 5, 3), tuple(offset), tuple(size))))
+            assert sum(reversed(parts)) == whole
+    nudged = full.clone()
+    nudged.view({2: torch.int16, 4: torch.int32}[full.element_size()])[4, 2, 1] += 1  # one unit in the last place
+    whole_box = Box("model/w", (7, 5, 3), (0,) * 3, (7, 5, 3))
+    assert not torch.equal(nudged, full) and _fingerprint(nudged, whole_box) != whole
+    swapped = full.clone()
+    swapped[0, 0, 0], swapped[6, 4, 2] = full[6, 4, 2], full[0, 0, 0]
+    assert _fingerprint(swapped, Box("model/w", (7, 5, 3), (0,) * 3, (7, 5, 3))) != whole
