@@ -128,6 +128,7 @@ def test_training_moves_only_the_adapters_and_the_named_tensors(tmp_path):
     (["peft.rank=80"], "peft.rank 80 is larger than"),
     (["peft.targets=['*.kv_b_proj']"], "kv_b_proj is read as a raw weight"),
     (["peft.targets=['*.mlp.router']"], "is a GLMRouter, not a linear projection"),
+    (["model.checkpoint=null"], "peft.method=lora adapts a trained base: set model.checkpoint"),
 ])
 def test_bad_settings_are_one_line(sets, message):
     cfg = load_config("demo-finetune-cpu", [*LORA, *sets])
@@ -139,3 +140,29 @@ def test_bad_settings_are_one_line(sets, message):
 def test_rank_zero_is_refused_by_the_config():
     with pytest.raises(GenomeLMError, match="peft.rank: Input should be greater than or equal to 1"):
         load_config("demo-finetune-cpu", ["peft.method=lora", "peft.rank=0"])
+
+
+def test_a_bf16_base_takes_adapters_in_its_dtype():
+    """The frozen base held in bf16: adapters in bf16 beside it, gradients only for them, and the
+    adapted logits those of the fp32 model with the same adapters to bf16's precision."""
+    gen = torch.Generator().manual_seed(8)
+    logits = {}
+    for dtype in ("fp32", "bf16"):
+        cfg = load_config("demo-finetune-cpu", [*LORA, f"model.dtype={dtype}", "model.kernel_backend=torch"])
+        with parallel_context() as pg:
+            model = build(cfg, pg, ParallelSizes())
+            torch.manual_seed(1)
+            with torch.no_grad():
+                for name, module in sorted(_adapted(model).items()):
+                    module.lora_b.copy_(torch.randn(module.lora_b.shape, generator=gen.manual_seed(len(name))) * 0.1)
+            out = model(_tokens(B=1, T=80)).logits
+            logits[dtype] = out.detach().float()
+            out.float().logsumexp(-1).mean().backward()
+            params = dict(model.named_parameters())
+            want = torch.bfloat16 if dtype == "bf16" else torch.float32  # the linears' (mHC and gates stay fp32)
+            assert all(m.weight.dtype == m.lora_a.dtype == m.lora_b.dtype == want for m in _adapted(model).values())
+            assert all(p.grad is None for n, p in params.items() if ".lora_" not in n)
+            assert all(p.grad is not None and p.grad.abs().max() > 0 for n, p in params.items() if n.endswith("lora_b")
+                       and ".local_experts." not in n)
+    scale = logits["fp32"].abs().max()
+    assert (logits["bf16"] - logits["fp32"]).abs().max() / scale < 3e-2
