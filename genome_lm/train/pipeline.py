@@ -84,10 +84,12 @@ def run_1f1b(model: GLM5Model, n_micro: int, shape: tuple[int, ...], forward: St
     def run_backward(grad):
         received, out, loss = pending.popleft()
         tensors, grads = [], []
-        if out is not None:
+        # a stage whose tensors are all frozen (LoRA adapters on other stages only) has nothing to
+        # differentiate: its outputs and losses hold no graph
+        if out is not None and out.requires_grad:
             tensors.append(out)
             grads.append(grad)
-        if loss is not None:
+        if loss is not None and loss.requires_grad:
             tensors.append(loss)
             grads.append(torch.ones_like(loss))
         if tensors:

@@ -38,3 +38,18 @@ def test_pp2_matches_one_process_and_resumes(small_dataset, tmp_path):
     assert [m.step for m in resumed.history] == [3]
     assert resumed.history[0].lm_loss == two.history[2].lm_loss
     assert resumed.history[0].grad_norm == two.history[2].grad_norm
+
+
+@pytest.mark.slow
+def test_lora_with_a_stage_that_trains_nothing(small_dataset, tmp_path):
+    """LoRA on the last layer only: under PP 2 the first stage holds no trainable tensor (no
+    gradient buffer, an empty optimizer), and the run still gives one process's losses."""
+    ckpt = tiny_checkpoint(tmp_path / "hf")
+    common = overrides(small_dataset, ckpt, seq_len=300, batch=2,
+                       extra=["peft.method=lora", "peft.rank=4", "peft.targets=['layers.3.self_attention.[qo]_proj', 'layers.3.*.linear_fc[12]']"])
+    one = train(load_config("demo-cpu", common + [f"train.out_dir={tmp_path / 'one'}"]), progress=False)
+    two = train_on_ray(load_config("demo-cpu", common + ["parallel.pp=2", f"train.out_dir={tmp_path / 'pp2'}"]),
+                       address="local", workers=2, progress=False)
+    assert two.steps_done == 3
+    assert_same_history(one, two, tokens=600)
+    assert one.history[0].lm_loss != one.history[-1].lm_loss
