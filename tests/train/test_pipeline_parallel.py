@@ -45,8 +45,8 @@ def test_lora_with_a_stage_that_trains_nothing(small_dataset, tmp_path):
     """LoRA on the last layer only: under PP 2 the first stage holds no trainable tensor (no
     gradient buffer, an empty optimizer), and the run still gives one process's losses."""
     ckpt = tiny_checkpoint(tmp_path / "hf")
-    common = overrides(small_dataset, ckpt, seq_len=300, batch=2,
-                       extra=["peft.method=lora", "peft.rank=4", "peft.targets=['layers.3.self_attention.[qo]_proj', 'layers.3.*.linear_fc[12]']"])
+    targets = "peft.targets=['layers.3.self_attention.[qo]_proj', 'layers.3.*.linear_fc[12]']"
+    common = overrides(small_dataset, ckpt, seq_len=300, batch=2, extra=["peft.method=lora", "peft.rank=4", targets])
     one = train(load_config("demo-cpu", common + [f"train.out_dir={tmp_path / 'one'}"]), progress=False)
     two = train_on_ray(load_config("demo-cpu", common + ["parallel.pp=2", f"train.out_dir={tmp_path / 'pp2'}"]),
                        address="local", workers=2, progress=False)
