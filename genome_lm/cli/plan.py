@@ -19,6 +19,8 @@ from genome_lm.plan.hardware import gpu_memory, gpu_spec
 
 from .base import app, console, size
 
+AND = " and\n"  # between the rows --write's note sets the best beside
+
 
 @app.command("plan")
 def plan(
@@ -37,6 +39,9 @@ def plan(
     optimizer_offload: Annotated[Optional[bool], typer.Option("--optimizer-offload/--no-optimizer-offload",
                                                               help="Optimizer state in host memory.")] = None,
     moe_chunks: Annotated[Optional[int], typer.Option(help="MoE layers in this many chunks.")] = None,
+    peft: Annotated[Optional[str], typer.Option(help="none (full fine-tuning) or lora: adapters on a frozen base "
+                                                     "(peft.method; the rest of the peft section as the config or "
+                                                     "--set peft.* has it).")] = None,
     gpu: Annotated[str, typer.Option(help="B200 (180 GB), H200 (141 GB) or H100 (80 GB).")] = "B200",
     gpu_mem: Annotated[Optional[float], typer.Option(help="GPU memory in GB (overrides --gpu).")] = None,
     gpus: Annotated[Optional[int], typer.Option(help="GPUs in the run (default: the config's parallel.gpus, else tp "
@@ -101,6 +106,8 @@ def plan(
         raise GenomeLMError(f"--device {device}: expected gpu or cpu")
     if recompute not in (None, "none", "selective", "full"):
         raise GenomeLMError(f"--recompute {recompute}: expected none, selective or full")
+    if peft not in (None, "none", "lora"):
+        raise GenomeLMError(f"--peft {peft}: expected none or lora")
     if moe_imbalance < 1:
         raise GenomeLMError(f"--moe-imbalance {moe_imbalance}: the busiest rank has at least the mean (>= 1)")
     if not 0 <= headroom < 1:
@@ -128,7 +135,7 @@ def plan(
     fields = {"data.seq_len": size(seq_len, "--seq-len"), "parallel.tp": tp, "parallel.cp": cp, "parallel.ep": ep,
               "parallel.etp": etp, "parallel.pp": pp, "memory.recompute": recompute,
               "memory.offload_activations": offload, "memory.optimizer_offload": optimizer_offload,
-              "memory.moe_chunks": moe_chunks}
+              "memory.moe_chunks": moe_chunks, "peft.method": peft}
     options = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items() if v is not None]
     # the command states the GPU count: the config's parallel.gpus gives way
     override = ["parallel.gpus=null"] if gpus is not None else []
@@ -257,17 +264,21 @@ def _plan_search(run, config: str, label: str, hw, spec, constants, json_out: bo
 
     found = run_search(run, hw, spec, constants)
     best = next(c for c in found if c.fits and not c.label)
-    published = next(c for c in found if c.label == "published")
+    published = next((c for c in found if c.label == "published"), None)
     given = next((c for c in found if c.label == "config"), None)
     tag, published_name = published_label(run, label)
     tags = {"published": tag, "config": "the shipped config" if is_shipped(config) else "the config as given"}
     T = length_label(run.data.seq_len)
+    lora = run.peft.method == "lora"
     if write is not None:
-        against = f"{published.tokens_per_s:,.0f} for {published_name}" + (
-            f" and\n{given.tokens_per_s:,.0f} for {label}" if given else "")
+        against = [f"{c.tokens_per_s:,.0f} for {name}" for c, name in ((published, published_name), (given, label))
+                   if c is not None]
+        versus = f", against\n{AND.join(against)}" if against else \
+            f"\n(the config's layout does not split {hw.gpus} GPUs: nothing to set beside it)"
+        sections = "parallel, memory and peft sections" if lora else "parallel and memory sections"
         note = (f"Written by `genome-lm plan --config {config} --seq-len {T} --gpus {hw.gpus} --gpu {spec.name} "
-                f"--search`:\nthe fastest layout that fits: {best.tokens_per_s:,.0f} tokens/s predicted, against\n"
-                f"{against}.\nIts parallel and memory sections come from the search; the rest from {config}.")
+                f"{'--peft lora ' if lora else ''}--search`:\nthe fastest layout that fits: {best.tokens_per_s:,.0f} "
+                f"tokens/s predicted{versus}.\nIts {sections} come from the search; the rest from {config}.")
         text = config_yaml(find_config(config).read_text(), best, note)
         tmp = write.with_name(write.name + ".tmp")
         tmp.write_text(text)
@@ -277,28 +288,37 @@ def _plan_search(run, config: str, label: str, hw, spec, constants, json_out: bo
                                "candidates": [c.as_dict() for c in found],
                                "written": None if write is None else str(write)}, indent=2))
         return
-    table = Table(title=f"{T}-token sequences on {hw.gpus} x {spec.name}: layouts that fit, fastest first "
+    how = f", LoRA rank {run.peft.rank} on a frozen base" if lora else ""
+    table = Table(title=f"{T}-token sequences on {hw.gpus} x {spec.name}{how}: layouts that fit, fastest first "
                         f"(predicted; docs/plan.md)", title_justify="left")
+    # against the published setting where it splits these GPUs, else against the best
+    reference, versus = (published, tag.removeprefix("the ")) if published is not None else (best, "the best")
     for col, justify in (("#", "right"), ("layout", "left"), ("memory switches", "left"), ("GiB/GPU", "right"),
-                         ("tokens/s", "right"), (f"vs {tag.removeprefix('the ')}", "right"), ("bound by", "left")):
+                         ("tokens/s", "right"), (f"vs {versus}", "right"), ("bound by", "left")):
         table.add_column(col, justify=justify)
     shown = found[:top] + [c for c in found[top:] if c.label]  # the two named rows, wherever they rank
     for c in shown:
         fits = "" if c.fits else " (does not fit)"
         tag_cell = escape(f" [{tags[c.label]}]") if c.label else ""  # rich would read [...] as markup
         table.add_row(str(found.index(c) + 1), c.layout() + tag_cell, c.memory(),
-                      gib(c.peak) + fits, f"{c.tokens_per_s:,.0f}", f"x{c.tokens_per_s / published.tokens_per_s:.2f}",
+                      gib(c.peak) + fits, f"{c.tokens_per_s:,.0f}", f"x{c.tokens_per_s / reference.tokens_per_s:.2f}",
                       c.bound(), style="bold" if c is best else ("italic" if c.label else None))
     console.print(table)
     console.print(f"{sum(1 for c in found if not c.label)} candidates fit. Beside them:", highlight=False)
-    console.print(f"  {published_name}: {published.tokens_per_s:,.0f} tokens/s (#{found.index(published) + 1})",
-                  highlight=False)
+    p = run.parallel
+    if published is not None:
+        console.print(f"  {published_name}: {published.tokens_per_s:,.0f} tokens/s (#{found.index(published) + 1})",
+                      highlight=False)
+    else:
+        console.print(f"  {published_name}: its layout (TP {p.tp} x CP {p.cp}, EP {p.ep} x ETP {p.etp}"
+                      f"{f' x PP {p.pp}' if p.pp > 1 else ''}) does not split {hw.gpus} GPUs", highlight=False)
     if given is not None:
         console.print(f"  {label}: {given.tokens_per_s:,.0f} tokens/s (#{found.index(given) + 1})", highlight=False)
-    elif setting_words(run):
+    elif setting_words(run) and published is not None:
         console.print(f"  {label}: its layout does not split {hw.gpus} GPUs or its batch", highlight=False)
-    console.print(f"The best against {tag}, the parts that differ most (seconds a step):", highlight=False)
-    for name, a, b in differences(best.timing, published.timing):
-        console.print(f"  {name}: {a:,.1f} s against {b:,.1f} s", highlight=False)
+    if published is not None:
+        console.print(f"The best against {tag}, the parts that differ most (seconds a step):", highlight=False)
+        for name, a, b in differences(best.timing, published.timing):
+            console.print(f"  {name}: {a:,.1f} s against {b:,.1f} s", highlight=False)
     if write is not None:
         console.print(f"wrote {write}")

@@ -178,13 +178,13 @@ def _matches(name: str, patterns) -> str | None:
 
 
 def _require_every_pattern(model: GLM5Model, counts: dict[str, int], what: str) -> None:
-    """A pattern that matches nothing on any pipeline stage is a mistake: refuse it (the counts
-    are summed over the stages, so a layer kind one stage lacks is not refused there alone)."""
+    """A pattern that matches nothing on any rank is a mistake: refuse it (the counts are summed
+    over every rank, so a layer one pipeline stage lacks, or an expert another expert-parallel
+    rank holds, is not refused where it is absent)."""
     names = list(counts)
     total = torch.tensor([float(counts[n]) for n in names])
-    pp = getattr(model.pg, "pp", None)
-    if names and dist.is_initialized() and pp is not None and pp.size() > 1:
-        dist.all_reduce(total, group=pp)
+    if names and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
     missing = [n for n, c in zip(names, total.tolist()) if c == 0]
     if missing:
         raise GenomeLMError(f"{what} {', '.join(repr(m) for m in missing)} matches no "
@@ -194,12 +194,16 @@ def _require_every_pattern(model: GLM5Model, counts: dict[str, int], what: str) 
 
 def apply_lora(model: GLM5Model, cfg: PeftConfig, seed: int = 0) -> None:
     """Freeze ``model``'s base (but the parameters ``cfg.train`` names) and give every module
-    ``cfg.targets`` names (by its name in the whole model) a LoRA adapter. Call before the model
+    ``cfg.targets`` names (by its name in the whole model: layers and routed experts numbered as
+    in one process, whatever the layout) a LoRA adapter. Call before the model
     is wrapped for data parallel (its gradient buffers are sized from ``requires_grad``)."""
+    def whole(name: str) -> str:  # layers and routed experts numbered as in the whole model
+        return global_expert_name(model.global_name(name), model.cfg.n_routed_experts, model.pg.ep)
+
     counts = {p: 0 for p in cfg.targets}
     chosen = []
     for name, module in model.named_modules():
-        pattern = _matches(model.global_name(name), cfg.targets)
+        pattern = _matches(whole(name), cfg.targets)
         if pattern is None:
             continue
         if name.rsplit(".", 1)[-1] in NOT_TARGETS:
@@ -211,7 +215,7 @@ def apply_lora(model: GLM5Model, cfg: PeftConfig, seed: int = 0) -> None:
     trained = {p: 0 for p in cfg.train}
     routers_trained = False
     for name, p in model.named_parameters():
-        pattern = _matches(model.global_name(name), cfg.train)
+        pattern = _matches(whole(name), cfg.train)
         if pattern is None:
             p.requires_grad_(False)
         else:

@@ -98,7 +98,9 @@ def build_measured(run: RunConfig, pg, sizes, *, n_micro: int = 1, device: str =
                    transformer_impl: str = "local", kernel_backend: str = "torch") -> GLM5Model:
     """``run``'s model (random weights, seeded with ``train.seed``) with its memory switches
     applied and, with ``train.moe_aux_loss_coeff`` > 0, its MoE auxiliary loss as the trainer
-    builds it (scaled for ``n_micro`` micro-batches). ``dtype`` None: ``model.dtype``."""
+    builds it (scaled for ``n_micro`` micro-batches), and with ``peft.method: lora`` its base
+    frozen under adapters (``model.peft.apply_lora``, as ``checkpoint.build`` does).
+    ``dtype`` None: ``model.dtype``."""
     import torch
 
     from genome_lm.model.model import build_model
@@ -113,6 +115,10 @@ def build_measured(run: RunConfig, pg, sizes, *, n_micro: int = 1, device: str =
                         kernel_backend=kernel_backend, dtype=dtype, device=device,
                         moe_aux_loss_coeff=run.train.moe_aux_loss_coeff, moe_aux_loss=run.train.moe_aux_loss)
     set_aux_loss_grad_scale(model, 1.0 / n_micro)
+    if run.peft.method == "lora":
+        from genome_lm.model.peft import apply_lora
+
+        apply_lora(model, run.peft, seed=run.train.seed)
     apply_memory(model, run.memory)
     return model
 

@@ -17,6 +17,9 @@ everything but the recomputed modules (selective); with offload on a GPU what la
 to host memory instead. Static memory: parameters, the fp32 gradient buffer of megatron-core
 DDP, and the optimizer (fp32 master copy when parameters are bf16, Adam's two moments), sharded
 over data parallel by the distributed optimizer on GPU and moved to host by optimizer offload.
+Under LoRA (``peft.method: lora``) the base is frozen: gradients and optimizer state are the
+adapters' and ``peft.train``'s only, and each layer saves what a frozen base saves
+(``plan.peft``).
 
 Under pipeline parallel each stage is planned with its own layers (the embedding on the first,
 the loss head on the last), and its activations grow by what its layers keep for each further
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from genome_lm.config import RunConfig
+from genome_lm.config import PeftConfig, RunConfig
 from genome_lm.engine.allocator import heap_fits
 from genome_lm.errors import GenomeLMError
 from genome_lm.model.config import DENSE, FULL, LINEAR, ModelConfig
@@ -40,6 +43,12 @@ from genome_lm.model.model import pipeline_stages  # noqa: F401  (re-exported fo
 from genome_lm.model.presets import model_config  # noqa: F401
 
 from . import activations as act
+from .peft import head_change as lora_head_change
+from .peft import indexer_frozen as lora_indexer_frozen
+from .peft import inert_layers as lora_inert_layers
+from .peft import local_count, lora, lora_parameters, trainable_split
+from .peft import saved_change as lora_saved_change
+from .peft import trained as lora_trained
 
 GiB = 2**30
 
@@ -198,14 +207,19 @@ class LayerBytes:
         return self.rest / 2 + self.attention
 
 
-def layer_bytes(cfg: ModelConfig, s: act.Shard, seq_len: int = 0, batch: int = 1) -> list[LayerBytes]:
-    """Per layer; ``seq_len`` (the whole sequence) sizes the DSA indexer's query blocks."""
+def layer_bytes(cfg: ModelConfig, s: act.Shard, seq_len: int = 0, batch: int = 1,
+                peft: PeftConfig | None = None, inert: int = 0) -> list[LayerBytes]:
+    """Per layer; ``seq_len`` (the whole sequence) sizes the DSA indexer's query blocks. With
+    ``peft`` (method lora) as a frozen base with adapters saves (``plan.peft.saved_change``),
+    its first ``inert`` layers nothing at all (``plan.peft.inert_layers``)."""
     layers = []
     rest = 2 * act.saved_hyper_connection(cfg, s) + 2 * act.saved_rmsnorm(cfg.hidden_size, s) * s.stream_tokens + \
         2 * act.saved_merge(cfg, s)
+    adapted = peft is not None and peft.method == "lora"
+    trained = lora_trained(cfg, peft)[0] if adapted else None
     kinds: dict[tuple, LayerBytes] = {}  # layers of one kind hold the same bytes: computed once
     for i in range(cfg.num_hidden_layers):
-        kind = cfg.layer_kind(i)
+        kind = (cfg.layer_kind(i), trained[i].key, i < inert) if adapted else cfg.layer_kind(i)
         if kind in kinds:
             layers.append(kinds[kind])
             continue
@@ -219,11 +233,27 @@ def layer_bytes(cfg: ModelConfig, s: act.Shard, seq_len: int = 0, batch: int = 1
             select_blocks, loss_forward, loss_fixed = act.indexer_blocks(cfg, s, seq_len, batch)
             forward_fixed, replay_fixed = max(select_blocks, loss_forward), loss_forward
             selection = act.kept_selection(cfg, s)
-        layers.append(LayerBytes("KDA" if kda else "DSA", "MoE" if moe else "dense", attention, mlp, rest,
+        layer_rest, backward_attention = rest, act.backward_attention(cfg, s, kda)
+        frozen_indexer = False
+        if adapted:
+            own_indexer = not kda and cfg.indexer_types[i] == FULL
+            d_attention, d_mlp, d_rest = lora_saved_change(cfg, s, i, trained[i], peft, own_indexer)
+            attention, mlp, layer_rest = attention + d_attention, mlp + d_mlp, rest + d_rest
+            frozen_indexer = lora_indexer_frozen(cfg, i, trained[i]) and s.indexer_loss
+            if frozen_indexer:  # its loss has no gradient: no backward buffers for it
+                backward_attention -= act.backward_attention(cfg, s, False) - \
+                    act.backward_attention(cfg, replace(s, indexer_loss=False), False)
+        layers.append(LayerBytes("KDA" if kda else "DSA", "MoE" if moe else "dense", attention, mlp, layer_rest,
                                  act.layer_input(cfg, s), act.backward_streams(cfg, s),
-                                 act.backward_attention(cfg, s, kda), act.backward_mlp(cfg, s, moe), fixed,
+                                 backward_attention, act.backward_mlp(cfg, s, moe), fixed,
                                  forward_fixed, selection, replay_fixed, loss_fixed,
                                  0.0 if kda else act.saved_sparse_attention(cfg, s)))
+        if frozen_indexer:  # no backward phase for the indexer loss
+            layers[-1] = replace(layers[-1], loss_fixed=0.0)
+        if adapted and i < inert:  # nothing here needs a gradient: it saves nothing and runs no backward
+            layers[-1] = replace(layers[-1], attention=0.0, mlp_saved=0.0, rest=0.0, input=0.0, backward_streams=0.0,
+                                 backward_attention=0.0, backward_mlp=0.0, backward_fixed=0.0, loss_fixed=0.0,
+                                 attention_kernel=0.0)
         kinds[kind] = layers[-1]
     return layers
 
@@ -301,7 +331,8 @@ def stage_plans(run: RunConfig, hw: Hardware = Hardware()) -> list[Plan]:
     check_split(cfg, run.parallel)
     gpus = world_size(run, hw)
     stages = pipeline_stages(cfg, run)
-    return [_stage_plan(run, hw, cfg, gpus, i, offset, count, len(stages)) for i, (offset, count) in enumerate(stages)]
+    return [_stage_plan(run, hw, cfg, gpus, i, offset, count, len(stages), stages[0][1])
+            for i, (offset, count) in enumerate(stages)]
 
 
 def check_split(cfg: ModelConfig, p) -> None:
@@ -352,7 +383,7 @@ def estimate(run: RunConfig, hw: Hardware = Hardware()) -> Plan:
 
 
 def _stage_plan(run: RunConfig, hw: Hardware, cfg: ModelConfig, gpus: int, stage: int, offset: int, count: int,
-                stages: int) -> Plan:
+                stages: int, first_stage: int) -> Plan:
     """The plan of one pipeline stage's rank (the whole model when ``stages`` is 1): its layers
     ``offset .. offset + count``, the embedding on the first stage, the loss head on the last,
     and the kept activations of every micro-batch in flight on it."""
@@ -365,21 +396,30 @@ def _stage_plan(run: RunConfig, hw: Hardware, cfg: ModelConfig, gpus: int, stage
     T = padded // p.cp * run.train.micro_batch_size
     on_gpu = hw.device == "gpu"
 
-    # static: parameters, gradients, optimizer
-    split = parameter_split(cfg, range(offset, offset + count), first, last)
-    local = split["replicated"] + split["tensor"] / p.tp + split["expert"] / (p.ep * p.etp)
-    dense_local = split["replicated"] + split["tensor"] / p.tp
-    expert_local = split["expert"] / (p.ep * p.etp)
+    # static: parameters, gradients, optimizer; under LoRA the base is frozen (no gradient, no
+    # optimizer state) and only the adapters and the tensors peft.train names have them
+    layers_here = range(offset, offset + count)
+    base = sum(local_count(parameter_split(cfg, layers_here, first, last), p.tp, p.ep, p.etp))
+    adapters = sum(local_count(lora_parameters(cfg, run.peft, layers_here, first, last), p.tp, p.ep, p.etp)) \
+        if lora(run) else 0.0
+    local = base + adapters
+    dense_local, expert_local = trained_locals(run, cfg, layers_here, first, last)
     dp_dense = gpus // (p.tp * p.pp)  # megatron-core shards dense state over data x context parallel
     dp_expert = gpus // (p.ep * p.etp * p.pp)
     distributed = on_gpu
-    shard_params = dense_local / dp_dense + expert_local / dp_expert if distributed else local
+    shard_params = dense_local / dp_dense + expert_local / dp_expert if distributed else dense_local + expert_local
     master = 4 if s.a == 2 else 0
     optimizer = shard_params * (master + 8)
-    plan = Plan(run, cfg, hw, gpus, T, local, stage=stage, stages=stages, layers=range(offset, offset + count),
-                in_flight=flight)
-    plan.device.append(Item("parameters", local * s.a, f"{local / 1e9:.2f}B on this GPU"))
-    plan.device.append(Item("gradients (fp32 buffer)", local * 4, "megatron-core DDP, grad_reduce_in_fp32"))
+    plan = Plan(run, cfg, hw, gpus, T, local, stage=stage, stages=stages, layers=layers_here, in_flight=flight)
+    if lora(run):
+        plan.device.append(Item("parameters", local * s.a, f"{local / 1e9:.2f}B on this GPU, of which "
+                                 f"{adapters / 1e6:,.1f}M LoRA adapters (rank {run.peft.rank}); the base frozen"))
+        plan.device.append(Item("gradients (fp32 buffer)", (dense_local + expert_local) * 4,
+                                f"{(dense_local + expert_local) / 1e6:,.1f}M trained parameters (adapters"
+                                f"{' and peft.train' if run.peft.train else ''})"))
+    else:
+        plan.device.append(Item("parameters", local * s.a, f"{local / 1e9:.2f}B on this GPU"))
+        plan.device.append(Item("gradients (fp32 buffer)", local * 4, "megatron-core DDP, grad_reduce_in_fp32"))
     if mem.optimizer_offload and on_gpu:
         plan.device.append(Item("optimizer state", 0.0, "offloaded to host"))
         plan.host.append(Item("optimizer state + fp32 gradient shard", optimizer + shard_params * 4,
@@ -389,7 +429,8 @@ def _stage_plan(run: RunConfig, hw: Hardware, cfg: ModelConfig, gpus: int, stage
         plan.device.append(Item("optimizer state", optimizer, note))
 
     # activations
-    layers = layer_bytes(cfg, s, run.data.seq_len, run.train.micro_batch_size)[offset:offset + count]
+    layers = layer_bytes(cfg, s, run.data.seq_len, run.train.micro_batch_size, run.peft,
+                         inert_layers(run, cfg, first_stage))[offset:offset + count]
     if mem.moe_chunk_recompute and mem.moe_chunks > 1:  # a MoE keeps its input, and one chunk in backward
         moe_input = cfg.hidden_size * s.a * s.stream_tokens
         layers = [replace(lay, mlp_saved=moe_input + lay.mlp_saved / mem.moe_chunks)
@@ -400,7 +441,10 @@ def _stage_plan(run: RunConfig, hw: Hardware, cfg: ModelConfig, gpus: int, stage
     # backward, logits, their fp32 copy and gradient) per position of one loss block when chunked
     vocab = cfg.vocab_size / s.tp * act.F32 + act.head_transient(cfg, s)
     head_tokens = min(T, mem.loss_chunk * run.train.micro_batch_size) if mem.loss_chunk else T
-    head_bytes = (act.saved_head(cfg, s) + act.head_transient(cfg, s) - vocab) * T + vocab * head_tokens
+    saved_head = act.saved_head(cfg, s)
+    if lora(run):  # the final norm's and the output layer's inputs go with their weights frozen
+        saved_head += lora_head_change(cfg, s, lora_trained(cfg, run.peft)[1], run.peft)
+    head_bytes = (saved_head + act.head_transient(cfg, s) - vocab) * T + vocab * head_tokens
     on_device = [0.0 if offload else k for k in keeps]
     if not last:
         head_bytes = 0.0
@@ -497,6 +541,22 @@ def _stage_plan(run: RunConfig, hw: Hardware, cfg: ModelConfig, gpus: int, stage
     return plan
 
 
+def inert_layers(run: RunConfig, cfg: ModelConfig, first_stage: int) -> int:
+    """Leading layers of the first pipeline stage (``first_stage`` layers) that run no backward
+    under ``run``'s LoRA (``plan.peft.inert_layers``); 0 when training whole."""
+    return lora_inert_layers(cfg, run.peft, first_stage) if lora(run) else 0
+
+
+def trained_locals(run: RunConfig, cfg: ModelConfig, layers: range, first: bool, last: bool) -> tuple[float, float]:
+    """(dense, expert) parameters one rank of a pipeline stage (``layers``, with the embedding
+    when ``first``, the head when ``last``) computes gradients and optimizer steps for: all of
+    them, or under LoRA the adapters and the tensors ``peft.train`` names."""
+    p = run.parallel
+    split = trainable_split(cfg, run.peft, layers, first, last) if lora(run) else \
+        parameter_split(cfg, layers, first, last)
+    return local_count(split, p.tp, p.ep, p.etp)
+
+
 def host_heap(run: RunConfig, ranks_here: int, memory: int | None = None) -> RunConfig:
     """``run`` with ``memory.host_heap: auto`` resolved for a CPU run of ``ranks_here`` ranks on
     this machine: "keep" where twice the planned peak fits a rank's share, else "return"
@@ -515,4 +575,4 @@ def with_changes(run: RunConfig, **sections) -> RunConfig:
 
 
 __all__ = ["Hardware", "Plan", "Item", "Saving", "busiest", "estimate", "stage_plans", "parameter_split",
-           "model_config", "with_changes", "GiB", "pinned_size"]
+           "model_config", "with_changes", "GiB", "pinned_size", "trained_locals", "inert_layers"]

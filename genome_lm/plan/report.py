@@ -63,10 +63,12 @@ def _stage_label(plan: Plan) -> str:
 
 def budget_table(plan: Plan) -> Table:
     run, p = plan.run, plan.run.parallel
+    nested = " nested" if run.memory.recompute == "full" and run.memory.recompute_nested else ""
+    lora = f"; LoRA rank {run.peft.rank} on a frozen base" if run.peft.method == "lora" else ""
     title = (f"{run.model.preset} at {length_label(run.data.seq_len)} tokens on {plan.gpus} x {plan.hw.gpu_name}: "
-             f"tp {p.tp}, cp {p.cp}, ep {p.ep}, etp {p.etp}{_stage_label(plan)}; recompute {run.memory.recompute}, "
-             f"offload {'on' if run.memory.offload_activations else 'off'}, "
-             f"optimizer offload {'on' if run.memory.optimizer_offload else 'off'}")
+             f"tp {p.tp}, cp {p.cp}, ep {p.ep}, etp {p.etp}{_stage_label(plan)}; recompute {run.memory.recompute}"
+             f"{nested}, offload {'on' if run.memory.offload_activations else 'off'}, "
+             f"optimizer offload {'on' if run.memory.optimizer_offload else 'off'}{lora}")
     table = Table(title=title, title_justify="left")
     table.add_column("per GPU", style="bold")
     table.add_column("GiB", justify="right")

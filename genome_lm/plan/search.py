@@ -5,13 +5,17 @@ For a model, a sequence length and a cluster (``Hardware``: GPUs, GPU kind, GPUs
 search keeps the config's data, model and training settings (global batch, micro-batch, indexer
 loss) and varies:
 
-    layout   tp (up to a node), cp, pp (up to 8, dividing the layers), ep, etp; sequence
+    layout   tp (up to a node), cp, pp (up to 8, dividing the layers), ep (any divisor of the
+             routed experts), etp (1 or 2), whatever the config's own ep and etp; sequence
              parallel whenever tp > 1; the DSA selection shared out, the gradient reduction
              overlapped with backward and the shared expert with the all-to-alls (the time
              model's overlaps: free where they apply); every
              rank's micro-batches whole (global batch / (micro-batch x data parallel))
-    memory   recompute (none, selective attention, full), activation offload, optimizer
+    memory   recompute (none, selective attention, full, full and nested), activation offload, optimizer
              offload, MoE in the config's chunks (recomputed one by one or not) or whole
+
+The config's ``peft`` section is kept: with ``peft.method: lora`` every candidate is sized and
+timed as LoRA on a frozen base (``plan.peft``), and ``--write`` writes the section.
 
 Each switch saves memory and costs time. For one layout the search takes the combinations in
 order of how many switches they turn on and skips one that turns on a superset of the switches
@@ -20,7 +24,8 @@ that fit. The published setting (the config as the published run ran it: the DSA
 every rank, ``published.PUBLISHED_TIME_SETTING``) is timed too, so the table says how far the
 best layout is from it and why (the parts of the step that differ most), and so is the config
 as given, which for the shipped configs is not the published setting (they share the selection
-out).
+out); each only where its layout splits the GPUs searched (the published 64-GPU layout, EP 32
+x ETP 2, does not split 8).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from itertools import product
 
 import yaml
 
-from genome_lm.config import RunConfig
+from genome_lm.config import PeftConfig, RunConfig
 from genome_lm.engine.devices import GPUSpec
 from genome_lm.errors import GenomeLMError
 
@@ -38,7 +43,9 @@ from .memory_model import Hardware, busiest, check_split, model_config, with_cha
 from .time_model import CONSTANTS, Constants, Timing, estimate_time
 
 TWOS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-RECOMPUTE = ("none", "selective", "full")
+ETP = (1, 2)  # expert tensor parallel sizes tried (the published run's 2 at most)
+# recompute levels, each saving more memory for more time: (recompute, recompute_nested)
+RECOMPUTE = (("none", False), ("selective", False), ("full", False), ("full", True))
 
 
 @dataclass
@@ -61,7 +68,8 @@ class Candidate:
 
     def memory(self) -> str:
         m = self.run.memory
-        parts = [f"recompute {m.recompute}" if m.recompute != "none" else "no recompute"]
+        parts = [f"recompute {m.recompute}{' nested' if m.recompute == 'full' and m.recompute_nested else ''}"
+                 if m.recompute != "none" else "no recompute"]
         if m.offload_activations:
             parts.append("offload")
         if m.optimizer_offload:
@@ -86,18 +94,22 @@ class Candidate:
 
 
 def layouts(run: RunConfig, hw: Hardware):
-    """Every (tp, cp, pp, ep, etp) of ``hw.gpus`` GPUs that splits the model and the batch."""
+    """Every (tp, cp, pp, ep, etp) of ``hw.gpus`` GPUs that splits the model and the batch: ep
+    any divisor of the routed experts, etp of the experts' width up to ``ETP``, with ep x etp
+    x pp dividing the GPUs (the config's own ep and etp play no part)."""
     cfg = model_config(run)
     gpus, tr = hw.gpus, run.train
     sequences = tr.global_batch_size // tr.micro_batch_size
     stages = [pp for pp in range(1, 9) if cfg.num_hidden_layers % pp == 0]  # megatron-core's even split
+    eps = [ep for ep in range(1, cfg.n_routed_experts + 1) if cfg.n_routed_experts % ep == 0]
+    etps = [etp for etp in ETP if cfg.moe_intermediate_size % etp == 0]
     for tp, cp, pp in product(TWOS, TWOS, stages):
         if tp > hw.gpus_per_node or gpus % (tp * cp * pp) or sequences % (gpus // (tp * cp * pp)):
             continue
         if cfg.linear_num_heads % (tp * cp) or cfg.num_attention_heads % (tp * cp):
             continue
-        for ep, etp in product(TWOS, (1, 2)):
-            if cfg.n_routed_experts % ep or gpus % (ep * etp * pp) or ep * etp * pp > gpus:
+        for ep, etp in product(eps, etps):
+            if gpus % (ep * etp * pp):
                 continue
             yield {"gpus": gpus, "tp": tp, "cp": cp, "pp": pp, "ep": ep, "etp": etp, "sequence_parallel": tp > 1,
                    "split_dsa_selection": True, "overlap_grad_reduce": True, "moe_shared_expert_overlap": ep > 1}
@@ -112,8 +124,8 @@ def memory_settings(run: RunConfig):
         moe += [(1, {"moe_chunks": chunks, "moe_chunk_recompute": False}),
                 (2, {"moe_chunks": chunks, "moe_chunk_recompute": True})]
     out = []
-    for (r, recompute), offload, opt, (m, moe_fields) in product(enumerate(RECOMPUTE), (0, 1), (0, 1), moe):
-        changes = {"recompute": recompute, "recompute_modules": ["attention"], "recompute_nested": False,
+    for (r, (recompute, nested)), offload, opt, (m, moe_fields) in product(enumerate(RECOMPUTE), (0, 1), (0, 1), moe):
+        changes = {"recompute": recompute, "recompute_modules": ["attention"], "recompute_nested": nested,
                    "offload_activations": bool(offload), "optimizer_offload": bool(opt), **moe_fields}
         out.append(((r, offload, opt, m), changes))
     return sorted(out, key=lambda item: sum(item[0]))
@@ -125,7 +137,8 @@ def _dominated(levels: tuple, fitting: list[tuple]) -> bool:
 
 def search(run: RunConfig, hw: Hardware, gpu: GPUSpec, constants: Constants = CONSTANTS) -> list[Candidate]:
     """Every fitting candidate, fastest first, with the published setting among them (fitting
-    or not: its ``fits`` says). ``hw.gpus`` must be set."""
+    or not: its ``fits`` says) where the config's layout splits the GPUs. ``hw.gpus`` must be
+    set. The run's ``peft`` section is kept: a LoRA run is searched as LoRA."""
     from .published import PUBLISHED_TIME_SETTING, setting_words
 
     if not hw.gpus:
@@ -144,10 +157,13 @@ def search(run: RunConfig, hw: Hardware, gpu: GPUSpec, constants: Constants = CO
                 found.append(Candidate(candidate, "", plan.peak, True,
                                        estimate_time(candidate, hw, gpu, constants), levels))
     # the published setting: its memory as the config runs it (each MoE chunk recomputed, which
-    # genome-lm adds to fit), its time as the published run was timed (published.py)
-    published = with_changes(run, **PUBLISHED_TIME_SETTING)
-    plan = busiest(with_changes(run, parallel=PUBLISHED_TIME_SETTING["parallel"]), hw)
-    found.append(Candidate(published, "published", plan.peak, plan.fits, estimate_time(published, hw, gpu, constants)))
+    # genome-lm adds to fit), its time as the published run was timed (published.py); only where
+    # the config's layout splits these GPUs (the published 64-GPU layout does not split 8)
+    if _splits(run.parallel, hw.gpus):
+        published = with_changes(run, **PUBLISHED_TIME_SETTING)
+        plan = busiest(with_changes(run, parallel=PUBLISHED_TIME_SETTING["parallel"]), hw)
+        found.append(Candidate(published, "published", plan.peak, plan.fits,
+                               estimate_time(published, hw, gpu, constants)))
     # the config as given, unless it is the published setting already
     if setting_words(run) and (given := _as_given(run, hw, gpu, constants)) is not None:
         found.append(given)
@@ -157,13 +173,18 @@ def search(run: RunConfig, hw: Hardware, gpu: GPUSpec, constants: Constants = CO
     return sorted(found, key=lambda c: -c.tokens_per_s)
 
 
+def _splits(p, gpus: int) -> bool:
+    """Whether layout ``p`` (a ``ParallelConfig``) splits ``gpus`` as the trainer's process groups
+    need (``memory_model.world_size``)."""
+    return gpus % (p.tp * p.cp * p.pp) == 0 and gpus % (p.ep * p.etp * p.pp) == 0
+
+
 def _as_given(run: RunConfig, hw: Hardware, gpu: GPUSpec, constants: Constants) -> Candidate | None:
     """The config itself on the search's GPUs, or None where its layout does not split them or
     its batch as ``layouts`` asks."""
     p = run.parallel
-    replicas, rest = divmod(hw.gpus, p.tp * p.cp * p.pp)
     sequences = run.train.global_batch_size // run.train.micro_batch_size
-    if rest or sequences % replicas or hw.gpus % (p.ep * p.etp * p.pp):
+    if not _splits(p, hw.gpus) or sequences % (hw.gpus // (p.tp * p.cp * p.pp)):
         return None
     plan = busiest(run, hw)
     return Candidate(run, "config", plan.peak, plan.fits, estimate_time(run, hw, gpu, constants))
@@ -190,5 +211,10 @@ def config_yaml(source_text: str, best: Candidate, note: str) -> str:
     if memory["recompute"] != "selective":
         memory.pop("recompute_modules")
     tree["memory"] = memory
+    # the peft section as searched (--peft, --set peft.*): its method and the fields not at their defaults
+    tree.pop("peft", None)
+    if best.run.peft.method != "none":
+        peft, defaults = best.run.peft.model_dump(mode="json"), PeftConfig().model_dump(mode="json")
+        tree["peft"] = {k: v for k, v in peft.items() if k == "method" or v != defaults[k]}
     header = "".join(f"# {line}\n" if line else "#\n" for line in note.splitlines())
     return header + yaml.safe_dump(tree, sort_keys=False)

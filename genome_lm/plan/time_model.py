@@ -31,6 +31,11 @@ sum of its parts on the busiest GPU, less what the config overlaps (below):
                    host cache after each step), optimizer offload (gradients down,
                    parameters up, Adam on the CPU at host memory bandwidth)
 
+Under LoRA (``peft.method: lora``, ``plan.peft.lora_work``) a frozen projection's backward is
+its input's gradient only, the adapters' thin products are added (their time charged by the
+memory they move, "LoRA adapters (memory traffic)"), and the data-parallel reduction and the
+optimizer step cover the adapters and ``peft.train``'s tensors only.
+
 What overlaps with what (each overlapped part is listed in ``Timing.hidden`` and left out of the
 sum; its item keeps the exposed rest):
 
@@ -64,7 +69,8 @@ from genome_lm.engine.devices import GPUSpec
 from genome_lm.model import flops
 
 from .hardware import gpu_spec
-from .memory_model import Hardware, layer_bytes, parameter_split, shard_for, stage_plans, with_changes
+from .memory_model import Hardware, inert_layers, layer_bytes, shard_for, stage_plans, trained_locals, with_changes
+from .peft import lora, lora_work
 
 KERNELS = {"KDA recurrence", "DSA indexer selection", "DSA indexer loss target", "DSA indexer loss scores",
            "DSA sparse attention", "DSA sparse attention (dense blocks)", "DSA sparse attention (gathered)"}
@@ -200,6 +206,11 @@ def estimate_time(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
     mode = tr.indexer_loss
     last = plan.stage == plan.stages - 1 or plan.stages == 1
     work = flops.step_work(cfg, mem, T=T, batch=B, indexer_loss_mode=mode, gpu=True, layers=plan.layers, head=last)
+    adapter_bytes: list[flops.Work] = []
+    inert = inert_layers(run, cfg, len(plans[0].layers))  # LoRA: leading layers that run no backward
+    if lora(run):  # a frozen base's backward, the adapters' products and the memory they move
+        work, adapter_bytes = lora_work(work, cfg, run, T=T, batch=B, gpu=True, layers=plan.layers, head=last, a=a,
+                                        inert=inert)
     par = parallel_split(p, hw)
     timing = Timing(run, gpu, gpus, tr.global_batch_size * T)
     add = timing.items.append
@@ -207,14 +218,24 @@ def estimate_time(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
     # compute: each piece at its class's efficiency
     for w in work:
         add(TimeItem(w.name, w.layer, "compute", compute_seconds(w, micro * w.total, par, gpu, c)))
-    timing.model_flops_per_gpu = flops.model_flops(cfg, mem, T=T, batch=B, indexer_loss_mode=mode, gpu=True) * \
-        (tr.global_batch_size // B) / gpus
+    if lora(run):
+        whole, _ = lora_work(flops.step_work(cfg, mem, T=T, batch=B, indexer_loss_mode=mode, gpu=True), cfg, run,
+                             T=T, batch=B, gpu=True, a=a, inert=inert)
+        model_flops = sum(w.count * (w.forward + w.backward) for w in whole)
+    else:
+        model_flops = flops.model_flops(cfg, mem, T=T, batch=B, indexer_loss_mode=mode, gpu=True)
+    timing.model_flops_per_gpu = model_flops * (tr.global_batch_size // B) / gpus
 
     # memory-bound: saved activations written per forward run, read (with their gradient) in backward
     runs = 1 + (1 if mem.recompute == "full" else 0.5 if mem.recompute == "selective" else 0)
     hbm = gpu.hbm * c.hbm
-    saved = sum(lay.saved for lay in layer_bytes(cfg, s, T, B)[plan.layers.start:plan.layers.stop])
+    saved = sum(lay.saved for lay in layer_bytes(cfg, s, T, B, run.peft, inert)[plan.layers.start:plan.layers.stop])
     add(TimeItem("activations (elementwise)", "", "memory", micro * saved * local * (runs + 3) / hbm))
+    moved: dict[str, float] = {}  # the adapters' thin products read and write whole activations: bound by memory
+    for w in adapter_bytes:
+        moved[w.layer] = moved.get(w.layer, 0.0) + micro * w.total / par.divisor(w.split) / hbm
+    for layer, seconds in moved.items():
+        add(TimeItem("LoRA adapters (memory traffic)", layer, "memory", seconds))
     pairs = selection_pairs(cfg, work)
     if pairs:
         add(TimeItem("DSA selection scores (top-k)", "DSA", "memory",
@@ -241,9 +262,8 @@ def estimate_time(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
         a2a = 2 * (moe_runs + 1)  # dispatch and combine per forward run, and both again in backward
         add(TimeItem("expert parallel (all-to-all)", "MoE", "communication",
                      micro * a2a * len(moe_layers) * all_to_all_seconds(cfg, p, local, a, hw, gpu, c)))
-    split = parameter_split(cfg, plan.layers, plan.stage == 0, last)
-    dense = split["replicated"] + split["tensor"] / p.tp
-    experts = split["expert"] / (p.ep * p.etp)
+    # what has gradients and optimizer state (under LoRA the adapters and peft.train's tensors)
+    dense, experts = trained_locals(run, cfg, plan.layers, plan.stage == 0, last)
     dp_dense, dp_expert = gpus // (p.tp * p.pp), gpus // (p.ep * p.etp * p.pp)
     grad_bytes = sum(n * (4 + 2) * (d - 1) / d for n, d in ((dense, dp_dense), (experts, dp_expert)) if d > 1)
     if grad_bytes:  # once per step: fp32 gradients reduce-scattered, bf16 parameters all-gathered

@@ -258,10 +258,11 @@ def test_checkpoint_round_trip_through_pipeline_stages(pipeline_setup):
     _assert_same_text_weights(ckpt, out)
 
 
-# the default targets, the DSA indexer's query projection, and the routers trained whole
+# the default targets, the DSA indexer's query projection, and trained whole the routers and one
+# routed expert's fc2, named by its index in the whole model (under EP 2 another rank's local 1)
 LORA = {"targets": ["*.self_attention.[qkvo]_proj", "*.self_attention.q_b_proj", "*.linear_fc1", "*.linear_fc2",
                     "*.indexer.wq_b"],
-        "train": ["*.router.weight"]}
+        "train": ["*.router.weight", "layers.1.mlp.experts.local_experts.3.linear_fc2.weight"]}
 
 
 @pytest.mark.parametrize("sizes,ids", [
@@ -287,7 +288,8 @@ def test_lora_matches_one_process(setup, pipeline_setup, sizes, ids):
     per = len(sel) // len(one["selections"])
     two["selections"] = [torch.cat(sel[i : i + per]) for i in range(0, len(sel), per)]
     errs = _assert_same(one, two)
-    trained = [k for k in one["grads"] if ".lora_" in k or k.endswith("router.weight")]
+    trained = [k for k in one["grads"] if ".lora_" in k or k.endswith("router.weight")
+               or k == "layers.1.mlp.experts.local_experts.3.linear_fc2.weight"]
     assert any(".local_experts." in k for k in trained) and any("indexer.wq_b" in k for k in trained)
     moved = {k for k in trained if one["grads"][k].abs().max() > 0}
     # every adapter but those of routed experts no token chose (the random router picks few here)

@@ -102,3 +102,49 @@ def test_search_refuses_bad_options(args, message):
     assert result.exit_code == 1
     assert message in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_layouts_vary_ep_and_etp_whatever_the_config_says():
+    """The config's ep 32 x etp 2 does not split 8 GPUs; the search lays out its own: ep any
+    divisor of the 288 experts, etp 1 or 2, ep x etp x pp dividing the GPUs. On a power-of-two
+    cluster that is the powers of two it tried before; on 24 GPUs EP 24 (12 experts a rank) too."""
+    run = load_config("glm-5.3-flash-512k-64xb200")
+    eight = list(S.layouts(run, Hardware(gpus=8)))
+    assert {(x["ep"], x["etp"]) for x in eight} == {(1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (2, 2), (4, 2)}
+    before = {(x["tp"], x["cp"], x["pp"], ep, etp) for x in S.layouts(run, Hardware(gpus=64))
+              for ep, etp in [(x["ep"], x["etp"])]}
+    powers = {(tp, cp, pp, ep, etp) for tp, cp, pp, _, _ in before for ep in S.TWOS for etp in (1, 2)
+              if 288 % ep == 0 and 64 % (ep * etp * pp) == 0}
+    assert before == powers
+    wide = with_changes(run, train={"global_batch_size": 24})
+    assert any(x["ep"] == 24 for x in S.layouts(wide, Hardware(gpus=24)))
+
+
+def test_the_shipped_lora_config_fits_one_node():
+    run = load_config("glm-5.3-flash-512k-8xb200-lora")
+    assert run.peft.method == "lora" and run.parallel.gpus == 8
+    plan = busiest(run, Hardware())
+    assert plan.gpus == 8 and plan.fits
+    # trained whole, the same layout is far over a B200
+    assert not busiest(with_changes(run, peft={"method": "none"}), Hardware()).fits
+
+
+@pytest.mark.slow
+def test_the_8_gpu_lora_search_fits_and_writes_its_peft(tmp_path):
+    """`plan --search --gpus 8 --gpu B200 --seq-len 512k --peft lora` on the published 512k config
+    (whose EP 32 x ETP 2 does not split 8 GPUs): a layout that fits, the published setting named
+    as not splitting them, and --write a config with the peft section that plans the best row;
+    the shipped glm-5.3-flash-512k-8xb200-lora is that config."""
+    out = tmp_path / "lora.yaml"
+    result = CliRunner().invoke(app, ["plan", "--config", "glm-5.3-flash-512k-64xb200", "--seq-len", "512k",
+                                      "--gpus", "8", "--gpu", "B200", "--peft", "lora", "--search", "--write",
+                                      str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "LoRA rank 8 on a frozen base" in result.output
+    assert "its layout (TP 8 x CP 1, EP 32 x ETP 2) does not split 8 GPUs" in result.output
+    written, shipped = load_config(str(out)), load_config("glm-5.3-flash-512k-8xb200-lora")
+    assert written.peft == shipped.peft and written.peft.method == "lora"
+    assert written.parallel == shipped.parallel and written.memory == shipped.memory
+    assert busiest(written, Hardware()).fits
+    assert f"{estimate_time(written, Hardware()).tokens_per_s:,.0f} tokens/s predicted" in out.read_text()
+    assert "--peft lora --search" in out.read_text()

@@ -15,7 +15,7 @@ from genome_lm.plan.memory_model import Hardware, estimate
 from genome_lm.plan.time_model import estimate_time
 
 runner = CliRunner()
-COUNTED = re.compile(r"-(\d+)(?:xb200|gpu)$")  # ...-64xb200, ...-64xb200-searched, ...-1gpu
+COUNTED = re.compile(r"-(\d+)(?:xb200|gpu)(?:-searched|-lora)?$")  # -64xb200, -64xb200-searched, -8xb200-lora, -1gpu
 
 
 def invoke(*args):
@@ -24,8 +24,8 @@ def invoke(*args):
 
 def test_configs_named_for_a_gpu_count_state_it():
     names = [p.stem for p in CONFIG_DIR.glob("*.yaml")]
-    counted = {name: int(m.group(1)) for name in names if (m := COUNTED.search(name.removesuffix("-searched")))}
-    assert len(counted) == 5
+    counted = {name: int(m.group(1)) for name in names if (m := COUNTED.search(name))}
+    assert len(counted) == 6
     for name, gpus in counted.items():
         assert load_config(name).parallel.gpus == gpus, name
     assert all(load_config(name).parallel.gpus is None for name in names if name not in counted)
