@@ -33,8 +33,9 @@ sum of its parts on the busiest GPU, less what the config overlaps (below):
 
 Under LoRA (``peft.method: lora``, ``plan.peft.lora_work``) a frozen projection's backward is
 its input's gradient only, the adapters' thin products are added (their time charged by the
-memory they move, "LoRA adapters (memory traffic)"), and the data-parallel reduction and the
-optimizer step cover the adapters and ``peft.train``'s tensors only.
+memory they move: "LoRA adapters on MoE layers (memory traffic)", one row per layer kind), and
+the data-parallel reduction and the optimizer step cover the adapters and ``peft.train``'s
+tensors only.
 
 What overlaps with what (each overlapped part is listed in ``Timing.hidden`` and left out of the
 sum; its item keeps the exposed rest):
@@ -235,7 +236,7 @@ def estimate_time(run: RunConfig, hw: Hardware = Hardware(), gpu: GPUSpec | None
     for w in adapter_bytes:
         moved[w.layer] = moved.get(w.layer, 0.0) + micro * w.total / par.divisor(w.split) / hbm
     for layer, seconds in moved.items():
-        add(TimeItem("LoRA adapters (memory traffic)", layer, "memory", seconds))
+        add(TimeItem(f"LoRA adapters on {layer} layers (memory traffic)", layer, "memory", seconds))
     pairs = selection_pairs(cfg, work)
     if pairs:
         add(TimeItem("DSA selection scores (top-k)", "DSA", "memory",
