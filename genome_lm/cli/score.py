@@ -1,0 +1,45 @@
+"""``genome-lm score``: per-base tracks of a model over genome regions (``genome_lm.eval.tracks``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from genome_lm.data.regions import split_regions
+from genome_lm.engine import quiet_megatron_import
+
+from .base import app, console, size
+
+
+@app.command("score")
+def score_command(
+    model: Annotated[str, typer.Option(help="The model: a training run folder (its latest checkpoint), a checkpoint "
+                                            "folder, a Hugging Face glm5_next folder, or builtin:tiny-long.")],
+    fasta: Annotated[Path, typer.Option(help="The genome FASTA (plain, gzip or BGZF).")],
+    regions: Annotated[str, typer.Option("--regions", help="Chromosomes or regions, comma-separated, 1-based "
+                                                           "inclusive: chr22 or chr2:1-1,000,000.")],
+    out: Annotated[Path, typer.Option(help="A new folder for tracks.parquet, one bigWig per track and score.json.")],
+    window: Annotated[str, typer.Option(help="Window length each base is scored in (up to 1M).")] = "32k",
+    context: Annotated[str, typer.Option(help="Every base is scored with at least this many bases before it (fewer "
+                                              "only near a record's start): windows overlap by it.")] = "8k",
+    chunk: Annotated[str, typer.Option(help="Chunked prefill: tokens per forward chunk (memory bounded whatever the "
+                                            "window); '0' runs each window in one forward.")] = "32k",
+    probs: Annotated[bool, typer.Option("--probs", help="Also the probabilities of A, C, G and T as tracks.")] = False,
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+) -> None:
+    """Per-base tracks of a model over genome regions, each base scored once, in genomic order:
+    the log-likelihood of the reference base (nats), the entropy of the predicted distribution, the
+    context it was scored with, and with --probs the A/C/G/T probabilities; as bigWig (one file per
+    track, for genome browsers and pyBigWig) and one Parquet table. One process for now."""
+    from genome_lm.eval.tracks import ScoreRequest, score_fasta
+
+    chunk_tokens = size(chunk, "--chunk")
+    req = ScoreRequest(model=model, fasta=fasta, regions=split_regions(regions), out=out,
+                       window=size(window, "--window"), context=size(context, "--context"),
+                       chunk=chunk_tokens or None, probs=probs)
+    with quiet_megatron_import():
+        summary = score_fasta(req, progress=not quiet)
+    console.print(f"scored {summary['bases_scored']:,} bases of {', '.join(summary['regions'])} into {out} "
+                  f"({', '.join(summary['files'])})", highlight=False)

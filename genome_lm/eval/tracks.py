@@ -1,0 +1,289 @@
+"""Per-base tracks of a model over a region: each base scored once, in genomic order, with at
+least a stated preceding context (issue 50; the ``score`` command builds on this).
+
+A region ``[start, end)`` of a record is cut into **segments** of ``window - context`` bases. The
+segment ``[s, e)`` is scored by the window ``[max(0, s - context), e)``: its bases see at least
+``context`` bases before them (fewer only within ``context`` of the record's start), and the
+bases before ``s`` are read only as context. Consecutive segments touch, so every base of the
+region is scored exactly once; the record's first base has nothing before it and is not scored.
+
+For every scored base the model's next-token distribution at the position before it gives:
+- ``loglik``: the natural log-probability of the reference base (NaN where the reference is N),
+- ``entropy``: the entropy of the whole predicted distribution, nats,
+- ``p_a`` ... ``p_t``: the probabilities of A, C, G and T,
+- ``context``: the bases before it in its window (what it was scored with).
+A window runs in one forward, or through chunked prefill (``chunk``) so memory is bounded by the
+chunk whatever the window's length, as in ``eval.score.token_nll``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pyBigWig
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from genome_lm.data.regions import parse_region
+from genome_lm.data.tokenizer import BASE_TOKENS, N, tokenize
+from genome_lm.errors import GenomeLMError
+
+if TYPE_CHECKING:
+    from genome_lm.model.model import GLM5Model
+
+TRACKS = ("loglik", "entropy", "p_a", "p_c", "p_g", "p_t", "context")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The bases ``[start, end)`` of a record, scored by the window ``[window_start, end)``."""
+
+    window_start: int
+    start: int
+    end: int
+
+
+def segments(start: int, end: int, *, window: int, context: int) -> list[Segment]:
+    """The segments that score ``[start, end)`` once each (see the module docstring)."""
+    if not 1 <= context < window:
+        raise GenomeLMError(f"the context ({context:,}) must be at least 1 and shorter than the window ({window:,})")
+    if not 0 <= start < end:
+        raise GenomeLMError(f"empty or negative region {start:,}-{end:,}")
+    step = window - context
+    return [Segment(max(0, s - context), s, min(s + step, end)) for s in range(start, end, step)]
+
+
+@dataclass
+class SegmentTracks:
+    """The tracks of one segment: ``positions`` (0-based in the record) and one array per track."""
+
+    positions: np.ndarray  # int64 [n]
+    loglik: np.ndarray  # float64 [n], NaN where the reference is N
+    entropy: np.ndarray  # float64 [n]
+    probs: np.ndarray  # float64 [n, 4]: A, C, G, T
+    context: np.ndarray  # int64 [n]
+
+    def track(self, name: str) -> np.ndarray:
+        if name.startswith("p_"):
+            return self.probs[:, "acgt".index(name[2])]
+        return getattr(self, name)
+
+
+def _window_logits(model: GLM5Model, ids: torch.Tensor, chunk: int | None) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first input position, logits [n, V] in fp32) of a window's inputs ``ids`` [1, L]."""
+    if chunk is None or chunk >= ids.shape[1]:
+        yield 0, model(ids).logits[0].float()
+        return
+    from genome_lm.model.prefill import chunked_logits
+
+    for start, logits in chunked_logits(model, ids, chunk):
+        yield start, logits[0].float()
+
+
+@torch.no_grad()
+def score_segment(model: GLM5Model, tokens: np.ndarray, segment: Segment, *, chunk: int | None = None,
+                  token_map: torch.Tensor | None = None) -> SegmentTracks:
+    """The tracks of ``segment``; ``tokens``: genome-lm token ids of the record (or of any stretch
+    of it holding the segment's window, with ``segment`` in its coordinates)."""
+    from .score import _model_ids
+
+    window = np.asarray(tokens[segment.window_start:segment.end])
+    first = max(segment.start, 1) - segment.window_start  # window offset of the first scored base
+    ids = _model_ids(model, window, token_map, None)[None]
+    columns = torch.tensor(BASE_TOKENS, dtype=torch.long)  # A C G T
+    if token_map is not None:
+        columns = token_map[columns]
+    n = len(window) - first
+    loglik, entropy = np.empty(n), np.empty(n)
+    probs = np.empty((n, 4))
+    targets = torch.from_numpy(window.astype(np.int64))
+    if token_map is not None:
+        targets = token_map[targets]
+    for start, logits in _window_logits(model, ids[:, :-1], chunk):
+        lo, hi = max(start, first - 1), start + logits.shape[0]  # inputs whose next base is scored
+        if lo >= hi:
+            continue
+        logp = torch.log_softmax(logits[lo - start:hi - start], dim=-1).double()
+        out = slice(lo + 1 - first, hi + 1 - first)
+        loglik[out] = logp.gather(1, targets[lo + 1:hi + 1, None].to(logp.device)).squeeze(1).cpu().numpy()
+        entropy[out] = -(logp.exp() * logp).sum(-1).cpu().numpy()
+        probs[out] = logp[:, columns.to(logp.device)].exp().cpu().numpy()
+    loglik[window[first:] == N] = np.nan
+    positions = np.arange(segment.window_start + first, segment.end, dtype=np.int64)
+    return SegmentTracks(positions, loglik, entropy, probs, positions - segment.window_start)
+
+
+class BigWigs:
+    """One bigWig per track (``files``: track -> path), written as segments come (``add``), which
+    must be in genomic order: chromosomes in ``chrom_sizes``' order, positions rising. NaN values
+    get no entry."""
+
+    def __init__(self, files: dict[str, Path], chrom_sizes: dict[str, int]):
+        self.handles = {}
+        try:
+            for track, path in files.items():
+                bw = pyBigWig.open(str(path), "w")
+                bw.addHeader(list(chrom_sizes.items()), maxZooms=10)
+                self.handles[track] = bw
+        except BaseException:
+            self.close()
+            raise
+
+    def add(self, chrom: str, seg: SegmentTracks) -> None:
+        for track, bw in self.handles.items():
+            values = seg.track(track).astype(np.float64)
+            keep = ~np.isnan(values)
+            if keep.any():
+                bw.addEntries(chrom, seg.positions[keep].tolist(), values=values[keep].tolist(), span=1)
+
+    def close(self) -> None:
+        for bw in self.handles.values():
+            bw.close()
+        self.handles = {}
+
+
+class Table:
+    """The tracks as one Parquet table, a row group per segment: ``chrom``, ``pos`` (1-based),
+    ``ref`` (the base as in the FASTA, soft-masked lowercase), then the tracks."""
+
+    def __init__(self, path: Path, tracks: tuple[str, ...]):
+        self.tracks = tracks
+        fields = [pa.field("chrom", pa.string()), pa.field("pos", pa.int64()), pa.field("ref", pa.string())]
+        fields += [pa.field(t, pa.int64() if t == "context" else pa.float32()) for t in tracks]
+        self.schema = pa.schema(fields)
+        self.writer = pq.ParquetWriter(str(path), self.schema)
+
+    def add(self, chrom: str, seg: SegmentTracks, ref: bytes) -> None:
+        columns = {"chrom": pa.array([chrom] * len(seg.positions), pa.string()),
+                   "pos": pa.array(seg.positions + 1), "ref": pa.array(list(ref.decode("ascii")), pa.string())}
+        for t in self.tracks:
+            values = seg.track(t)
+            columns[t] = pa.array(values if t == "context" else values.astype(np.float32), from_pandas=True)
+        self.writer.write_table(pa.table(columns, schema=self.schema))
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    model: str  # anything eval's --model takes
+    fasta: Path
+    regions: tuple[str, ...]  # chromosomes or chr:start-end (1-based, inclusive)
+    out: Path
+    window: int = 32_768
+    context: int = 8_192
+    chunk: int | None = None
+    probs: bool = False  # also the A/C/G/T probability tracks
+
+
+def _regions_in_order(req: ScoreRequest, source) -> list:
+    """The regions bounded by their records, in the FASTA's order; overlapping ones refused."""
+    names = source.names()
+    regions = []
+    for text in req.regions:
+        region = parse_region(text, names)
+        if region.name not in names:
+            raise GenomeLMError(f"{req.fasta}: no record {region.name!r} (records: {', '.join(names[:5])}"
+                                f"{' ...' if len(names) > 5 else ''})")
+        regions.append(region.bounded(source.length(region.name), str(req.fasta)))
+    regions.sort(key=lambda r: (names.index(r.name), r.start))
+    for a, b in zip(regions, regions[1:]):
+        if a.name == b.name and b.start < a.end:
+            raise GenomeLMError(f"regions {a} and {b} overlap: each base is scored once")
+    return regions
+
+
+def score_fasta(req: ScoreRequest, *, progress: bool = True) -> dict:
+    """Score ``req.regions`` of ``req.fasta`` with ``req.model`` into ``req.out``: ``tracks.parquet``
+    (every scored base), one bigWig per track (``loglik.bw``, ``entropy.bw``, ``context.bw``, with
+    ``probs`` also ``p_a.bw`` ... ``p_t.bw``) and ``score.json`` (the settings, the model and the
+    counts). Written into ``OUT.partial`` and renamed when complete. One process."""
+    from genome_lm.data.fasta import fetch_bytes, open_fasta
+    from genome_lm.data.prepare import default_cache_dir
+    from genome_lm.engine.parallel import parallel_context
+
+    from .models import load_model
+
+    out = Path(req.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise GenomeLMError(f"{out}: exists and is not empty; score into a new folder")
+    segments(0, 1, window=req.window, context=req.context)  # the window and context, checked first
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        source = open_fasta(Path(req.fasta), partial / ".work", default_cache_dir())
+        regions = _regions_in_order(req, source)
+        tracks = ("loglik", "entropy", *(("p_a", "p_c", "p_g", "p_t") if req.probs else ()), "context")
+        chrom_sizes = {}
+        for r in regions:
+            chrom_sizes.setdefault(r.name, source.length(r.name))
+        fasta = source.handle.open()
+        scored = 0
+        with parallel_context() as pg:
+            loaded = load_model(req.model, pg)
+            model = loaded.model.eval()
+            bigwigs = BigWigs({t: partial / f"{t}.bw" for t in tracks}, chrom_sizes)
+            table = Table(partial / "tracks.parquet", tracks)
+            try:
+                total = sum(r.end - r.start for r in regions)
+                with _bar(progress, total) as advance:
+                    for region in regions:
+                        for seg in segments(region.start, region.end, window=req.window, context=req.context):
+                            text = fetch_bytes(fasta, source.handle, region.name, seg.window_start, seg.end)
+                            tokens = tokenize(text)
+                            local = Segment(0, seg.start - seg.window_start, seg.end - seg.window_start)
+                            part = score_segment(model, tokens, local, chunk=req.chunk, token_map=loaded.token_map)
+                            part.positions += seg.window_start
+                            ref = text[part.positions[0] - seg.window_start:] if len(part.positions) else b""
+                            bigwigs.add(region.name, part)
+                            table.add(region.name, part, ref)
+                            scored += len(part.positions)
+                            advance(seg.end - seg.start)
+            finally:
+                bigwigs.close()
+                table.close()
+        shutil.rmtree(partial / ".work", ignore_errors=True)
+        summary = {"schema": "genome-lm.score/1", "model": str(req.model), "model_info": vars(loaded.info),
+                   "fasta": str(req.fasta), "regions": [str(r) for r in regions], "window": req.window,
+                   "context": req.context, "chunk": req.chunk, "tracks": list(tracks), "bases_scored": scored,
+                   "files": sorted(p.name for p in partial.iterdir())}
+        (partial / "score.json").write_text(json.dumps(summary, indent=1, default=str))
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()  # empty, checked above
+    os.replace(partial, out)
+    return summary
+
+
+class _bar:
+    """A rich progress bar over bases (nothing when ``enabled`` is false); yields ``advance(n)``."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.enabled, self.total = enabled, total
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda n: None
+        self.progress = Progress(TextColumn("scoring"), BarColumn(), MofNCompleteColumn(), TextColumn("bases"),
+                                 TimeRemainingColumn(), transient=True)
+        self.progress.start()
+        task = self.progress.add_task("score", total=self.total)
+        return lambda n: self.progress.advance(task, n)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.progress.stop()
+        return False

@@ -1,0 +1,160 @@
+"""Per-base tracks (``genome_lm.eval.tracks``): every base of a region once, in order, with at least
+the stated context; the log-likelihood track is eval's per-token score of the same window; chunked
+prefill gives the same tracks; the bigWig reads back as computed."""
+
+import numpy as np
+import pytest
+import torch
+
+from genome_lm.data.tokenizer import BASE_TOKENS, N
+from genome_lm.engine.parallel import ParallelSizes, parallel_context
+from genome_lm.errors import GenomeLMError
+from genome_lm.eval.score import token_nll
+from genome_lm.eval.tracks import BigWigs, Segment, score_segment, segments
+from genome_lm.model import get_preset
+from genome_lm.model.model import build_model
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_segments_score_every_base_once_with_the_stated_context(seed):
+    rng = np.random.default_rng(seed)
+    window = int(rng.integers(3, 400))
+    context = int(rng.integers(1, window))
+    start = int(rng.integers(0, 1000))
+    end = start + int(rng.integers(1, 3000))
+    segs = segments(start, end, window=window, context=context)
+    scored = np.concatenate([np.arange(s.start, s.end) for s in segs])
+    assert np.array_equal(scored, np.arange(start, end))  # once each, in order
+    for s in segs:
+        assert s.end - s.window_start <= window
+        assert s.start - s.window_start == min(context, s.start)  # the stated context, or the record's start
+
+
+def test_bad_tilings_are_one_line():
+    with pytest.raises(GenomeLMError, match="shorter than the window"):
+        segments(0, 10, window=8, context=8)
+    with pytest.raises(GenomeLMError, match="at least 1"):
+        segments(0, 10, window=8, context=0)
+    with pytest.raises(GenomeLMError, match="empty or negative region"):
+        segments(5, 5, window=8, context=2)
+
+
+@pytest.fixture
+def model():
+    with parallel_context() as pg:
+        torch.manual_seed(3)
+        yield build_model(get_preset("tiny"), pg, ParallelSizes(), kernel_backend="torch").eval()
+
+
+def _record(length=700, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.choice(np.array(BASE_TOKENS), size=length).astype(np.uint8)
+    tokens[[5, 333, 334]] = N
+    return tokens
+
+
+def test_loglik_is_evals_score_of_the_same_window(model):
+    """Uneven segments (window 300, context 120, a region not on any boundary): the log-likelihood
+    of each scored base is minus eval's NLL of the same window's target (1e-6); the entropy and
+    the A/C/G/T probabilities agree with a plain softmax; N references are NaN."""
+    tokens = _record()
+    got = [score_segment(model, tokens, s) for s in segments(3, 651, window=300, context=120)]
+    for seg, part in zip(segments(3, 651, window=300, context=120), got):
+        nll = token_nll(model, tokens[seg.window_start:seg.end])
+        want = -nll[part.positions - seg.window_start - 1]
+        ref = tokens[part.positions]
+        assert np.isnan(part.loglik[ref == N]).all()
+        np.testing.assert_allclose(part.loglik[ref != N], want[ref != N], rtol=1e-6, atol=1e-7)
+        assert np.all(part.context == part.positions - seg.window_start)
+        with torch.no_grad():
+            logits = model(torch.from_numpy(tokens[seg.window_start:seg.end - 1].astype(np.int64))[None]).logits[0]
+        p = torch.softmax(logits.double(), -1)[part.positions - seg.window_start - 1]
+        np.testing.assert_allclose(part.probs, p[:, list(BASE_TOKENS)].numpy(), rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(part.entropy, -(p * p.log()).sum(-1).numpy(), rtol=1e-6)
+    positions = np.concatenate([p.positions for p in got])
+    assert np.array_equal(positions, np.arange(3, 651))
+
+
+def test_chunked_prefill_gives_the_same_tracks(model):
+    tokens = _record(seed=1)
+    seg = Segment(0, 0, 650)  # the record's start: its first base is not scored
+    whole = score_segment(model, tokens, seg)
+    assert whole.positions[0] == 1
+    for chunk in (64, 100):
+        part = score_segment(model, tokens, seg, chunk=chunk)
+        for name in ("loglik", "entropy", "probs"):
+            np.testing.assert_allclose(getattr(part, name), getattr(whole, name), rtol=1e-5, atol=1e-7)
+
+
+def test_bigwig_reads_back_as_computed(model, tmp_path):
+    pyBigWig = pytest.importorskip("pyBigWig")
+    tokens = _record(seed=2)
+    segs = segments(0, 700, window=256, context=64)
+    parts = [("chrT", score_segment(model, tokens, s)) for s in segs]
+    files = {"loglik": "loglik.bw", "p_g": "p_g.bw", "context": "context.bw"}
+    bigwigs = BigWigs({t: tmp_path / f for t, f in files.items()}, {"chrT": 700, "chrU": 50})
+    for chrom, seg in parts:
+        bigwigs.add(chrom, seg)
+    bigwigs.close()
+    for track, file in files.items():
+        bw = pyBigWig.open(str(tmp_path / file))
+        assert bw.chroms() == {"chrT": 700, "chrU": 50}
+        got = np.array(bw.values("chrT", 0, 700))
+        want = np.full(700, np.nan)
+        for _, seg in parts:
+            want[seg.positions] = seg.track(track)
+        np.testing.assert_allclose(got, want.astype(np.float32), rtol=1e-7, equal_nan=True)
+        bw.close()
+
+
+def test_score_command_writes_tracks_a_reader_gets_back(tmp_path):
+    """``genome-lm score`` on two regions of a small genome (one at a record's start): every base
+    once, in genomic order, the table's log-likelihood that of scoring the same segments directly,
+    the bigWig equal to the table; bad input one line, exit 1, nothing left behind."""
+    import pyarrow.parquet as pq
+    import pyBigWig
+    from typer.testing import CliRunner
+
+    from genome_lm.cli import app
+    from genome_lm.data.tokenizer import tokenize
+    from genome_lm.eval.models import load_model
+    from tests.conftest import random_sequence, write_fasta
+
+    rng = np.random.default_rng(4)
+    records = {"chrA": random_sequence(rng, 1500), "chrB": random_sequence(rng, 900)}
+    fasta = write_fasta(tmp_path / "g.fa", records)
+    out = tmp_path / "tracks"
+    args = ["score", "--model", "builtin:tiny-long", "--fasta", str(fasta), "--regions", "chrB:101-900,chrA",
+            "--window", "400", "--context", "150", "--chunk", "128", "--quiet"]
+    result = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(out / "tracks.parquet").to_pandas()
+    # genomic order (the FASTA's record order), each base once: chrA from its second base, chrB 101-900
+    assert list(table.chrom.unique()) == ["chrA", "chrB"]
+    assert table[table.chrom == "chrA"].pos.tolist() == list(range(2, 1501))
+    assert table[table.chrom == "chrB"].pos.tolist() == list(range(101, 901))
+    assert "".join(table[table.chrom == "chrB"].ref).encode() == records["chrB"][100:900]
+    assert table.context.min() >= 1 and table[table.pos > 150].context.min() >= 150
+    with parallel_context() as pg:
+        model = load_model("builtin:tiny-long", pg).model.eval()
+        tokens = tokenize(records["chrB"])
+        want = np.concatenate([score_segment(model, tokens, s).loglik
+                               for s in segments(100, 900, window=400, context=150)])
+    got = table[table.chrom == "chrB"].loglik.to_numpy()
+    np.testing.assert_allclose(got, want.astype(np.float32), rtol=1e-5, equal_nan=True)
+    bw = pyBigWig.open(str(out / "loglik.bw"))
+    assert bw.chroms() == {"chrA": 1500, "chrB": 900}
+    np.testing.assert_allclose(np.array(bw.values("chrB", 100, 900)), got, rtol=1e-7, equal_nan=True)
+    bw.close()
+
+    for more, message in ((["--regions", "chrB:800-1,000"], "reaches past the end of chrB"),
+                          (["--regions", "chrZ"], "no record 'chrZ'"),
+                          (["--regions", "chrA:1-100,chrA:50-200"], "overlap"),
+                          (["--context", "400"], "shorter than the window")):
+        bad = tmp_path / "bad"
+        result = CliRunner().invoke(app, [*args, *more, "--out", str(bad)])
+        assert result.exit_code == 1 and message in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output
+        assert not bad.exists() and not (tmp_path / "bad.partial").exists()
+    result = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert result.exit_code == 1 and "exists and is not empty" in result.output
