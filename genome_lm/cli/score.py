@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -18,9 +18,11 @@ def score_command(
     model: Annotated[str, typer.Option(help="The model: a training run folder (its latest checkpoint), a checkpoint "
                                             "folder, a Hugging Face glm5_next folder, or builtin:tiny-long.")],
     fasta: Annotated[Path, typer.Option(help="The genome FASTA (plain, gzip or BGZF).")],
-    regions: Annotated[str, typer.Option("--regions", help="Chromosomes or regions, comma-separated, 1-based "
-                                                           "inclusive: chr22 or chr2:1-1,000,000.")],
     out: Annotated[Path, typer.Option(help="A new folder for tracks.parquet, one bigWig per track and score.json.")],
+    regions: Annotated[str, typer.Option("--regions", help="Chromosomes or regions, comma-separated, 1-based "
+                                                           "inclusive: chr22 or chr2:1-1,000,000.")] = "",
+    bed: Annotated[Optional[Path], typer.Option(help="A BED file of intervals to score (0-based, end exclusive; "
+                                                     "with --regions or alone).")] = None,
     window: Annotated[str, typer.Option(help="Window length each base is scored in (up to 1M).")] = "32k",
     context: Annotated[str, typer.Option(help="Every base is scored with at least this many bases before it (fewer "
                                               "only near a record's start): windows overlap by it.")] = "8k",
@@ -36,7 +38,7 @@ def score_command(
     from genome_lm.eval.tracks import ScoreRequest, score_fasta
 
     chunk_tokens = size(chunk, "--chunk")
-    req = ScoreRequest(model=model, fasta=fasta, regions=split_regions(regions), out=out,
+    req = ScoreRequest(model=model, fasta=fasta, regions=split_regions(regions), out=out, bed=bed,
                        window=size(window, "--window"), context=size(context, "--context"),
                        chunk=chunk_tokens or None, probs=probs)
     with quiet_megatron_import():

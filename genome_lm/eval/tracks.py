@@ -33,7 +33,7 @@ import pyBigWig
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from genome_lm.data.regions import parse_region
+from genome_lm.data.regions import Region, parse_region
 from genome_lm.data.tokenizer import BASE_TOKENS, N, tokenize
 from genome_lm.errors import GenomeLMError
 
@@ -180,18 +180,51 @@ class ScoreRequest:
     fasta: Path
     regions: tuple[str, ...]  # chromosomes or chr:start-end (1-based, inclusive)
     out: Path
+    bed: Path | None = None  # intervals of a BED file (0-based, half-open), beside ``regions``
     window: int = 32_768
     context: int = 8_192
     chunk: int | None = None
     probs: bool = False  # also the A/C/G/T probability tracks
 
 
+def read_bed(path: Path) -> list[Region]:
+    """The intervals of a BED file (0-based, half-open: chrom, start, end, then anything), skipping
+    blank, ``#``, ``track`` and ``browser`` lines; a bad line is a one-line error naming it."""
+    regions = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise GenomeLMError(f"{path}: cannot read ({exc})") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip() or line.startswith(("#", "track", "browser")):
+            continue
+        fields = line.split("\t") if "\t" in line else line.split()
+        if len(fields) < 3:
+            raise GenomeLMError(f"{path}:{number}: a BED line needs chrom, start and end ({len(fields)} fields)")
+        try:
+            start, end = int(fields[1]), int(fields[2])
+        except ValueError:
+            raise GenomeLMError(f"{path}:{number}: start and end must be whole numbers ({fields[1]!r}, "
+                                f"{fields[2]!r})") from None
+        if not 0 <= start < end:
+            raise GenomeLMError(f"{path}:{number}: an interval needs 0 <= start < end (0-based, end exclusive), "
+                                f"got {start}-{end}")
+        regions.append(Region(fields[0], start, end))
+    if not regions:
+        raise GenomeLMError(f"{path}: no intervals")
+    return regions
+
+
 def _regions_in_order(req: ScoreRequest, source) -> list:
     """The regions bounded by their records, in the FASTA's order; overlapping ones refused."""
     names = source.names()
     regions = []
-    for text in req.regions:
-        region = parse_region(text, names)
+    asked = [parse_region(text, names) for text in req.regions]
+    if req.bed is not None:
+        asked += read_bed(req.bed)
+    if not asked:
+        raise GenomeLMError("no regions to score: give --regions or --bed")
+    for region in asked:
         if region.name not in names:
             raise GenomeLMError(f"{req.fasta}: no record {region.name!r} (records: {', '.join(names[:5])}"
                                 f"{' ...' if len(names) > 5 else ''})")
@@ -199,7 +232,7 @@ def _regions_in_order(req: ScoreRequest, source) -> list:
     regions.sort(key=lambda r: (names.index(r.name), r.start))
     for a, b in zip(regions, regions[1:]):
         if a.name == b.name and b.start < a.end:
-            raise GenomeLMError(f"regions {a} and {b} overlap: each base is scored once")
+            raise GenomeLMError(f"regions {a} and {b} overlap: each base is scored once (merge them)")
     return regions
 
 

@@ -158,3 +158,34 @@ def test_score_command_writes_tracks_a_reader_gets_back(tmp_path):
         assert not bad.exists() and not (tmp_path / "bad.partial").exists()
     result = CliRunner().invoke(app, [*args, "--out", str(out)])
     assert result.exit_code == 1 and "exists and is not empty" in result.output
+
+
+def test_score_takes_bed_intervals_and_names_a_bad_line(tmp_path):
+    """BED intervals (0-based, end exclusive) scored as regions, in the FASTA's order whatever the
+    file's; a malformed line is one error naming the file and the line."""
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from genome_lm.cli import app
+    from tests.conftest import random_sequence, write_fasta
+
+    rng = np.random.default_rng(5)
+    fasta = write_fasta(tmp_path / "g.fa", {"chrA": random_sequence(rng, 600), "chrB": random_sequence(rng, 600)})
+    bed = tmp_path / "r.bed"
+    bed.write_text("track name=x\n# a comment\nchrB\t10\t40\tpeak1\nchrA\t100\t130\n\nchrA\t300\t302\n")
+    args = ["score", "--model", "builtin:tiny-long", "--fasta", str(fasta), "--window", "200", "--context", "50",
+            "--quiet"]
+    result = CliRunner().invoke(app, [*args, "--bed", str(bed), "--out", str(tmp_path / "t")])
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(tmp_path / "t" / "tracks.parquet").to_pandas()
+    assert list(zip(table.chrom, table.pos)) == ([("chrA", p) for p in range(101, 131)] + [("chrA", 301), ("chrA", 302)]
+                                                 + [("chrB", p) for p in range(11, 41)])
+    for text, message in (("chrA\t5\n", "r.bed:1: a BED line needs chrom, start and end"),
+                          ("chrA\t1\t5\nchrA\tx\t9\n", "r.bed:2: start and end must be whole numbers"),
+                          ("chrA\t9\t9\n", "r.bed:1: an interval needs 0 <= start < end"),
+                          ("# nothing\n", "r.bed: no intervals")):
+        bed.write_text(text)
+        result = CliRunner().invoke(app, [*args, "--bed", str(bed), "--out", str(tmp_path / "bad")])
+        assert result.exit_code == 1 and message in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1
+        assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.partial").exists()
