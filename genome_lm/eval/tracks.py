@@ -240,11 +240,18 @@ def score_fasta(req: ScoreRequest, *, progress: bool = True) -> dict:
     """Score ``req.regions`` of ``req.fasta`` with ``req.model`` into ``req.out``: ``tracks.parquet``
     (every scored base), one bigWig per track (``loglik.bw``, ``entropy.bw``, ``context.bw``, with
     ``probs`` also ``p_a.bw`` ... ``p_t.bw``) and ``score.json`` (the settings, the model and the
-    counts). Written into ``OUT.partial`` and renamed when complete. One process."""
-    from genome_lm.data.fasta import fetch_bytes, open_fasta
+    counts). One process.
+
+    The work goes into ``OUT.partial``: each segment's tracks are saved there as soon as they are
+    computed (``parts/``), and the outputs are assembled from the parts and the folder renamed when
+    every segment is done. An interrupted run, run again with the same settings and model, scores
+    only the segments it lacks, and gives the files an unbroken run gives; with other settings it
+    is refused in one line. An error before any segment is scored leaves nothing behind."""
+    from genome_lm.data.fasta import fetch_bytes, open_fasta, quick_identity
     from genome_lm.data.prepare import default_cache_dir
     from genome_lm.engine.parallel import parallel_context
 
+    from .cache import weights_fingerprint
     from .models import load_model
 
     out = Path(req.out)
@@ -252,8 +259,9 @@ def score_fasta(req: ScoreRequest, *, progress: bool = True) -> dict:
         raise GenomeLMError(f"{out}: exists and is not empty; score into a new folder")
     segments(0, 1, window=req.window, context=req.context)  # the window and context, checked first
     partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    parts = partial / "parts"
+    fresh = not partial.exists()
+    parts.mkdir(parents=True, exist_ok=True)
     try:
         source = open_fasta(Path(req.fasta), partial / ".work", default_cache_dir())
         regions = _regions_in_order(req, source)
@@ -262,43 +270,86 @@ def score_fasta(req: ScoreRequest, *, progress: bool = True) -> dict:
         for r in regions:
             chrom_sizes.setdefault(r.name, source.length(r.name))
         fasta = source.handle.open()
-        scored = 0
         with parallel_context() as pg:
             loaded = load_model(req.model, pg)
             model = loaded.model.eval()
-            bigwigs = BigWigs({t: partial / f"{t}.bw" for t in tracks}, chrom_sizes)
-            table = Table(partial / "tracks.parquet", tracks)
-            try:
-                total = sum(r.end - r.start for r in regions)
-                with _bar(progress, total) as advance:
-                    for region in regions:
-                        for seg in segments(region.start, region.end, window=req.window, context=req.context):
-                            text = fetch_bytes(fasta, source.handle, region.name, seg.window_start, seg.end)
-                            tokens = tokenize(text)
-                            local = Segment(0, seg.start - seg.window_start, seg.end - seg.window_start)
-                            part = score_segment(model, tokens, local, chunk=req.chunk, token_map=loaded.token_map)
-                            part.positions += seg.window_start
-                            ref = text[part.positions[0] - seg.window_start:] if len(part.positions) else b""
-                            bigwigs.add(region.name, part)
-                            table.add(region.name, part, ref)
-                            scored += len(part.positions)
-                            advance(seg.end - seg.start)
-            finally:
-                bigwigs.close()
-                table.close()
+            identity = {"model": str(req.model), "weights": weights_fingerprint(model),
+                        "fasta": quick_identity(Path(req.fasta)), "regions": [str(r) for r in regions],
+                        "window": req.window, "context": req.context, "chunk": req.chunk, "tracks": list(tracks)}
+            _same_request(partial / "request.json", identity)
+            plan = [(i, j, region, seg) for i, region in enumerate(regions)
+                    for j, seg in enumerate(segments(region.start, region.end, window=req.window,
+                                                     context=req.context))]
+            with _bar(progress, sum(r.end - r.start for r in regions)) as advance:
+                for i, j, region, seg in plan:
+                    file = parts / f"{i:05d}-{j:07d}.npz"
+                    if not file.exists():
+                        text = fetch_bytes(fasta, source.handle, region.name, seg.window_start, seg.end)
+                        local = Segment(0, seg.start - seg.window_start, seg.end - seg.window_start)
+                        part = score_segment(model, tokenize(text), local, chunk=req.chunk,
+                                             token_map=loaded.token_map)
+                        ref = np.frombuffer(text, dtype=np.uint8)[part.positions[0]:] if len(part.positions) else []
+                        _save_part(file, part, seg.window_start, np.asarray(ref, dtype=np.uint8))
+                    advance(seg.end - seg.start)
+        scored = _assemble(partial, parts, plan, tracks, chrom_sizes)
         shutil.rmtree(partial / ".work", ignore_errors=True)
         summary = {"schema": "genome-lm.score/1", "model": str(req.model), "model_info": vars(loaded.info),
                    "fasta": str(req.fasta), "regions": [str(r) for r in regions], "window": req.window,
                    "context": req.context, "chunk": req.chunk, "tracks": list(tracks), "bases_scored": scored,
-                   "files": sorted(p.name for p in partial.iterdir())}
+                   "files": sorted(["score.json", "tracks.parquet", *(f"{t}.bw" for t in tracks)])}
+        shutil.rmtree(parts)
+        (partial / "request.json").unlink()
         (partial / "score.json").write_text(json.dumps(summary, indent=1, default=str))
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        if fresh and not any(parts.glob("*.npz")):  # nothing scored: leave nothing behind
+            shutil.rmtree(partial, ignore_errors=True)
         raise
     if out.exists():
         out.rmdir()  # empty, checked above
     os.replace(partial, out)
     return summary
+
+
+def _same_request(path: Path, identity: dict) -> None:
+    """Record what an interrupted run was doing, or check that this run does the same."""
+    if path.exists():
+        recorded = json.loads(path.read_text())
+        if recorded != identity:
+            differ = ", ".join(k for k in identity if recorded.get(k) != identity[k])
+            raise GenomeLMError(f"{path.parent}: an interrupted score with other settings ({differ} differ); run it "
+                                "again with its own, or delete the folder to start over")
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(identity, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def _save_part(file: Path, part: SegmentTracks, offset: int, ref: np.ndarray) -> None:
+    """One segment's tracks, written whole or not at all."""
+    tmp = file.with_name(file.stem + ".tmp.npz")
+    np.savez(tmp, positions=part.positions + offset, loglik=part.loglik, entropy=part.entropy, probs=part.probs,
+             context=part.context, ref=ref)
+    os.replace(tmp, file)
+
+
+def _assemble(partial: Path, parts: Path, plan: list, tracks: tuple[str, ...], chrom_sizes: dict) -> int:
+    """The bigWigs and the table from the segments' parts, in genomic order; returns the bases."""
+    bigwigs = BigWigs({t: partial / f"{t}.bw" for t in tracks}, chrom_sizes)
+    table = Table(partial / "tracks.parquet", tracks)
+    scored = 0
+    try:
+        for i, j, region, _ in plan:
+            with np.load(parts / f"{i:05d}-{j:07d}.npz") as saved:
+                part = SegmentTracks(saved["positions"], saved["loglik"], saved["entropy"], saved["probs"],
+                                     saved["context"])
+                ref = saved["ref"].tobytes()
+            bigwigs.add(region.name, part)
+            table.add(region.name, part, ref)
+            scored += len(part.positions)
+    finally:
+        bigwigs.close()
+        table.close()
+    return scored
 
 
 class _bar:

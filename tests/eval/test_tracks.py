@@ -189,3 +189,46 @@ def test_score_takes_bed_intervals_and_names_a_bad_line(tmp_path):
         assert result.exit_code == 1 and message in result.output, result.output
         assert len(result.output.strip().splitlines()) == 1
         assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.partial").exists()
+
+
+def test_an_interrupted_score_rerun_gives_the_unbroken_runs_files(tmp_path, monkeypatch):
+    """Stopped after two segments (as by Ctrl-C), the folder keeps them; the same command again
+    scores only the rest, and its files are byte for byte those of a run that was never stopped.
+    Other settings on the interrupted folder are refused in one line."""
+    from genome_lm.eval import tracks
+    from tests.conftest import random_sequence, write_fasta
+
+    rng = np.random.default_rng(6)
+    fasta = write_fasta(tmp_path / "g.fa", {"chrA": random_sequence(rng, 1000)})
+
+    def request(out, **more):
+        return tracks.ScoreRequest(model="builtin:tiny-long", fasta=fasta, regions=("chrA",), out=out, window=300,
+                                   context=100, **more)
+
+    tracks.score_fasta(request(tmp_path / "unbroken"), progress=False)
+    real, calls = tracks.score_segment, []
+
+    def stopping(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tracks, "score_segment", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        tracks.score_fasta(request(tmp_path / "cut"), progress=False)
+    kept = sorted(p.name for p in (tmp_path / "cut.partial" / "parts").iterdir())
+    assert kept == ["00000-0000000.npz", "00000-0000001.npz"] and not (tmp_path / "cut").exists()
+    with pytest.raises(GenomeLMError, match="an interrupted score with other settings \\(context differ\\)") as err:
+        tracks.score_fasta(tracks.ScoreRequest(model="builtin:tiny-long", fasta=fasta, regions=("chrA",),
+                                               out=tmp_path / "cut", window=300, context=120), progress=False)
+    assert "\n" not in str(err.value)
+    calls.clear()
+    monkeypatch.setattr(tracks, "score_segment", lambda *a, **k: calls.append(1) or real(*a, **k))
+    tracks.score_fasta(request(tmp_path / "cut"), progress=False)
+    assert len(calls) == len(tracks.segments(0, 1000, window=300, context=100)) - 2  # only the missing ones
+    assert not (tmp_path / "cut.partial").exists()
+    names = sorted(p.name for p in (tmp_path / "unbroken").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "cut").iterdir())
+    for name in names:
+        assert (tmp_path / "cut" / name).read_bytes() == (tmp_path / "unbroken" / name).read_bytes(), name
