@@ -103,8 +103,8 @@ def score_segment(model: GLM5Model, tokens: np.ndarray, segment: Segment, *, chu
     if token_map is not None:
         columns = token_map[columns]
     n = len(window) - first
-    loglik, entropy = np.empty(n), np.empty(n)
-    probs = np.empty((n, 4))
+    loglik, entropy = np.full(n, np.nan), np.full(n, np.nan)  # NaN until computed: a gap would show
+    probs = np.full((n, 4), np.nan)
     targets = torch.from_numpy(window.astype(np.int64))
     if token_map is not None:
         targets = token_map[targets]

@@ -232,3 +232,15 @@ def test_an_interrupted_score_rerun_gives_the_unbroken_runs_files(tmp_path, monk
     assert names == sorted(p.name for p in (tmp_path / "cut").iterdir())
     for name in names:
         assert (tmp_path / "cut" / name).read_bytes() == (tmp_path / "unbroken" / name).read_bytes(), name
+
+
+def test_every_scored_base_gets_finite_tracks(model):
+    """No position is left unfilled (the arrays start as NaN): with chunks that do not divide the
+    window, every base's entropy and probabilities are finite, and its log-likelihood too unless
+    the reference is N."""
+    tokens = _record(seed=3)
+    for chunk in (None, 37, 128):
+        for seg in segments(0, 700, window=290, context=91):
+            part = score_segment(model, tokens, seg, chunk=chunk)
+            assert np.isfinite(part.entropy).all() and np.isfinite(part.probs).all()
+            assert np.isfinite(part.loglik[tokens[part.positions] != N]).all()
