@@ -85,7 +85,8 @@ class HFCheckpoint:
     def has(self, key: str) -> bool:
         return key in self.weight_map
 
-    def get(self, key: str) -> torch.Tensor:
+    def _handle(self, key: str):
+        """The open file that holds ``key``."""
         if key not in self.weight_map:
             raise CheckpointError(f"{self.path}: tensor {key} is missing")
         file = self.weight_map[key]
@@ -93,20 +94,17 @@ class HFCheckpoint:
             if not (self.path / file).exists():
                 raise CheckpointError(f"{self.path / file}: missing (listed in the index)")
             self._handles[file] = self._open(self.path / file, "pt")
-        return self._handles[file].get_tensor(key)
+        return self._handles[file]
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._handle(key).get_tensor(key)
 
     def dtype_of(self, key: str) -> torch.dtype:
         return self.get(key).dtype
 
     def shape(self, key: str) -> tuple[int, ...]:
         """A tensor's shape, from its file's header (the tensor is not read)."""
-        if key not in self.weight_map:
-            raise CheckpointError(f"{self.path}: tensor {key} is missing")
-        file = self.weight_map[key]
-        if not (self.path / file).exists():
-            raise CheckpointError(f"{self.path / file}: missing (listed in the index)")
-        with self._open(self.path / file, "pt") as f:
-            return tuple(f.get_slice(key).get_shape())
+        return tuple(self._handle(key).get_slice(key).get_shape())
 
     def close(self) -> None:
         self._handles.clear()

@@ -31,16 +31,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pyBigWig
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from genome_lm.data.regions import Region, parse_region
 from genome_lm.data.tokenizer import BASE_TOKENS, N, tokenize
 from genome_lm.errors import GenomeLMError
+from genome_lm.progress import progress_bar
 
 if TYPE_CHECKING:
     from genome_lm.model.model import GLM5Model
 
-TRACKS = ("loglik", "entropy", "p_a", "p_c", "p_g", "p_t", "context")
+TRACKS = ("loglik", "entropy", "p_a", "p_c", "p_g", "p_t", "context")  # in the table's column order
 
 
 @dataclass(frozen=True)
@@ -265,7 +265,7 @@ def score_fasta(req: ScoreRequest, *, progress: bool = True) -> dict:
     try:
         source = open_fasta(Path(req.fasta), partial / ".work", default_cache_dir())
         regions = _regions_in_order(req, source)
-        tracks = ("loglik", "entropy", *(("p_a", "p_c", "p_g", "p_t") if req.probs else ()), "context")
+        tracks = tuple(t for t in TRACKS if req.probs or not t.startswith("p_"))
         chrom_sizes = {}
         for r in regions:
             chrom_sizes.setdefault(r.name, source.length(r.name))
@@ -280,7 +280,8 @@ def score_fasta(req: ScoreRequest, *, progress: bool = True) -> dict:
             plan = [(i, j, region, seg) for i, region in enumerate(regions)
                     for j, seg in enumerate(segments(region.start, region.end, window=req.window,
                                                      context=req.context))]
-            with _bar(progress, sum(r.end - r.start for r in regions)) as advance:
+            with progress_bar(quiet=not progress) as bar:
+                task = bar.add_task("score", total=sum(r.end - r.start for r in regions), unit="bp")
                 for i, j, region, seg in plan:
                     file = parts / f"{i:05d}-{j:07d}.npz"
                     if not file.exists():
@@ -288,9 +289,9 @@ def score_fasta(req: ScoreRequest, *, progress: bool = True) -> dict:
                         local = Segment(0, seg.start - seg.window_start, seg.end - seg.window_start)
                         part = score_segment(model, tokenize(text), local, chunk=req.chunk,
                                              token_map=loaded.token_map)
-                        ref = np.frombuffer(text, dtype=np.uint8)[part.positions[0]:] if len(part.positions) else []
-                        _save_part(file, part, seg.window_start, np.asarray(ref, dtype=np.uint8))
-                    advance(seg.end - seg.start)
+                        ref = np.frombuffer(text, dtype=np.uint8)[len(text) - len(part.positions):]  # the scored tail
+                        _save_part(file, part, seg.window_start, ref)
+                    bar.advance(task, seg.end - seg.start)
         scored = _assemble(partial, parts, plan, tracks, chrom_sizes)
         shutil.rmtree(partial / ".work", ignore_errors=True)
         summary = {"schema": "genome-lm.score/1", "model": str(req.model), "model_info": vars(loaded.info),
@@ -350,24 +351,3 @@ def _assemble(partial: Path, parts: Path, plan: list, tracks: tuple[str, ...], c
         bigwigs.close()
         table.close()
     return scored
-
-
-class _bar:
-    """A rich progress bar over bases (nothing when ``enabled`` is false); yields ``advance(n)``."""
-
-    def __init__(self, enabled: bool, total: int):
-        self.enabled, self.total = enabled, total
-
-    def __enter__(self):
-        if not self.enabled:
-            return lambda n: None
-        self.progress = Progress(TextColumn("scoring"), BarColumn(), MofNCompleteColumn(), TextColumn("bases"),
-                                 TimeRemainingColumn(), transient=True)
-        self.progress.start()
-        task = self.progress.add_task("score", total=self.total)
-        return lambda n: self.progress.advance(task, n)
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self.progress.stop()
-        return False

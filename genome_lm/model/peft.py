@@ -144,7 +144,7 @@ def _attach(model: GLM5Model, name: str, module: nn.Module, cfg: PeftConfig, see
     weight = module.weight
     tp = split.group.size() if split.group is not None else 1
     tp_rank = split.group.rank() if split.group is not None else 0
-    key = global_expert_name(model.global_name(name), model.cfg.n_routed_experts, model.pg.ep)
+    key = _whole_name(model, name)
     full_a = torch.empty(r, n_in).uniform_(-1 / math.sqrt(n_in), 1 / math.sqrt(n_in), generator=_generator(key, seed))
     dtype = weight.dtype
     if split.kind == "row":
@@ -170,7 +170,13 @@ def _attach(model: GLM5Model, name: str, module: nn.Module, cfg: PeftConfig, see
         p.allreduce = getattr(weight, "allreduce", True)  # routed experts: the expert data-parallel buffer
         if hasattr(weight, "sequence_parallel") and split.kind == "replicated":
             p.sequence_parallel = weight.sequence_parallel  # the DSA indexer's split selection
-    module.register_forward_hook(_Hook(split, cfg.alpha / r, cfg.dropout))
+    module.lora_hook = module.register_forward_hook(_Hook(split, cfg.alpha / r, cfg.dropout))
+
+
+def _whole_name(model: GLM5Model, name: str) -> str:
+    """A module's or parameter's name with layers and routed experts numbered as in the whole
+    model, whatever this rank's pipeline stage and expert-parallel share."""
+    return global_expert_name(model.global_name(name), model.cfg.n_routed_experts, model.pg.ep)
 
 
 def _matches(name: str, patterns) -> str | None:
@@ -197,13 +203,10 @@ def apply_lora(model: GLM5Model, cfg: PeftConfig, seed: int = 0) -> None:
     ``cfg.targets`` names (by its name in the whole model: layers and routed experts numbered as
     in one process, whatever the layout) a LoRA adapter. Call before the model
     is wrapped for data parallel (its gradient buffers are sized from ``requires_grad``)."""
-    def whole(name: str) -> str:  # layers and routed experts numbered as in the whole model
-        return global_expert_name(model.global_name(name), model.cfg.n_routed_experts, model.pg.ep)
-
     counts = {p: 0 for p in cfg.targets}
     chosen = []
     for name, module in model.named_modules():
-        pattern = _matches(whole(name), cfg.targets)
+        pattern = _matches(_whole_name(model, name), cfg.targets)
         if pattern is None:
             continue
         if name.rsplit(".", 1)[-1] in NOT_TARGETS:
@@ -215,7 +218,7 @@ def apply_lora(model: GLM5Model, cfg: PeftConfig, seed: int = 0) -> None:
     trained = {p: 0 for p in cfg.train}
     routers_trained = False
     for name, p in model.named_parameters():
-        pattern = _matches(whole(name), cfg.train)
+        pattern = _matches(_whole_name(model, name), cfg.train)
         if pattern is None:
             p.requires_grad_(False)
         else:
@@ -244,10 +247,8 @@ def merge_lora(model: GLM5Model) -> None:
             continue
         weight = module.weight
         weight.copy_(merged_weight(weight, module.lora_a, module.lora_b, cfg.alpha / cfg.rank))
-        for key, hook in list(module._forward_hooks.items()):
-            if isinstance(hook, _Hook):
-                del module._forward_hooks[key]
-        del module.lora_a, module.lora_b
+        module.lora_hook.remove()
+        del module.lora_a, module.lora_b, module.lora_hook
     model.peft = None
 
 

@@ -48,7 +48,9 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | None =
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     if rank0:
         shutil.rmtree(partial, ignore_errors=True)
-    if reshards(meta):
+    if "base" in meta:  # a LoRA run's adapters: merged into their rebuilt base
+        _export_adapted(folder, meta, partial, like, max_shard_bytes)
+    elif reshards(meta):
         _export_pieces(folder, meta, partial, like, max_shard_bytes)
     else:
         _export_under_layout(folder, meta, partial, like, max_shard_bytes)
@@ -74,9 +76,6 @@ def _export_pieces(folder: Path, meta: dict, out: Path, like, max_shard_bytes: i
     from genome_lm.checkpoint.sharded import full_model_tensors
     from genome_lm.checkpoint.training import piece_reader
 
-    if "base" in meta:
-        _export_adapted(folder, meta, out, like, max_shard_bytes)
-        return
     reader = piece_reader(folder, meta)
     try:
         export_full_tensors(full_model_tensors(reader), _model_config(folder, meta), out, like=like,
@@ -99,8 +98,8 @@ def _export_adapters(folder: Path, meta: dict, out: Path, like) -> Path:
         raise GenomeLMError(f"{folder}: not a LoRA run's checkpoint (peft.method=none): --adapters exports the "
                             "adapters of a run with peft.method=lora")
     base = meta["base"].get("checkpoint")
-    if like is None and base and training_checkpoint(Path(weights.resolve(str(base)))) is None:
-        like = weights.resolve(str(base))
+    if like is None and base and training_checkpoint(found := Path(weights.resolve(str(base)))) is None:
+        like = found  # the base is a Hugging Face folder: the adapters' shapes are checked against it
     peft = RunConfig.model_validate(meta["config"], strict=False).peft
     reader = piece_reader(folder, meta)
     try:
@@ -114,8 +113,9 @@ def _export_adapters(folder: Path, meta: dict, out: Path, like) -> Path:
 def _export_adapted(folder: Path, meta: dict, out: Path, like, max_shard_bytes: int) -> None:
     """An adapter checkpoint: its base rebuilt as its run built it (and checked against the digest
     the checkpoint recorded), the adapters loaded and folded into the weights, the merged model
-    written. Holds the whole model in this process; a model too large for one process is exported
-    under torchrun, each rank merging its own slices (``model.peft.merge_lora``)."""
+    written. One process, holding the whole model: a base too large for one process cannot be
+    exported merged yet (``model.peft.merge_lora`` merges each rank's slices, but no split export
+    of adapter checkpoints is wired up); its adapters export alone (``--adapters``)."""
     from genome_lm.checkpoint import build, load_weights
     from genome_lm.checkpoint.huggingface import export_hf_checkpoint
     from genome_lm.config import RunConfig
