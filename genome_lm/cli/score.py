@@ -43,5 +43,8 @@ def score_command(
                        chunk=chunk_tokens or None, probs=probs)
     with quiet_megatron_import():
         summary = score_fasta(req, progress=not quiet)
-    console.print(f"scored {summary['bases_scored']:,} bases of {', '.join(summary['regions'])} into {out} "
-                  f"({', '.join(summary['files'])})", highlight=False)
+    bigwigs = [f for f in summary["files"] if f.endswith(".bw")]
+    lines = [f"scored {summary['bases_scored']:,} bases of {', '.join(summary['regions'])}", f"into {out}:",
+             "  tracks.parquet (every base), score.json (the settings)", f"  a bigWig per track: {', '.join(bigwigs)}"]
+    for line in lines:  # short lines: the output reads at 80 columns when piped
+        console.print(line, highlight=False, soft_wrap=True)

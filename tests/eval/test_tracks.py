@@ -128,6 +128,8 @@ def test_score_command_writes_tracks_a_reader_gets_back(tmp_path):
             "--window", "400", "--context", "150", "--chunk", "128", "--quiet"]
     result = CliRunner().invoke(app, [*args, "--out", str(out)])
     assert result.exit_code == 0, result.output
+    assert "scored 2,299 bases of chrA:1-1,500, chrB:101-900\n" in result.output
+    assert all(len(line) <= 80 for line in result.output.splitlines() if str(tmp_path) not in line), result.output
     table = pq.read_table(out / "tracks.parquet").to_pandas()
     # genomic order (the FASTA's record order), each base once: chrA from its second base, chrB 101-900
     assert list(table.chrom.unique()) == ["chrA", "chrB"]
