@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from genome_lm import __version__
 from genome_lm.data.names import canonical
 from genome_lm.data.regions import Region, parse_region
@@ -349,28 +351,67 @@ def compare_recipes(studies: dict[str, FoldsReport]) -> list[RecipeRow]:
     return rows
 
 
+@dataclass(kw_only=True)
+class Share:
+    """How much of the first study's loss drop from the start another study keeps, on a group of
+    bases: ``share`` = (start - other) / (start - first), each a pooled sum of per-base losses, with
+    a paired, fold-stratified 95% interval; None when the first study's own drop (``first_drop``,
+    nats/base, with its interval) is not above zero, so that a share of it means nothing."""
+
+    tokens: int
+    first_drop: float
+    first_drop_ci: tuple[float, float]
+    other_drop: float
+    share: float | None
+    ci: tuple[float, float] | None
+
+
 @dataclass
 class RecipePair:
     """Study ``name``'s tuned models against study ``against``'s, on the same held-out bases,
     pooled over the folds with paired intervals: the change in loss ((name - against) / against,
-    overall and by context bucket), and how much more the context beyond the cut is worth to
-    ``name``'s models than to ``against``'s (``gain``: all, unmasked and repeat bases)."""
+    overall and by context bucket), how much more the context beyond the cut is worth to
+    ``name``'s models than to ``against``'s (``gain``: all, unmasked and repeat bases), and the
+    share of ``against``'s loss drop from the start that ``name`` keeps (``kept``: all bases, and
+    those with ``far``+ of context)."""
 
     name: str
     against: str
     comparison: Comparison
     gain: Beyond  # over the bases with ``far``+ of context
     far: int
+    kept: dict[str, Share] = field(default_factory=dict)  # "all", "far"
 
 
 _MODEL_CACHE = re.compile(r"model-([0-9a-f]{16})")
+_START_CACHE = re.compile(r"baseline-([0-9a-f]{16})")
 
 
-def _tuned_scores(study: Path, entry: FoldEntry, cut: int):
-    """(whole, cut to ``cut``, the split's windows) of a fold's tuned model, read from its
-    evaluation's score cache: every window its eval.json scored, from one model."""
-    from genome_lm.data.loader import SplitReader
+def _complete(eval_dir: Path, pattern: re.Pattern, lengths: dict[int, int], cut: int | None) -> list:
+    """The score caches of ``eval_dir`` named by ``pattern`` with every window of ``lengths``
+    scored (and, with ``cut``, their cut twin too): per model, [whole] or [whole, cut], each
+    {window: nll}."""
     from genome_lm.eval.cache import WindowCache
+
+    complete = []
+    for folder in sorted((eval_dir / ".scores").glob("*")):
+        match = pattern.fullmatch(folder.name)
+        if match is None:
+            continue
+        caches = [WindowCache(folder)]
+        if cut is not None:
+            caches.append(WindowCache(eval_dir / ".scores" / f"model-cut{cut}-{match.group(1)}"))
+        loaded = [{w: c.load(w, n) for w, n in lengths.items()} for c in caches]
+        if all(nll is not None for part in loaded for nll in part.values()):
+            complete.append(loaded)
+    return complete
+
+
+def _tuned_scores(study: Path, entry: FoldEntry, cut: int, start: bool = False):
+    """(whole, cut to ``cut``, the split's windows[, the start's scores]) of a fold's tuned model,
+    read from its evaluation's score cache: every window its eval.json scored, from one model
+    (and, with ``start``, from its starting weights: the evaluation's baseline)."""
+    from genome_lm.data.loader import SplitReader
     from genome_lm.eval.score import TokenScores, window_scores
 
     fold = study / f"fold-{entry.index}"
@@ -384,45 +425,88 @@ def _tuned_scores(study: Path, entry: FoldEntry, cut: int):
         raise GenomeLMError(f"{path}: {err}") from None
     reader = SplitReader(fold / "dataset", data.split)
     lengths = {w: reader.windows[w].length - 1 for w in data.windows}
-    complete = []  # per tuned model with every window scored: [whole, cut], each {window: nll}
-    for folder in sorted((eval_dir / ".scores").glob("model-*")):
-        match = _MODEL_CACHE.fullmatch(folder.name)
-        if match is None:
-            continue
-        caches = WindowCache(folder), WindowCache(eval_dir / ".scores" / f"model-cut{cut}-{match.group(1)}")
-        loaded = [{w: c.load(w, n) for w, n in lengths.items()} for c in caches]
-        if all(nll is not None for part in loaded for nll in part.values()):
-            complete.append(loaded)
+
+    def scores(part: dict) -> TokenScores:
+        return TokenScores.concat([window_scores(w, reader.tokens(w), reader.softmask(w), nll)
+                                   for w, nll in part.items()])
+
+    complete = _complete(eval_dir, _MODEL_CACHE, lengths, cut)
     if len(complete) != 1:
         raise GenomeLMError(f"{eval_dir / '.scores'}: {'no' if not complete else len(complete)} tuned models with "
                             f"every window scored whole and cut to {cut:,} (expected one)")
-    whole, cut_scores = (TokenScores.concat([window_scores(w, reader.tokens(w), reader.softmask(w), nll)
-                                             for w, nll in part.items()]) for part in complete[0])
-    return whole, cut_scores, reader.windows
+    found = (*(scores(part) for part in complete[0]), reader.windows)
+    if not start:
+        return found
+    starts = _complete(eval_dir, _START_CACHE, lengths, None)
+    if len(starts) != 1:
+        raise GenomeLMError(f"{eval_dir / '.scores'}: {'no' if not starts else len(starts)} starting models with "
+                            "every window scored (expected one: the evaluation's baseline)")
+    return (*found, scores(starts[0][0]))
+
+
+def drop_share(start, first, other, unit: np.ndarray, weights: np.ndarray, keep: np.ndarray | None = None,
+               level: float = 0.95) -> Share:
+    """``Share`` of the loss drop start -> ``first`` that ``other`` keeps, over the bases ``keep``
+    (all when None): per-base losses [N] of the same bases, ``unit`` [N] their bootstrap unit,
+    ``weights`` [R, U] how often each resample draws each unit (``eval.pooled.stratified_weights``).
+    Every resample takes the ratio of its own sums, so the interval is paired."""
+    keep = np.ones(len(unit), bool) if keep is None else keep
+    n_units = weights.shape[1]
+
+    def per_unit(nll):
+        return np.bincount(unit[keep], weights=nll[keep], minlength=n_units)
+
+    s, f, o = per_unit(start), per_unit(first), per_unit(other)
+    count = np.bincount(unit[keep], minlength=n_units).astype(np.float64)
+    tokens = int(count.sum())
+    first_drop, other_drop = (s - f).sum(), (s - o).sum()
+    drawn_first = (weights @ (s - f)) / (weights @ count)
+    lo_q, hi_q = (1 - level) / 2 * 100, (1 + level) / 2 * 100
+    first_ci = tuple(float(x) for x in np.percentile(drawn_first, [lo_q, hi_q]))
+    share = ci = None
+    if first_ci[0] > 0:  # the first study's drop is above zero in its interval: its share is defined
+        share = float(other_drop / first_drop)
+        ci = tuple(float(x) for x in np.percentile((weights @ (s - o)) / (weights @ (s - f)), [lo_q, hi_q]))
+    return Share(tokens=tokens, first_drop=float(first_drop / tokens), first_drop_ci=first_ci,
+                 other_drop=float(other_drop / tokens), share=share, ci=ci)
 
 
 def pair_recipes(studies: dict[str, tuple[Path, FoldsReport]], *, resamples: int = 1000,
                  seed: int = 0) -> list[RecipePair]:
     """Every study after the first against the first (``compare_recipes``'s checks first): its
-    tuned models' per-base scores against the first's, fold by fold, pooled (``eval.pooled``)."""
+    tuned models' per-base scores against the first's, fold by fold, pooled (``eval.pooled``),
+    and the share of the first's loss drop from the start that it keeps (``drop_share``; the
+    studies must start from the same weights: their evaluations' baselines must agree)."""
     from genome_lm.eval.evaluate import Scored
-    from genome_lm.eval.pooled import pool
+    from genome_lm.eval.pooled import pool, stratified_weights
 
     rows = compare_recipes({name: report for name, (_, report) in studies.items()})
     cut = next(iter(studies.values()))[1].pooled.ablation.cuts[0].max_context
     (first, (first_dir, first_report)), *others = studies.items()
-    theirs = [_tuned_scores(first_dir, entry, cut)[:2] for entry in first_report.folds]  # read once for all
+    theirs = [_tuned_scores(first_dir, entry, cut, start=True) for entry in first_report.folds]  # read once for all
     pairs = []
     for (name, (folder, report)), row in zip(others, rows[1:]):
-        folds = []
-        for mine, (base, base_cut) in zip(report.folds, theirs):
-            model, model_cut, windows = _tuned_scores(folder, mine, cut)
+        folds, parts = [], []
+        for mine, (base, base_cut, _, start) in zip(report.folds, theirs):
+            model, model_cut, windows, my_start = _tuned_scores(folder, mine, cut, start=True)
             if not model.same_tokens(base):
                 raise GenomeLMError(f"{name} and {first}: fold {mine.index} was scored on other bases")
+            if not np.allclose(my_start.nll, start.nll, rtol=1e-5, atol=1e-6):
+                raise GenomeLMError(f"{name} and {first}: fold {mine.index}'s starting models score its bases "
+                                    "differently (the studies start from other weights), so no share of one's loss "
+                                    "drop can be taken")
             unit, n_units, unit_name = bootstrap_units(model, windows)
             folds.append(Scored({"model": model, "baseline": base},
                                 {"model": {cut: model_cut}, "baseline": {cut: base_cut}}, (unit, n_units), unit_name))
+            parts.append((unit, n_units, start, base, model))
         _, comparison, ablation = pool(folds, report.edges, resamples=resamples, seed=seed)
+        weights = stratified_weights([n for _, n, *_ in parts], resamples, seed)
+        offsets = np.cumsum([0] + [n for _, n, *_ in parts[:-1]])
+        unit = np.concatenate([u + off for (u, *_), off in zip(parts, offsets)])
+        start, base, model = (np.concatenate([p[i].nll for p in parts]) for i in (2, 3, 4))
+        context = np.concatenate([p[4].context for p in parts])
+        kept = {"all": drop_share(start, base, model, unit, weights),
+                "far": drop_share(start, base, model, unit, weights, context >= row.far)}
         pairs.append(RecipePair(name=name, against=first, comparison=comparison, gain=ablation.cuts[0].gain.beyond,
-                                far=row.far))
+                                far=row.far, kept=kept))
     return pairs

@@ -303,11 +303,13 @@ def test_folds_refuses_what_it_cannot_compare(tmp_path):
         assert result.exit_code == 1 and len(lines) == 1 and named in lines[0], result.output
 
 
-def _on_disk(tmp_path, rng, studies: dict[str, float], k: int = 3) -> dict:
+def _on_disk(tmp_path, rng, studies: dict[str, float], k: int = 3, drops: dict[str, float] | None = None) -> dict:
     """Studies of the same k folds written as ``demo --folds`` leaves them, with random per-base
-    scores in the tuned models' score caches: study s's far-context value is ``studies[s]`` nats
-    higher than its whole-window loss on bases with 2*CUT+ of context. Returns {name: (folder,
-    {fold: (whole, cut) nll per window})}; a stale, incomplete cache sits beside one fold's."""
+    scores in the score caches of the tuned models and of their start (the same in every study):
+    study s's far-context value is ``studies[s]`` nats higher than its whole-window loss on bases
+    with 2*CUT+ of context, and its tuned loss is its start's less ``drops[s]`` (default 0) plus
+    noise. Returns {name: (folder, {fold: (whole, cut) nll per window})} and, under "start",
+    {fold: {window: nll}}; a stale, incomplete cache sits beside one fold's."""
     from genome_lm.data.prepare import PrepareRequest, prepare
     from genome_lm.data.windows import WindowSpec
     from genome_lm.eval.cache import WindowCache
@@ -319,6 +321,8 @@ def _on_disk(tmp_path, rng, studies: dict[str, float], k: int = 3) -> dict:
     manifest = prepare(PrepareRequest(fasta, dataset, ("chrU",), ("chrT",), WindowSpec(300, 300, min_tail=1)),
                        workers=1, quiet=True).manifest
     windows = manifest.split("eval").windows
+    start = {f: {w: rng.gamma(2.0, 0.6, 299).astype(np.float32).astype(np.float64) for w in range(len(windows))}
+             for f in range(k)}
     out = {}
     for s, (name, far_gain) in enumerate(studies.items()):
         study, _ = _synthetic_study(rng, [0.01] * k)
@@ -336,8 +340,10 @@ def _on_disk(tmp_path, rng, studies: dict[str, float], k: int = 3) -> dict:
             scores = fold / "run" / "eval" / ".scores"
             whole, cut = WindowCache(scores / f"model-{s:016x}"), WindowCache(scores / f"model-cut{CUT}-{s:016x}")
             per_fold[f] = {}
-            for w in mine:
-                nll = rng.gamma(2.0, 0.6, 299).astype(np.float32).astype(np.float64)
+            for w in mine:  # the start's scores under another key in each study (another run's)
+                WindowCache(scores / f"baseline-{s + 7:016x}").store(w, start[f][w])
+                nll = np.abs(start[f][w] - (drops or {}).get(name, 0.0) + rng.normal(0, 0.05, 299))
+                nll = nll.astype(np.float32).astype(np.float64)
                 far = np.arange(1, 300) >= 2 * CUT
                 nll_cut = (nll + far * far_gain + rng.normal(0, 0.01, 299)).astype(np.float32).astype(np.float64)
                 whole.store(w, nll)
@@ -347,6 +353,7 @@ def _on_disk(tmp_path, rng, studies: dict[str, float], k: int = 3) -> dict:
                 WindowCache(scores / "model-00000000000000ff").store(mine[0], np.zeros(299))
                 WindowCache(scores / f"model-cut{CUT}-00000000000000ff").store(mine[0], np.zeros(299))
         out[name] = (folder, per_fold)
+    out["start"] = {f: {w: start[f][w] for w in per_fold[f]} for f in per_fold}
     return out
 
 
@@ -354,10 +361,12 @@ def test_paired_recipes_against_a_hand_computation(tmp_path):
     """--paired: the second study's tuned models against the first's on the same bases, pooled
     over the folds: the loss change and the extra far-context value equal their hand
     computation from the caches; the intervals are paired (the same study against itself: 0)."""
+    from genome_lm.eval.cache import WindowCache
     from genome_lm.folds import pair_recipes, read_folds
 
     rng = np.random.default_rng(8)
-    made = _on_disk(tmp_path, rng, {"base": 0.02, "drill": 0.05})
+    made = _on_disk(tmp_path, rng, {"base": 0.02, "drill": 0.05}, drops={"base": 0.10, "drill": 0.06})
+    start = made.pop("start")
     studies = {name: (folder, read_folds(folder)) for name, (folder, _) in made.items()}
     pair, = pair_recipes(studies, resamples=200, seed=2)
     whole = {name: np.concatenate([nll for f in per_fold.values() for nll, _ in f.values()])
@@ -371,13 +380,27 @@ def test_paired_recipes_against_a_hand_computation(tmp_path):
     lo, hi = pair.gain.all.ci
     assert lo < want < hi and 0.02 < lo  # 0.03 nats more, clearly above zero
 
+    # the share of base's loss drop from the start that drill keeps: about 0.06 / 0.10
+    begin = np.concatenate([nll for f in start.values() for nll in f.values()])
+    n = len(begin)
+    want = (begin - whole["drill"]).sum() / (begin - whole["base"]).sum()
+    kept = pair.kept["all"]
+    assert kept.share == pytest.approx(want, rel=1e-9) and kept.tokens == n
+    assert kept.first_drop == pytest.approx((begin - whole["base"]).mean(), rel=1e-9)
+    assert kept.other_drop == pytest.approx((begin - whole["drill"]).mean(), rel=1e-9)
+    assert kept.ci[0] < want < kept.ci[1] and 0.5 < kept.ci[0] and kept.ci[1] < 0.7
+    far_want = (begin - whole["drill"])[far].sum() / (begin - whole["base"])[far].sum()
+    assert pair.kept["far"].share == pytest.approx(far_want, rel=1e-9) and pair.kept["far"].tokens == far.sum()
+
     itself, = pair_recipes({"a": studies["base"], "b": studies["base"]}, resamples=50)
     assert itself.comparison.all.change == 0 and itself.gain.all.ci == (0.0, 0.0)
+    assert itself.kept["all"].share == 1 and itself.kept["all"].ci == (1.0, 1.0)
 
     result = CliRunner().invoke(app, ["folds", str(tmp_path / "base"), str(tmp_path / "drill"), "--paired",
                                       "--resamples", "200"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    assert f"{want:+.4f}" in result.output and "against" in result.output
+    assert f"{pair.gain.all.delta:+.4f}" in result.output and "against" in result.output
+    assert f"drill keeps {want:.0%} of {tmp_path / 'base'}'s drop" in result.output
 
     # a second complete cache in one fold: which model was evaluated is no longer clear
     spare = tmp_path / "drill" / "fold-1" / "run" / "eval" / ".scores"
@@ -385,3 +408,27 @@ def test_paired_recipes_against_a_hand_computation(tmp_path):
     shutil.copytree(spare / f"model-cut{CUT}-{1:016x}", spare / f"model-cut{CUT}-00000000000000aa")
     with pytest.raises(GenomeLMError, match="2 tuned models with every window scored"):
         pair_recipes(studies, resamples=20)
+    shutil.rmtree(spare / "model-00000000000000aa")
+
+    # the studies started from other weights: no share of one's drop can be taken
+    baseline = next(spare.glob("baseline-*"))
+    window = int(next(baseline.glob("window-*.npy")).stem.split("-")[1])
+    WindowCache(baseline).store(window, start[0][window] + 0.5)
+    with pytest.raises(GenomeLMError, match="fold 1's starting models score its bases differently"):
+        pair_recipes(studies, resamples=20)
+
+
+def test_drop_share_needs_a_drop_to_share():
+    """``drop_share``: the first study's drop not above zero (its interval reaching zero) gives no
+    share; a clear drop gives the ratio of the pooled sums, inside its interval."""
+    from genome_lm.eval.pooled import stratified_weights
+    from genome_lm.folds import drop_share
+
+    rng = np.random.default_rng(3)
+    unit = np.repeat(np.arange(40), 50)
+    weights = stratified_weights([40], 300, 0)
+    start = rng.gamma(2.0, 0.6, unit.size)
+    none = drop_share(start, start + rng.normal(0, 0.01, unit.size), start - 0.02, unit, weights)
+    assert none.share is None and none.ci is None and none.first_drop_ci[0] <= 0 <= none.first_drop_ci[1]
+    some = drop_share(start, start - 0.1, start - 0.03 + rng.normal(0, 0.01, unit.size), unit, weights)
+    assert some.share == pytest.approx(0.3, abs=0.01) and some.ci[0] < some.share < some.ci[1]

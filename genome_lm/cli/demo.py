@@ -269,3 +269,16 @@ def print_pair(pair, out=None) -> None:
               f"{c.change * 100:+.2f}% [{lo * 100:+.2f}%, {hi * 100:+.2f}%]; the far context (bases with {pair.far:,}+ "
               f"of context) worth {fmt_delta_ci(g.all)} nats/base more to it (unmasked {fmt_delta_ci(g.unmasked)}, "
               f"repeats {fmt_delta_ci(g.softmasked)})", highlight=False)
+    for key, bases in (("all", "all bases"), ("far", f"bases with {pair.far:,}+ of context")):
+        if key in pair.kept:
+            out.print(f"  {bases}: {share_text(pair.kept[key], pair.against, pair.name)}", highlight=False)
+
+
+def share_text(share, first: str, other: str) -> str:
+    """A ``folds.Share`` in words: what share of ``first``'s loss drop from the start ``other`` keeps."""
+    drop = f"{first} lowers the loss from the start by {share.first_drop:+.4f} nats/base " \
+           f"[{share.first_drop_ci[0]:+.4f}, {share.first_drop_ci[1]:+.4f}], {other} by {share.other_drop:+.4f}"
+    if share.share is None:
+        return f"{drop}; {first}'s drop is not above zero, so no share of it is taken"
+    lo, hi = share.ci
+    return f"{drop}: {other} keeps {share.share:.0%} of {first}'s drop [{lo:.0%}, {hi:.0%}]"
