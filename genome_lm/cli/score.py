@@ -29,22 +29,38 @@ def score_command(
     chunk: Annotated[str, typer.Option(help="Chunked prefill: tokens per forward chunk (memory bounded whatever the "
                                             "window); '0' runs each window in one forward.")] = "32k",
     probs: Annotated[bool, typer.Option("--probs", help="Also the probabilities of A, C, G and T as tracks.")] = False,
+    embeddings: Annotated[Optional[str], typer.Option(help="Also write hidden states to OUT/embeddings.zarr: "
+                                                           "layers, comma-separated, by index from 0 (negative "
+                                                           "from the end) or 'final' (the final norm's output, "
+                                                           "what the output layer reads).",
+                                                      show_default=False)] = None,
+    pool: Annotated[Optional[str], typer.Option(help="With --embeddings: 'mean:N' writes the mean of every N "
+                                                     "bases from each region's start instead of every base (N "
+                                                     "must divide the window less the context).",
+                                                show_default=False)] = None,
+    embedding_dtype: Annotated[str, typer.Option(help="With --embeddings: float16 or float32.")] = "float16",
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Per-base tracks of a model over genome regions, each base scored once, in genomic order:
     the log-likelihood of the reference base (nats), the entropy of the predicted distribution, the
     context it was scored with, and with --probs the A/C/G/T probabilities; as bigWig (one file per
-    track, for genome browsers and pyBigWig) and one Parquet table. One process for now."""
+    track, for genome browsers and pyBigWig) and one Parquet table; with --embeddings also the
+    chosen layers' hidden states, per base or pooled, as Zarr. One process for now."""
     from genome_lm.eval.tracks import ScoreRequest, score_fasta
 
     chunk_tokens = size(chunk, "--chunk")
     req = ScoreRequest(model=model, fasta=fasta, regions=split_regions(regions), out=out, bed=bed,
                        window=size(window, "--window"), context=size(context, "--context"),
-                       chunk=chunk_tokens or None, probs=probs)
+                       chunk=chunk_tokens or None, probs=probs, embeddings=embeddings, pool=pool,
+                       embedding_dtype=embedding_dtype)
     with quiet_megatron_import():
         summary = score_fasta(req, progress=not quiet)
     bigwigs = [f for f in summary["files"] if f.endswith(".bw")]
     lines = [f"scored {summary['bases_scored']:,} bases of {', '.join(summary['regions'])}", f"into {out}:",
              "  tracks.parquet (every base), score.json (the settings)", f"  a bigWig per track: {', '.join(bigwigs)}"]
+    if summary["embeddings"]:
+        e = summary["embeddings"]
+        lines.append(f"  embeddings.zarr: {', '.join(e['layers'])}, {e['dtype']}, "
+                     + ("every base" if e["pool"] == 1 else f"the mean of every {e['pool']:,} bases"))
     for line in lines:  # short lines: the output reads at 80 columns when piped
         console.print(line, highlight=False, soft_wrap=True)

@@ -37,8 +37,12 @@ from genome_lm.data.tokenizer import BASE_TOKENS, N, tokenize
 from genome_lm.errors import GenomeLMError
 from genome_lm.progress import progress_bar
 
+from .embeddings import EmbeddingSpec, EmbeddingStore, LayerTaps, check_pool, parse_layers, parse_pool
+
 if TYPE_CHECKING:
     from genome_lm.model.model import GLM5Model
+
+    from .embeddings import SegmentRows
 
 TRACKS = ("loglik", "entropy", "p_a", "p_c", "p_g", "p_t", "context")  # in the table's column order
 
@@ -91,9 +95,13 @@ def _window_logits(model: GLM5Model, ids: torch.Tensor, chunk: int | None) -> It
 
 @torch.no_grad()
 def score_segment(model: GLM5Model, tokens: np.ndarray, segment: Segment, *, chunk: int | None = None,
-                  token_map: torch.Tensor | None = None) -> SegmentTracks:
+                  token_map: torch.Tensor | None = None, taps: LayerTaps | None = None,
+                  rows: SegmentRows | None = None) -> SegmentTracks:
     """The tracks of ``segment``; ``tokens``: genome-lm token ids of the record (or of any stretch
-    of it holding the segment's window, with ``segment`` in its coordinates)."""
+    of it holding the segment's window, with ``segment`` in its coordinates). With ``taps`` (hooks
+    on the model's layers, ``eval.embeddings``) the embeddings of every base of the segment (the
+    record's first included) go to ``rows`` as each chunk is computed; the window's last base is
+    then fed too, for its own embedding."""
     from .score import _model_ids
 
     window = np.asarray(tokens[segment.window_start:segment.end])
@@ -108,8 +116,14 @@ def score_segment(model: GLM5Model, tokens: np.ndarray, segment: Segment, *, chu
     targets = torch.from_numpy(window.astype(np.int64))
     if token_map is not None:
         targets = token_map[targets]
-    for start, logits in _window_logits(model, ids[:, :-1], chunk):
-        lo, hi = max(start, first - 1), start + logits.shape[0]  # inputs whose next base is scored
+    first_row = segment.start - segment.window_start  # window offset of the first embedded base
+    for start, logits in _window_logits(model, ids if taps else ids[:, :-1], chunk):
+        if taps is not None:
+            hidden = taps.take()
+            if start + logits.shape[0] > first_row:
+                rows.add({name: h[max(first_row - start, 0):] for name, h in hidden.items()})
+        # the inputs whose next base is scored
+        lo, hi = max(start, first - 1), min(start + logits.shape[0], len(window) - 1)
         if lo >= hi:
             continue
         logp = torch.log_softmax(logits[lo - start:hi - start], dim=-1).double()
@@ -117,6 +131,8 @@ def score_segment(model: GLM5Model, tokens: np.ndarray, segment: Segment, *, chu
         loglik[out] = logp.gather(1, targets[lo + 1:hi + 1, None].to(logp.device)).squeeze(1).cpu().numpy()
         entropy[out] = -(logp.exp() * logp).sum(-1).cpu().numpy()
         probs[out] = logp[:, columns.to(logp.device)].exp().cpu().numpy()
+    if rows is not None:
+        rows.close()
     loglik[window[first:] == N] = np.nan
     positions = np.arange(segment.window_start + first, segment.end, dtype=np.int64)
     return SegmentTracks(positions, loglik, entropy, probs, positions - segment.window_start)
@@ -185,6 +201,9 @@ class ScoreRequest:
     context: int = 8_192
     chunk: int | None = None
     probs: bool = False  # also the A/C/G/T probability tracks
+    embeddings: str | None = None  # layers whose hidden states go to embeddings.zarr (``embeddings.parse_layers``)
+    pool: str | None = None  # embeddings per base (None, "none") or "mean:N"
+    embedding_dtype: str = "float16"  # or float32
 
 
 def read_bed(path: Path) -> list[Region]:
@@ -258,6 +277,12 @@ def score_fasta(req: ScoreRequest, *, progress: bool = True) -> dict:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise GenomeLMError(f"{out}: exists and is not empty; score into a new folder")
     segments(0, 1, window=req.window, context=req.context)  # the window and context, checked first
+    pool = parse_pool(req.pool)
+    if req.embeddings is None and (pool > 1 or req.pool):
+        raise GenomeLMError("--pool shapes the embeddings: give --embeddings LAYERS too")
+    if req.embedding_dtype not in ("float16", "float32"):
+        raise GenomeLMError(f"--embedding-dtype {req.embedding_dtype}: expected float16 or float32")
+    check_pool(pool, req.window - req.context)
     partial = out.with_name(out.name + ".partial")
     parts = partial / "parts"
     fresh = not partial.exists()
@@ -273,22 +298,32 @@ def score_fasta(req: ScoreRequest, *, progress: bool = True) -> dict:
         with parallel_context() as pg:
             loaded = load_model(req.model, pg)
             model = loaded.model.eval()
+            spec = None
+            if req.embeddings is not None:
+                spec = EmbeddingSpec(parse_layers(req.embeddings, model.cfg.num_hidden_layers), pool,
+                                     req.embedding_dtype)
             identity = {"model": str(req.model), "weights": weights_fingerprint(model),
                         "fasta": quick_identity(Path(req.fasta)), "regions": [str(r) for r in regions],
-                        "window": req.window, "context": req.context, "chunk": req.chunk, "tracks": list(tracks)}
+                        "window": req.window, "context": req.context, "chunk": req.chunk, "tracks": list(tracks),
+                        "embeddings": None if spec is None else vars(spec) | {"layers": list(spec.layers)}}
             _same_request(partial / "request.json", identity)
+            store = None
+            if spec is not None:
+                store = EmbeddingStore(partial / "embeddings.zarr", regions, spec, model.cfg.hidden_size,
+                                       req.window - req.context, {"model": str(req.model)})
             plan = [(i, j, region, seg) for i, region in enumerate(regions)
                     for j, seg in enumerate(segments(region.start, region.end, window=req.window,
                                                      context=req.context))]
-            with progress_bar(quiet=not progress) as bar:
+            with progress_bar(quiet=not progress) as bar, LayerTaps(model, spec.layers if spec else ()) as taps:
                 task = bar.add_task("score", total=sum(r.end - r.start for r in regions), unit="bp")
                 for i, j, region, seg in plan:
                     file = parts / f"{i:05d}-{j:07d}.npz"
-                    if not file.exists():
+                    if not file.exists():  # (its embeddings, if any, are written before it)
                         text = fetch_bytes(fasta, source.handle, region.name, seg.window_start, seg.end)
                         local = Segment(0, seg.start - seg.window_start, seg.end - seg.window_start)
                         part = score_segment(model, tokenize(text), local, chunk=req.chunk,
-                                             token_map=loaded.token_map)
+                                             token_map=loaded.token_map, taps=taps if store else None,
+                                             rows=store.segment(i, seg.start) if store else None)
                         ref = np.frombuffer(text, dtype=np.uint8)[len(text) - len(part.positions):]  # the scored tail
                         _save_part(file, part, seg.window_start, ref)
                     bar.advance(task, seg.end - seg.start)
@@ -297,7 +332,10 @@ def score_fasta(req: ScoreRequest, *, progress: bool = True) -> dict:
         summary = {"schema": "genome-lm.score/1", "model": str(req.model), "model_info": vars(loaded.info),
                    "fasta": str(req.fasta), "regions": [str(r) for r in regions], "window": req.window,
                    "context": req.context, "chunk": req.chunk, "tracks": list(tracks), "bases_scored": scored,
-                   "files": sorted(["score.json", "tracks.parquet", *(f"{t}.bw" for t in tracks)])}
+                   "embeddings": None if spec is None else {"layers": list(spec.layers), "pool": spec.pool,
+                                                            "dtype": spec.dtype, "hidden_size": model.cfg.hidden_size},
+                   "files": sorted(["score.json", "tracks.parquet", *(f"{t}.bw" for t in tracks),
+                                    *(["embeddings.zarr"] if spec else [])])}
         shutil.rmtree(parts)
         (partial / "request.json").unlink()
         (partial / "score.json").write_text(json.dumps(summary, indent=1, default=str))
