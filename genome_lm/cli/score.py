@@ -11,6 +11,7 @@ from genome_lm.data.regions import split_regions
 from genome_lm.engine import quiet_megatron_import
 
 from .base import app, console, size
+from .eval import parallel_layout
 
 
 @app.command("score")
@@ -39,22 +40,32 @@ def score_command(
                                                      "must divide the window less the context).",
                                                 show_default=False)] = None,
     embedding_dtype: Annotated[str, typer.Option(help="With --embeddings: float16 or float32.")] = "float16",
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Over many ranks (torchrun --nproc-per-node N "
+                                                                    "-m genome_lm score ...): the model's split, "
+                                                                    "parallel.tp / cp / ep / etp / "
+                                                                    "sequence_parallel = value, as for eval; the "
+                                                                    "ranks left over share the segments.",
+                                                     show_default=False)] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Per-base tracks of a model over genome regions, each base scored once, in genomic order:
     the log-likelihood of the reference base (nats), the entropy of the predicted distribution, the
     context it was scored with, and with --probs the A/C/G/T probabilities; as bigWig (one file per
     track, for genome browsers and pyBigWig) and one Parquet table; with --embeddings also the
-    chosen layers' hidden states, per base or pooled, as Zarr. One process for now."""
+    chosen layers' hidden states, per base or pooled, as Zarr. Over many ranks under torchrun
+    (tensor, context, expert and data parallel; rank 0 assembles the outputs); OUT must then be on
+    a filesystem every rank sees."""
     from genome_lm.eval.tracks import ScoreRequest, score_fasta
 
-    chunk_tokens = size(chunk, "--chunk")
+    chunk_tokens = 0 if chunk.strip() in ("0", "none") else size(chunk, "--chunk")
     req = ScoreRequest(model=model, fasta=fasta, regions=split_regions(regions), out=out, bed=bed,
                        window=size(window, "--window"), context=size(context, "--context"),
                        chunk=chunk_tokens or None, probs=probs, embeddings=embeddings, pool=pool,
-                       embedding_dtype=embedding_dtype)
+                       embedding_dtype=embedding_dtype, layout=parallel_layout(set_))
     with quiet_megatron_import():
         summary = score_fasta(req, progress=not quiet)
+    if summary is None:  # a rank other than 0: rank 0 reports
+        return
     bigwigs = [f for f in summary["files"] if f.endswith(".bw")]
     lines = [f"scored {summary['bases_scored']:,} bases of {', '.join(summary['regions'])}", f"into {out}:",
              "  tracks.parquet (every base), score.json (the settings)", f"  a bigWig per track: {', '.join(bigwigs)}"]

@@ -172,3 +172,85 @@ def score_into_cache(model, dataset, split: str, windows: list[int], *, cache, p
                             on_done(len(nll))
     finally:
         model.train(was_training)
+
+
+def _tp_pick(local: torch.Tensor, ids: torch.Tensor, group) -> torch.Tensor:
+    """The logits of vocabulary entries ``ids`` [c, k] from this rank's vocabulary shard
+    ``local`` [c, V / tp] (fp64), summed over the TP ranks: each entry lives on one shard."""
+    width = local.shape[1]
+    offset = group.rank() * width if group.size() > 1 else 0
+    at = ids - offset
+    mine = (at >= 0) & (at < width)
+    picked = torch.where(mine, local.gather(1, at.clamp(0, width - 1)), torch.zeros((), dtype=local.dtype))
+    if group.size() > 1:
+        dist.all_reduce(picked, group=group)
+    return picked
+
+
+def _tp_stats(local: torch.Tensor, targets: torch.Tensor, columns: torch.Tensor, group) -> torch.Tensor:
+    """[c, 6] (log-probability of ``targets``, entropy, probabilities of ``columns`` A/C/G/T) of
+    logits split by vocabulary over the TP ranks (never gathered): the log-sum-exp, the entropy
+    and the picked entries each reduced over the shards."""
+    tp = group.size() > 1
+    top = local.max(dim=-1).values
+    if tp:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    shifted = local - top[:, None]
+    total = shifted.exp().sum(-1)
+    if tp:
+        dist.all_reduce(total, group=group)
+    lse = top + total.log()
+    weighted = ((local - lse[:, None]).exp() * local).sum(-1)
+    if tp:
+        dist.all_reduce(weighted, group=group)
+    target = _tp_pick(local, targets[:, None], group)[:, 0]
+    bases = _tp_pick(local, columns[None].expand(local.shape[0], -1), group)
+    return torch.cat([(target - lse)[:, None], (lse - weighted)[:, None], (bases - lse[:, None]).exp()], dim=1)
+
+
+@torch.no_grad()
+def split_window_tracks(model, pg, ids: torch.Tensor, columns: torch.Tensor, taps=None):
+    """A window's per-position tracks for a model split inside its window group (tensor, context
+    and expert parallel; the window in one forward): ``ids`` [T] in the model's vocabulary ->
+    (stats [T - 1, 6]: for each input but the last, the log-probability of the next token, the
+    entropy and the A/C/G/T probabilities (``columns``), fp64; hidden {layer: [T, D]} from
+    ``taps`` (``embeddings.LayerTaps``), all T inputs fed), the same on every rank of the group."""
+    from genome_lm.model.layer import gather_positions
+
+    if pg.pp.size() > 1:
+        raise ValueError("split_window_tracks: pipeline parallel is not supported")
+    cp, tp = pg.cp.size(), pg.tp.size()
+    T = ids.shape[0]
+    inputs = ids[None] if taps is not None else ids[None, :-1]
+    targets = torch.nn.functional.pad(ids[1:], (0, inputs.shape[1] - (T - 1)), value=0)[None]
+    n = inputs.shape[1]
+    if cp > 1:
+        from genome_lm.engine.context_parallel import zigzag_split
+
+        pad = (-n) % (2 * cp)
+        pad_id = model.cfg.pad_token_id or 0
+        inputs = zigzag_split(torch.nn.functional.pad(inputs, (0, pad), value=pad_id), cp, pg.cp.rank())
+        targets = zigzag_split(torch.nn.functional.pad(targets, (0, pad), value=pad_id), cp, pg.cp.rank())
+    h = model.hidden(inputs)[0]  # [S, 1, D]
+    hidden = {}
+    if taps is not None:
+        for name, value in taps.take().items():  # [S or S / tp under sequence parallel, D]
+            if model.sequence_parallel and tp > 1 and value.shape[0] != inputs.shape[1]:
+                value = gather_positions(value[:, None], inputs.shape[1], pg.tp)[:, 0]
+            hidden[name] = value
+    parts = []
+    for s0 in range(0, h.shape[0], HEAD_CHUNK):
+        local = model.output_layer(h[s0:s0 + HEAD_CHUNK])[0][:, 0].double()  # [c, V / tp]
+        parts.append(_tp_stats(local, targets[0, s0:s0 + HEAD_CHUNK], columns, pg.tp))
+    stats = torch.cat(parts)
+    if cp > 1:
+        from genome_lm.engine.context_parallel import zigzag_merge
+
+        def whole(x):
+            gathered = [torch.empty_like(x) for _ in range(cp)]
+            dist.all_gather(gathered, x.contiguous(), group=pg.cp)
+            return zigzag_merge(gathered, dim=0)[:n]
+
+        stats = whole(stats)
+        hidden = {name: whole(value) for name, value in hidden.items()}
+    return stats[:T - 1], hidden

@@ -201,6 +201,7 @@ class ScoreRequest:
     context: int = 8_192
     chunk: int | None = None
     probs: bool = False  # also the A/C/G/T probability tracks
+    layout: dict | None = None  # over many ranks: ParallelSizes fields (eval's --set parallel.*)
     embeddings: str | None = None  # layers whose hidden states go to embeddings.zarr (``embeddings.parse_layers``)
     pool: str | None = None  # embeddings per base (None, "none") or "mean:N"
     embedding_dtype: str = "float16"  # or float32
@@ -255,22 +256,30 @@ def _regions_in_order(req: ScoreRequest, source) -> list:
     return regions
 
 
-def score_fasta(req: ScoreRequest, *, progress: bool = True) -> dict:
+def score_fasta(req: ScoreRequest, *, progress: bool = True) -> dict | None:
     """Score ``req.regions`` of ``req.fasta`` with ``req.model`` into ``req.out``: ``tracks.parquet``
     (every scored base), one bigWig per track (``loglik.bw``, ``entropy.bw``, ``context.bw``, with
-    ``probs`` also ``p_a.bw`` ... ``p_t.bw``) and ``score.json`` (the settings, the model and the
-    counts). One process.
+    ``probs`` also ``p_a.bw`` ... ``p_t.bw``), with ``embeddings`` ``embeddings.zarr``, and
+    ``score.json`` (the settings, the model and the counts); returns score.json's content.
 
     The work goes into ``OUT.partial``: each segment's tracks are saved there as soon as they are
     computed (``parts/``), and the outputs are assembled from the parts and the folder renamed when
     every segment is done. An interrupted run, run again with the same settings and model, scores
     only the segments it lacks, and gives the files an unbroken run gives; with other settings it
-    is refused in one line. An error before any segment is scored leaves nothing behind."""
-    from genome_lm.data.fasta import fetch_bytes, open_fasta, quick_identity
-    from genome_lm.data.prepare import default_cache_dir
-    from genome_lm.engine.parallel import parallel_context
+    is refused in one line. An error before any segment is scored leaves nothing behind.
 
-    from .cache import weights_fingerprint
+    Over many ranks (torchrun; every rank calls this, ``req.layout`` splitting the model as eval's
+    ``--set parallel.*`` does) the segments are shared out like eval's windows
+    (``parallel.window_groups``): a group of one rank scores its segment through chunked prefill,
+    a split group (tensor, context, expert parallel) in one forward (``parallel.split_window_tracks``).
+    Each group's lead writes its segment's part and embedding chunks itself (disjoint files: OUT must
+    be on a filesystem every rank sees); rank 0 prepares the folder, assembles the outputs and
+    returns the summary, the other ranks return None."""
+    import torch.distributed as dist
+
+    from genome_lm.engine.parallel import ParallelSizes, parallel_context
+
+    from .evaluate import eval_heap
     from .models import load_model
 
     out = Path(req.out)
@@ -283,70 +292,192 @@ def score_fasta(req: ScoreRequest, *, progress: bool = True) -> dict:
     if req.embedding_dtype not in ("float16", "float32"):
         raise GenomeLMError(f"--embedding-dtype {req.embedding_dtype}: expected float16 or float32")
     check_pool(pool, req.window - req.context)
-    partial = out.with_name(out.name + ".partial")
-    parts = partial / "parts"
-    fresh = not partial.exists()
-    parts.mkdir(parents=True, exist_ok=True)
-    try:
-        source = open_fasta(Path(req.fasta), partial / ".work", default_cache_dir())
-        regions = _regions_in_order(req, source)
-        tracks = tuple(t for t in TRACKS if req.probs or not t.startswith("p_"))
-        chrom_sizes = {}
-        for r in regions:
-            chrom_sizes.setdefault(r.name, source.length(r.name))
-        fasta = source.handle.open()
-        with parallel_context() as pg:
-            loaded = load_model(req.model, pg)
-            model = loaded.model.eval()
-            spec = None
-            if req.embeddings is not None:
-                spec = EmbeddingSpec(parse_layers(req.embeddings, model.cfg.num_hidden_layers), pool,
-                                     req.embedding_dtype)
-            identity = {"model": str(req.model), "weights": weights_fingerprint(model),
-                        "fasta": quick_identity(Path(req.fasta)), "regions": [str(r) for r in regions],
-                        "window": req.window, "context": req.context, "chunk": req.chunk, "tracks": list(tracks),
-                        "embeddings": None if spec is None else vars(spec) | {"layers": list(spec.layers)}}
-            _same_request(partial / "request.json", identity)
-            store = None
-            if spec is not None:
-                store = EmbeddingStore(partial / "embeddings.zarr", regions, spec, model.cfg.hidden_size,
-                                       req.window - req.context, {"model": str(req.model)})
-            plan = [(i, j, region, seg) for i, region in enumerate(regions)
-                    for j, seg in enumerate(segments(region.start, region.end, window=req.window,
-                                                     context=req.context))]
-            with progress_bar(quiet=not progress) as bar, LayerTaps(model, spec.layers if spec else ()) as taps:
-                task = bar.add_task("score", total=sum(r.end - r.start for r in regions), unit="bp")
-                for i, j, region, seg in plan:
-                    file = parts / f"{i:05d}-{j:07d}.npz"
-                    if not file.exists():  # (its embeddings, if any, are written before it)
-                        text = fetch_bytes(fasta, source.handle, region.name, seg.window_start, seg.end)
-                        local = Segment(0, seg.start - seg.window_start, seg.end - seg.window_start)
-                        part = score_segment(model, tokenize(text), local, chunk=req.chunk,
-                                             token_map=loaded.token_map, taps=taps if store else None,
-                                             rows=store.segment(i, seg.start) if store else None)
-                        ref = np.frombuffer(text, dtype=np.uint8)[len(text) - len(part.positions):]  # the scored tail
-                        _save_part(file, part, seg.window_start, ref)
-                    bar.advance(task, seg.end - seg.start)
-        scored = _assemble(partial, parts, plan, tracks, chrom_sizes)
-        shutil.rmtree(partial / ".work", ignore_errors=True)
-        summary = {"schema": "genome-lm.score/1", "model": str(req.model), "model_info": vars(loaded.info),
-                   "fasta": str(req.fasta), "regions": [str(r) for r in regions], "window": req.window,
-                   "context": req.context, "chunk": req.chunk, "tracks": list(tracks), "bases_scored": scored,
-                   "embeddings": None if spec is None else {"layers": list(spec.layers), "pool": spec.pool,
-                                                            "dtype": spec.dtype, "hidden_size": model.cfg.hidden_size},
-                   "files": sorted(["score.json", "tracks.parquet", *(f"{t}.bw" for t in tracks),
-                                    *(["embeddings.zarr"] if spec else [])])}
-        shutil.rmtree(parts)
-        (partial / "request.json").unlink()
-        (partial / "score.json").write_text(json.dumps(summary, indent=1, default=str))
-    except BaseException:
-        if fresh and not any(parts.glob("*.npz")):  # nothing scored: leave nothing behind
-            shutil.rmtree(partial, ignore_errors=True)
-        raise
+    sizes = ParallelSizes(**req.layout) if req.layout else ParallelSizes()
+    if sizes.pp > 1:
+        raise GenomeLMError("score splits the model by tensor, context and expert parallel (and shares segments "
+                            "over data parallel); not by pipeline parallel: leave parallel.pp at 1")
+    with parallel_context(sizes, host_heap=eval_heap(sizes)) as pg:
+        rank = dist.get_rank()
+        loaded = load_model(req.model, pg, sizes=sizes)
+        model = loaded.model.eval()
+        spec = None
+        if req.embeddings is not None:
+            spec = EmbeddingSpec(parse_layers(req.embeddings, model.cfg.num_hidden_layers), pool,
+                                 req.embedding_dtype)
+        partial = out.with_name(out.name + ".partial")
+        job = _Job(req, out, partial, spec, loaded, sizes, dist.get_world_size() > 1)
+        shared = [None]
+        if rank == 0:
+            try:
+                shared[0] = job.prepare()
+            except GenomeLMError as err:
+                shared[0] = err
+        if job.many:
+            dist.broadcast_object_list(shared, src=0)
+        if isinstance(shared[0], GenomeLMError):
+            raise shared[0]
+        job.regions, job.plan, missing = shared[0]
+        try:
+            job.score(pg, missing, progress and rank == 0)
+        except BaseException:
+            if rank == 0:
+                job.clean_if_empty()
+            raise
+        if job.many:
+            dist.barrier()
+    if rank != 0:
+        return None
+    summary = job.finish()
     if out.exists():
         out.rmdir()  # empty, checked above
     os.replace(partial, out)
     return summary
+
+
+class _Job:
+    """One ``score_fasta`` run: rank 0 prepares the folder (``prepare``), every rank scores its
+    share of the missing segments (``score``), rank 0 assembles the outputs (``finish``)."""
+
+    def __init__(self, req: ScoreRequest, out: Path, partial: Path, spec, loaded, sizes, many: bool):
+        self.req, self.out, self.partial, self.spec, self.loaded, self.sizes = req, out, partial, spec, loaded, sizes
+        self.parts = partial / "parts"
+        self.many = many
+        self.fresh = not partial.exists()
+        self.tracks = tuple(t for t in TRACKS if req.probs or not t.startswith("p_"))
+        self.regions: list[Region] = []
+        self.plan: list = []
+
+    def _source(self):
+        from genome_lm.data.fasta import open_fasta
+        from genome_lm.data.prepare import default_cache_dir
+
+        return open_fasta(Path(self.req.fasta), self.partial / ".work", default_cache_dir())
+
+    def prepare(self) -> tuple[list[Region], list, list[int]]:
+        """Rank 0: the folder, the regions, the plan of segments and the indices of those to score."""
+        from genome_lm.data.fasta import quick_identity
+
+        from .cache import weights_fingerprint
+
+        req, model = self.req, self.loaded.model
+        self.parts.mkdir(parents=True, exist_ok=True)
+        try:
+            source = self._source()
+            regions = _regions_in_order(req, source)
+            spec = self.spec
+            identity = {"model": str(req.model), "weights": weights_fingerprint(model),
+                        "fasta": quick_identity(Path(req.fasta)), "regions": [str(r) for r in regions],
+                        "window": req.window, "context": req.context, "chunk": req.chunk, "tracks": list(self.tracks),
+                        "embeddings": None if spec is None else vars(spec) | {"layers": list(spec.layers)}}
+            _same_request(self.partial / "request.json", identity)
+            if spec is not None:
+                EmbeddingStore(self.partial / "embeddings.zarr", regions, spec, model.cfg.hidden_size,
+                               req.window - req.context, {"model": str(req.model)})
+        except BaseException:
+            self.clean_if_empty()
+            raise
+        plan = [(i, j, region, seg) for i, region in enumerate(regions)
+                for j, seg in enumerate(segments(region.start, region.end, window=req.window, context=req.context))]
+        missing = [k for k, (i, j, _, _) in enumerate(plan) if not self._part(i, j).exists()]
+        return regions, plan, missing
+
+    def _part(self, i: int, j: int) -> Path:
+        return self.parts / f"{i:05d}-{j:07d}.npz"
+
+    def clean_if_empty(self) -> None:
+        """Nothing scored by a run that made the folder: leave nothing behind."""
+        if self.fresh and not any(self.parts.glob("*.npz")):
+            shutil.rmtree(self.partial, ignore_errors=True)
+
+    def score(self, pg, missing: list[int], progress: bool) -> None:
+        """Every rank: the missing segments, a round of one per window group at a time."""
+        import torch.distributed as dist
+
+        from genome_lm.data.fasta import fetch_bytes
+
+        from .parallel import split_model, window_groups
+
+        req, model, spec = self.req, self.loaded.model, self.spec
+        source = self._source()
+        fasta = source.handle.open()
+        store = None
+        if spec is not None:
+            store = EmbeddingStore(self.partial / "embeddings.zarr", self.regions, spec, model.cfg.hidden_size,
+                                   req.window - req.context)
+        group, groups, lead = window_groups(pg, self.sizes) if self.many else (0, 1, True)
+        split = split_model(self.sizes)
+        done = sum(self.plan[k][3].end - self.plan[k][3].start for k in range(len(self.plan))) - \
+            sum(self.plan[k][3].end - self.plan[k][3].start for k in missing)
+        with progress_bar(quiet=not progress) as bar, LayerTaps(model, spec.layers if spec else ()) as taps:
+            task = bar.add_task("score", total=sum(r.end - r.start for r in self.regions), unit="bp")
+            bar.advance(task, done)
+            for first in range(0, len(missing), groups):
+                if first + group < len(missing):
+                    i, j, region, seg = self.plan[missing[first + group]]
+                    text = fetch_bytes(fasta, source.handle, region.name, seg.window_start, seg.end)
+                    local = Segment(0, seg.start - seg.window_start, seg.end - seg.window_start)
+                    rows = store.segment(i, seg.start) if store is not None and lead else None
+                    if split:
+                        part = _split_segment(model, pg, tokenize(text), local, self.loaded.token_map,
+                                              taps if store else None, rows)
+                    else:
+                        part = score_segment(model, tokenize(text), local, chunk=req.chunk,
+                                             token_map=self.loaded.token_map, taps=taps if store else None, rows=rows)
+                    if lead:  # (its embeddings, if any, are written before it)
+                        ref = np.frombuffer(text, dtype=np.uint8)[len(text) - len(part.positions):]  # the scored tail
+                        _save_part(self._part(i, j), part, seg.window_start, ref)
+                if self.many:
+                    dist.barrier()  # this round's parts are on disk before rank 0 counts them
+                bar.advance(task, sum(self.plan[k][3].end - self.plan[k][3].start
+                                      for k in missing[first:first + groups]))
+
+    def finish(self) -> dict:
+        """Rank 0: the outputs from the parts, and score.json."""
+        req, spec, model = self.req, self.spec, self.loaded.model
+        lacking = [self._part(i, j).name for i, j, _, _ in self.plan if not self._part(i, j).exists()]
+        if lacking:
+            raise GenomeLMError(f"{self.parts}: {len(lacking)} segments' parts missing after scoring (first "
+                                f"{lacking[0]}): OUT must be on a filesystem every rank writes to")
+        chrom_sizes = {}
+        source = self._source()
+        for r in self.regions:
+            chrom_sizes.setdefault(r.name, source.length(r.name))
+        scored = _assemble(self.partial, self.parts, self.plan, self.tracks, chrom_sizes)
+        shutil.rmtree(self.partial / ".work", ignore_errors=True)
+        summary = {"schema": "genome-lm.score/1", "model": str(req.model), "model_info": vars(self.loaded.info),
+                   "fasta": str(req.fasta), "regions": [str(r) for r in self.regions], "window": req.window,
+                   "context": req.context, "chunk": req.chunk, "tracks": list(self.tracks), "bases_scored": scored,
+                   "embeddings": None if spec is None else {"layers": list(spec.layers), "pool": spec.pool,
+                                                            "dtype": spec.dtype, "hidden_size": model.cfg.hidden_size},
+                   "files": sorted(["score.json", "tracks.parquet", *(f"{t}.bw" for t in self.tracks),
+                                    *(["embeddings.zarr"] if spec else [])])}
+        shutil.rmtree(self.parts)
+        (self.partial / "request.json").unlink()
+        (self.partial / "score.json").write_text(json.dumps(summary, indent=1, default=str))
+        return summary
+
+
+def _split_segment(model, pg, tokens: np.ndarray, segment: Segment, token_map, taps, rows) -> SegmentTracks:
+    """``score_segment`` for a model split inside its window group (``parallel.split_window_tracks``),
+    the same on every rank of the group; ``rows`` (the lead's) get the embeddings."""
+    from .parallel import split_window_tracks
+    from .score import _model_ids
+
+    window = np.asarray(tokens[segment.window_start:segment.end])
+    first = max(segment.start, 1) - segment.window_start
+    columns = torch.tensor(BASE_TOKENS, dtype=torch.long)
+    if token_map is not None:
+        columns = token_map[columns]
+    stats, hidden = split_window_tracks(model, pg, _model_ids(model, window, token_map, None), columns, taps)
+    stats = stats[first - 1:].cpu().numpy()
+    if rows is not None:
+        at = segment.start - segment.window_start
+        rows.add({name: h[at:] for name, h in hidden.items()})
+        rows.close()
+    loglik = stats[:, 0].copy()
+    loglik[window[first:] == N] = np.nan
+    positions = np.arange(segment.window_start + first, segment.end, dtype=np.int64)
+    return SegmentTracks(positions, loglik, stats[:, 1].copy(), stats[:, 2:].copy(), positions - segment.window_start)
 
 
 def _same_request(path: Path, identity: dict) -> None:
