@@ -55,7 +55,8 @@ class _Commands(TyperGroup):
         return sorted(names, key=lambda n: STUDY_ORDER.index(n) if n in STUDY_ORDER else len(STUDY_ORDER))
 
 
-STUDY_ORDER = ["demo", "prepare", "finetune", "eval", "score", "export", "variants", "folds", "plan", "demo-genome",
+STUDY_ORDER = ["demo", "prepare", "finetune", "eval", "score", "plot-tracks", "export", "variants", "folds", "plan",
+               "demo-genome",
                "recall", "check-logprobs", "parity", "preflight", "bench"]
 
 

@@ -7,8 +7,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from genome_lm.data.regions import split_regions
+from genome_lm.data.demo_genome import planted_json_path
+from genome_lm.data.regions import Region, parse_region, split_regions
 from genome_lm.engine import quiet_megatron_import
+from genome_lm.eval.track_plot import first_scored, plot_tracks, read_region
 
 from .base import app, console, size
 from .eval import parallel_layout
@@ -46,6 +48,11 @@ def score_command(
                                                                     "sequence_parallel = value, as for eval; the "
                                                                     "ranks left over share the segments.",
                                                      show_default=False)] = None,
+    plot: Annotated[bool, typer.Option("--plot", help="Also OUT/tracks.png: the loss, entropy and context over the "
+                                                      "first region (200 kbp from its first base with a score: past "
+                                                      "leading N), soft-masked repeats "
+                                                      "shaded, and a demo genome's planted copies marked (read from "
+                                                      "the FASTA's .planted.json when there is one).")] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Per-base tracks of a model over genome regions, each base scored once, in genomic order:
@@ -73,5 +80,55 @@ def score_command(
         e = summary["embeddings"]
         lines.append(f"  embeddings.zarr: {', '.join(e['layers'])}, {e['dtype']}, "
                      + ("every base" if e["pool"] == 1 else f"the mean of every {e['pool']:,} bases"))
+    if plot:
+        region = parse_region(summary["regions"][0])  # bounded: its end is where the first region ends
+        lines += _plot(out, Region(region.name, region.start, None), planted_for(fasta), out / "tracks.png")
     for line in lines:  # short lines: the output reads at 80 columns when piped
         console.print(line, highlight=False, soft_wrap=True)
+
+
+PLOT_BASES = 200_000  # score --plot draws this much of the first region, from its first base with a score
+
+
+def planted_for(fasta: Path) -> Path | None:
+    """A demo genome's planted-copies sidecar beside ``fasta``, if there is one."""
+    path = planted_json_path(fasta)
+    return path if path.is_file() else None
+
+
+def _plot(folder: Path, region: Region | None, planted: Path | None, png: Path, smooth: int = 101) -> list[str]:
+    """Draw ``region`` of ``folder``'s tracks into ``png``; the lines that say what was drawn."""
+    from genome_lm.eval.planted import load_planted
+    if region is not None and region.end is None:  # score --plot: PLOT_BASES from the first base with a score
+        start = first_scored(folder, region.name, region.start)
+        region = Region(region.name, region.start if start is None else start, (start or region.start) + PLOT_BASES)
+    view = read_region(folder, region)
+    summary = plot_tracks(view, png, planted=load_planted(planted) if planted else None, smooth=smooth)
+    lines = [f"  {png.name}: {view.chrom}:{view.positions[0] + 1:,}-{view.positions[-1] + 1:,}"]
+    if summary:
+        for name, (loss, n) in summary.items():
+            lines.append(f"    {name}: {loss:.4f} nats/base over {n:,} bases" if n else f"    {name}: none")
+    return lines
+
+
+@app.command("plot-tracks")
+def plot_tracks_command(
+    folder: Annotated[Path, typer.Argument(help="A folder genome-lm score wrote (its tracks.parquet).",
+                                           show_default=False)],
+    out: Annotated[Path, typer.Option(help="The PNG to write.")],
+    region: Annotated[Optional[str], typer.Option(help="chr:start-end (1-based, inclusive) to draw; default the "
+                                                       "first region scored.", show_default=False)] = None,
+    planted: Annotated[Optional[Path], typer.Option(help="A demo genome's .planted.json: mark its later copies, "
+                                                         "green where the first copy was in context, red where "
+                                                         "not.", show_default=False)] = None,
+    smooth: Annotated[int, typer.Option(help="Running mean over this many bases for the loss and entropy.",
+                                        min=1)] = 101,
+) -> None:
+    """The picture of score's tracks over a region: the loss (minus the log-likelihood of the
+    reference base), the entropy and the context of every base, soft-masked repeats shaded grey,
+    and with --planted the demo genome's later copies, with the mean loss of those whose first copy
+    was in context against those where it was not."""
+    lines = _plot(folder, parse_region(region) if region else None, planted, out, smooth)
+    console.print(f"wrote {out}", highlight=False, soft_wrap=True)
+    for line in lines[1:]:
+        console.print(line.strip(), highlight=False, soft_wrap=True)
