@@ -81,6 +81,8 @@ def plan(
                                                        "time of scoring windows of --seq-len with the config's layout "
                                                        "(no gradients, no optimizer), and the fewest GPUs of --gpu "
                                                        "whose layout fits.")] = False,
+    score_context: Annotated[str, typer.Option(help="With --eval: the context genome-lm score's windows overlap by, "
+                                                    "for the hours to score hg38 chr22 and the whole genome.")] = "8k",
 ) -> None:
     """Size the hardware before a run: memory per GPU (parameters, gradients, optimizer state,
     activations per layer type, what recompute and offload save) and host memory per node, from
@@ -157,7 +159,7 @@ def plan(
         _plan_search(run, config, label, hw, spec, constants, json_out, top, write)
         return
     if eval_:
-        _plan_eval(run, hw, spec, constants, json_out)
+        _plan_eval(run, hw, spec, constants, json_out, size(score_context, "--score-context"))
         return
     if sweep:
         console.print(sweep_table(run, hw))
@@ -215,9 +217,10 @@ def _published_setting(run, hw, spec, constants) -> tuple | None:
     return f"{name} with {words}", estimate_time(with_changes(run, **PUBLISHED_TIME_SETTING), hw, spec, constants)
 
 
-def _plan_eval(run, hw, spec, constants, json_out: bool) -> None:
-    """``plan --eval``: the config's layout, and the smallest that fits (``plan.eval_model``)."""
-    from genome_lm.plan.eval_model import estimate_eval, smallest_eval_layout
+def _plan_eval(run, hw, spec, constants, json_out: bool, score_context: int = 8192) -> None:
+    """``plan --eval``: the config's layout, and the smallest that fits (``plan.eval_model``), with
+    the hours ``genome-lm score`` takes over hg38 chr22 and the genome on each."""
+    from genome_lm.plan.eval_model import HG38_CHR22, HG38_GENOME, estimate_eval, score_time, smallest_eval_layout
     from genome_lm.plan.memory_model import with_changes
     from genome_lm.plan.report import gib, length_label
 
@@ -225,9 +228,17 @@ def _plan_eval(run, hw, spec, constants, json_out: bool) -> None:
     hw_here = hw if hw.gpus else replace(hw, gpus=max(p.tp * p.cp, p.ep * p.etp))
     here = estimate_eval(with_changes(run, parallel={"pp": 1}), hw_here, spec, constants)
     best = smallest_eval_layout(run, replace(hw, gpus=None), spec)
+    def scoring(plan):
+        if plan is None or not plan.time:
+            return []
+        return [score_time(plan, name, bases, score_context)
+                for name, bases in (("hg38 chr22", HG38_CHR22), ("hg38 chr1-22, X, Y", HG38_GENOME))]
+
     if json_out:
-        typer.echo(json.dumps({"layout": here.as_dict(), "smallest": None if best is None else best.as_dict()},
-                              indent=2))
+        typer.echo(json.dumps({"layout": here.as_dict(), "smallest": None if best is None else best.as_dict(),
+                               "score": {"context": score_context,
+                                         "layout": [vars(t) for t in scoring(here)],
+                                         "smallest": [vars(t) for t in scoring(best)]}}, indent=2))
         return
     T = run.data.seq_len
     for title, plan in ((f"eval of {length_label(T)}-token windows on {hw.gpu_name}: {here.layout_text()}", here),
@@ -248,6 +259,10 @@ def _plan_eval(run, hw, spec, constants, json_out: bool) -> None:
             console.print(f"  one window: {plan.window_seconds:,.1f} s on {plan.gpus // plan.groups} GPUs; "
                           f"{plan.groups} window(s) at once; {plan.tokens_per_s:,.0f} tokens/s "
                           f"({3_600 * plan.tokens_per_s / 1e6:,.0f} Mbp an hour)", highlight=False)
+        for t in scoring(plan):
+            console.print(f"  genome-lm score of {t.name} ({t.bases / 1e6:,.1f} Mbp, windows overlapping by "
+                          f"{length_label(score_context)}): {t.hours:,.1f} h on {plan.gpus} GPUs; embeddings "
+                          f"{t.embedding_bytes / 1e9:,.0f} GB a layer (float16, per base)", highlight=False)
 
 
 

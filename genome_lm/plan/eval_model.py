@@ -211,3 +211,30 @@ def smallest_eval_layout(run: RunConfig, hw: Hardware, gpu: GPUSpec | None = Non
                 return min(fitting, key=lambda pl: pl.peak)
             return max(fitting, key=lambda pl: pl.tokens_per_s)
     return None
+
+
+HG38_CHR22 = 50_818_468  # bases of hg38 chr22, N included
+HG38_GENOME = 3_088_269_832  # hg38 chr1-22, X and Y, N included
+
+
+@dataclass(frozen=True)
+class ScoreTime:
+    """``genome-lm score`` of ``bases`` in windows of the plan's length overlapping by ``context``:
+    every base scored once, each window adding ``window - context`` new bases, so the model reads
+    ``bases x window / (window - context)`` tokens; with ``embedding_bytes`` per value (2: float16)
+    a layer's per-base embeddings take ``bases x hidden_size x embedding_bytes`` on disk."""
+
+    name: str
+    bases: int
+    tokens: float
+    hours: float
+    embedding_bytes: float  # one layer, per base
+
+
+def score_time(plan: EvalPlan, name: str, bases: int, context: int, embedding_bytes: int = 2) -> ScoreTime:
+    window = plan.run.data.seq_len
+    if not 0 < context < window:
+        raise GenomeLMError(f"--score-context {context:,} must be above 0 and below the window ({window:,})")
+    tokens = bases * window / (window - context)
+    hidden = model_config(plan.run).hidden_size
+    return ScoreTime(name, bases, tokens, tokens / plan.tokens_per_s / 3_600, bases * hidden * embedding_bytes)

@@ -62,3 +62,27 @@ def test_plan_eval_prints_both_plans_and_json():
     out = json.loads(result.output)
     assert out["layout"]["seq_len"] == 1 << 19 and out["smallest"]["fits"]
     assert {i["name"].split(" ")[0] for i in out["smallest"]["memory"]} >= {"weights", "residual", "largest", "logits"}
+
+
+def test_score_hours_are_the_tokens_the_overlapping_windows_read():
+    """``plan --eval`` says how long ``genome-lm score`` takes over hg38 chr22 and the genome: the
+    bases times window / (window - context) tokens at the plan's tokens/s, and the float16
+    embeddings' bytes a layer; a context not inside the window is one line."""
+    from genome_lm.errors import GenomeLMError
+    from genome_lm.plan.eval_model import HG38_CHR22, HG38_GENOME, score_time
+
+    run = load_config("glm-5.3-flash-1m-64xb200", [])
+    best = smallest_eval_layout(run, _hw("B200"), gpu_spec("B200"))
+    t = score_time(best, "chr22", HG38_CHR22, 1 << 16)
+    assert t.tokens == pytest.approx(HG38_CHR22 * (1 << 20) / ((1 << 20) - (1 << 16)))
+    assert t.hours == pytest.approx(t.tokens / best.tokens_per_s / 3600)
+    assert t.embedding_bytes == HG38_CHR22 * model_config(run).hidden_size * 2
+    for bad in (0, 1 << 20):
+        with pytest.raises(GenomeLMError, match="--score-context"):
+            score_time(best, "chr22", HG38_CHR22, bad)
+    result = CliRunner().invoke(app, ["plan", "--config", "glm-5.3-flash-1m-64xb200", "--eval", "--json",
+                                      "--score-context", "64k"])
+    out = json.loads(result.output)
+    chr22, genome = out["score"]["smallest"]
+    assert out["score"]["context"] == 1 << 16 and chr22["hours"] == pytest.approx(t.hours)
+    assert genome["bases"] == HG38_GENOME and genome["hours"] == pytest.approx(t.hours * HG38_GENOME / HG38_CHR22)
