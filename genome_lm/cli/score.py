@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.table import Table
 
 from genome_lm.data.demo_genome import planted_json_path
 from genome_lm.data.regions import Region, parse_region, split_regions
 from genome_lm.engine import quiet_megatron_import
+from genome_lm.eval.track_compare import compare_tracks
 from genome_lm.eval.track_plot import first_scored, plot_tracks, read_region
 
 from .base import app, console, size
@@ -132,3 +134,28 @@ def plot_tracks_command(
     console.print(f"wrote {out}", highlight=False, soft_wrap=True)
     for line in lines[1:]:
         console.print(line.strip(), highlight=False, soft_wrap=True)
+
+
+@app.command("compare-tracks")
+def compare_tracks_command(
+    first: Annotated[Path, typer.Argument(help="A folder genome-lm score wrote: the model whose gain is measured.",
+                                          show_default=False)],
+    second: Annotated[Path, typer.Argument(help="Another score folder of the same bases: the model it is measured "
+                                                "against (e.g. the tuned model's starting weights).",
+                                           show_default=False)],
+    block: Annotated[str, typer.Option(help="Bootstrap blocks of this many bases (neighbouring bases are not "
+                                            "independent).")] = "10k",
+    resamples: Annotated[int, typer.Option(help="Bootstrap resamples.", min=10)] = 1000,
+) -> None:
+    """Two score runs of the same bases, base by base: the mean gain of the first model's
+    log-likelihood of the reference over the second's (nats/base, above zero: the first predicts
+    better), overall, on unmasked and soft-masked (repeat) bases and by the context the base was
+    scored with, with 95% block-bootstrap intervals and the share of bases where the first is better."""
+    rows = compare_tracks(first, second, block=size(block, "--block"), resamples=resamples)
+    table = Table(title=f"{first} against {second}: log-likelihood gain, nats/base [95% CI]", title_justify="left")
+    for header in ("bases", "count", "gain", "95% CI", "first better on"):
+        table.add_column(header, justify="left" if header == "bases" else "right")
+    for r in rows:
+        table.add_row(r.name, f"{r.bases:,}", f"{r.gain:+.4f}", f"[{r.ci[0]:+.4f}, {r.ci[1]:+.4f}]",
+                      f"{r.better:.1%}")
+    console.print(table)
