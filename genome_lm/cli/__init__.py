@@ -35,7 +35,7 @@ def main(
     """genome-lm: fine-tune a long-context genome language model."""
 
 
-from . import bench, check, data, demo, eval, plan, score, train, variants  # noqa: E402,F401  (--help: base.STUDY_ORDER)
+from . import bench, check, data, demo, eval, generate, plan, score, train, variants  # noqa: E402,F401  (--help: base.STUDY_ORDER)
 
 # How to continue a command stopped by a second Ctrl-C (the first one checkpoints and stops cleanly).
 CONTINUE = {"finetune": "run the same command with --resume to continue from its last checkpoint"}

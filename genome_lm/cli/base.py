@@ -55,8 +55,8 @@ class _Commands(TyperGroup):
         return sorted(names, key=lambda n: STUDY_ORDER.index(n) if n in STUDY_ORDER else len(STUDY_ORDER))
 
 
-STUDY_ORDER = ["demo", "prepare", "finetune", "eval", "score", "plot-tracks", "compare-tracks", "export", "variants",
-               "folds", "plan", "demo-genome", "recall", "check-logprobs", "parity", "preflight", "bench"]
+STUDY_ORDER = ["demo", "prepare", "finetune", "eval", "score", "plot-tracks", "compare-tracks", "generate", "export",
+               "variants", "folds", "plan", "demo-genome", "recall", "check-logprobs", "parity", "preflight", "bench"]
 
 
 def _flags_without_type() -> None:
