@@ -107,7 +107,8 @@ def test_generate_command_writes_fasta_and_refuses_bad_input(tmp_path):
     text = out.read_text().splitlines()
     headers = [line for line in text if line.startswith(">")]
     assert headers[0].startswith(">prompt+generated prompt_length=8 n=70 temperature=1 top_k=3 top_p=1 seed=4")
-    assert headers[1].startswith(">a+generated prompt_length=28 ") and headers[2].startswith(">b+generated prompt_length=12")
+    assert headers[1].startswith(">a+generated prompt_length=28 ")
+    assert headers[2].startswith(">b+generated prompt_length=12")
     seqs = "".join(line for line in text if not line.startswith(">"))
     assert len(seqs) == 210 and set(seqs) <= set("ACGT") and max(len(line) for line in text[1:]) <= 60 + 200
     rows = tsv.read_text().splitlines()
