@@ -127,3 +127,23 @@ def test_generate_command_writes_fasta_and_refuses_bad_input(tmp_path):
         assert len(result.output.strip().splitlines()) == 1 and not bad.exists()
     with pytest.raises(Exception, match="empty"):
         prompt_tokens("x", b"\n")
+
+
+def test_continuation_prompts_and_probe(model):
+    """The repeat prompt ends ``cue`` bases into the second copy, whose first copy lies ``d`` bases
+    before it; the control differs only in the first copy; the probe's identities are shares."""
+    from genome_lm.eval.probes.continuation import continuation_probe, continuation_prompts
+    from genome_lm.eval.probes.recall import LEAD, SequencePool
+
+    pool = SequencePool.random(50_000, seed=1)
+    rng = np.random.default_rng(0)
+    repeat, control, want = continuation_prompts(pool, rng, 500, 64, 16)
+    first = repeat[LEAD:LEAD + 64]
+    assert len(repeat) == len(control) == LEAD + 64 + 500 + 16
+    assert np.array_equal(repeat[-16:], first[:16]) and np.array_equal(want, first[16:])
+    assert np.array_equal(repeat[LEAD + 64:], control[LEAD + 64:]) and not np.array_equal(control[LEAD:LEAD + 64],
+                                                                                          first)
+    rows = continuation_probe(model, pool, [100, 300], segment=40, cue=8, trials=2)
+    assert [r.distance for r in rows] == [100, 300]
+    for r in rows:
+        assert 0 <= r.repeat_ci[0] <= r.repeat <= r.repeat_ci[1] <= 1 and 0 <= r.control <= 1
