@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from genome_lm.errors import GenomeLMError
 
-CONTEXT_EDGES = (0, 1024, 4096, 16384, 65536, 262144, 1 << 20, 1 << 40)
+CONTEXT_EDGES = (0, *(1024 << k for k in range(11)), 1 << 40)  # 0, 1k, 2k, 4k, ... 1M, beyond
 
 
 @dataclass

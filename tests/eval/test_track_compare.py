@@ -38,7 +38,7 @@ def test_gain_by_group_against_a_direct_computation(tmp_path):
     diff = tuned.astype(np.float32).astype(np.float64) - start.astype(np.float32).astype(np.float64)
     ok = ~np.isnan(diff)
     for name, mask in (("all bases", ok), ("unmasked", ok & ~masked), ("soft-masked (repeats)", ok & masked),
-                       ("context 0-1k", ok & (context < 1024)), ("context 1k-4k", ok & (context >= 1024))):
+                       ("context 0-1k", ok & (context < 1024)), ("context 2k-4k", ok & (context >= 2048))):
         r = rows[name]
         assert r.bases == mask.sum() and r.gain == pytest.approx(diff[mask].mean(), rel=1e-9)
         assert r.ci[0] < r.gain < r.ci[1] and r.better == pytest.approx((diff[mask] > 0).mean())
