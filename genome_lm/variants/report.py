@@ -118,7 +118,7 @@ def metrics(scores: dict, compare: dict, labels: np.ndarray, variants, req) -> M
                 classes[str(value)] = _subset_metrics({k: v[rows] for k, v in columns.items()}, y,
                                                       req.resamples, req.seed)
     contexts = sorted(set(req.contexts))
-    pairs = []
+    pairs, not_compared = [], []
     for L in contexts:
         model = f"model@{L}"
         for other in ["markov", *compare, f"baseline@{L}" if f"baseline@{L}" in columns else None,
@@ -126,12 +126,18 @@ def metrics(scores: dict, compare: dict, labels: np.ndarray, variants, req) -> M
             if other is None:
                 continue
             keep = ~np.isnan(columns[model]) & ~np.isnan(columns[other])
+            positives = int(labels[keep].sum())
+            if positives == 0 or positives == int(keep.sum()):  # an AUROC needs both classes
+                not_compared.append(f"{model} vs {other}: the {int(keep.sum()):,} variants both scored are all "
+                                    f"{'positive' if positives else 'negative'}")
+                continue
             diff, lo, hi = paired_difference(columns[model][keep], columns[other][keep], labels[keep], auroc,
                                              resamples=req.resamples, seed=req.seed)
             pairs.append(Difference(a=model, b=other, n=int(keep.sum()), auroc_difference=diff, ci=(lo, hi)))
     positive_class = PositiveClass(label=req.label, positive=list(req.positive),
                                    negative=None if req.negative is None else list(req.negative))
-    return Metrics(positive_class=positive_class, overall=overall, by_consequence=classes, differences=pairs)
+    return Metrics(positive_class=positive_class, overall=overall, by_consequence=classes, differences=pairs,
+                   not_compared=not_compared)
 
 
 def describe(name: str) -> str:
@@ -162,6 +168,7 @@ def summary(report: VariantsReport, skipped_list: Path | None = None) -> list[st
         verdict = "above" if lo > 0 else "below" if hi < 0 else "not distinguishable from"
         lines.append(f"{describe(d.a)} is {verdict} {describe(d.b)}: AUROC {d.auroc_difference:+.3f} "
                      f"[{lo:+.3f}, {hi:+.3f}]")
+    lines += [f"not compared: {why}" for why in m.not_compared]
     return lines
 
 

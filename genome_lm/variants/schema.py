@@ -115,6 +115,8 @@ class Metrics:
     overall: dict[str, ScoreMetrics]
     by_consequence: dict[str, dict[str, ScoreMetrics]]
     differences: list[Difference]
+    # pairs left out because the variants both scored hold one class only: "a vs b: why"
+    not_compared: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

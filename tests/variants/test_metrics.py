@@ -107,3 +107,26 @@ def test_bad_input_is_rejected():
         auroc([0.1, 0.2], [0, 2])
     with pytest.raises(ValueError, match="one length"):
         auroc([0.1, 0.2, 0.3], [0, 1])
+
+
+def test_a_compare_column_missing_on_one_class_is_not_compared_instead_of_a_crash():
+    """The review's case (issue 54, defect 1): 3 LOF variants without a CADD value and 3 FUNC ones
+    with it. The paired AUROC difference of the model against CADD would be over FUNC variants
+    only: it is left out and said so, and the rest of the metrics are still given."""
+    from types import SimpleNamespace
+
+    from genome_lm.variants.report import metrics, summary
+
+    labels = np.array([1, 1, 1, 0, 0, 0])
+    scores = {"model@4096": {"sum": np.array([-3.0, -2.5, -2.0, 0.1, 0.2, -0.1]), "mean": np.zeros(6)},
+              "markov": {"sum": np.array([-1.0, 0.5, -0.2, 0.3, -0.4, 0.0]), "mean": np.zeros(6)}}
+    compare = {"CADD": np.array([np.nan, np.nan, np.nan, 12.0, 20.0, 5.0])}
+    variants = [SimpleNamespace(info={"CONSEQUENCE": "Missense"}) for _ in range(6)]
+    req = SimpleNamespace(score="sum", resamples=50, seed=0, contexts=[4096], label="FUNC_CLASS", positive=("LOF",),
+                          negative=None)
+    m = metrics(scores, compare, labels, variants, req)
+    assert [(d.a, d.b) for d in m.differences] == [("model@4096", "markov")]
+    assert m.not_compared == ["model@4096 vs CADD: the 3 variants both scored are all negative"]
+    assert set(m.overall) == {"model@4096", "markov"}  # CADD alone has one class too: no AUROC of its own
+    report = SimpleNamespace(data=SimpleNamespace(variants=6, skipped=0, positives=3, negatives=3), metrics=m)
+    assert "not compared: model@4096 vs CADD: the 3 variants both scored are all negative" in summary(report)
