@@ -89,5 +89,13 @@ class WindowCache:
             Path(tmp).unlink(missing_ok=True)
             raise
 
-    def has(self, window: int) -> bool:
-        return self._path(window).is_file()
+    def has(self, window: int, length: int | None = None) -> bool:
+        """Whether the window's scores are there; with ``length``, whether they load as its array
+        (a damaged file is then removed, so that whoever asks next sees it missing too: rank 0
+        must decide what every rank scores from what it can read back, not from what exists)."""
+        if length is None:
+            return self._path(window).is_file()
+        if self.load(window, length) is not None:
+            return True
+        self._path(window).unlink(missing_ok=True)
+        return False

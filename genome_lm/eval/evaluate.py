@@ -299,7 +299,7 @@ def _score(req: EvalRequest, loaded: dict, jobs: list, chosen: _Selection, pg, s
                         {**vars(sizes), "world": world} if many else None)
         folder = f"{name}-{key}" if cut is None else f"{name}-cut{cut}-{key}"
         caches[label] = cache = WindowCache(out / ".scores" / folder)
-        done = sum(cache.has(i) for i in chosen.windows)
+        done = sum(cache.has(i) for i in chosen.windows)  # (which can be read back is decided in score_into_cache)
         if done:
             note(f"{label}: {done} of {len(chosen.windows)} windows already scored in {cache.folder} (an earlier, "
                  "interrupted run with the same model and settings): reusing them")
@@ -318,7 +318,7 @@ def _score(req: EvalRequest, loaded: dict, jobs: list, chosen: _Selection, pg, s
                 advance = None  # read back from the cache: counted already
             scored[label] = score_split(lm.model, chosen.dataset, req.split, windows=chosen.windows, chunk=req.chunk,
                                         token_map=lm.token_map, on_chunk=advance, cache=caches[label],
-                                        max_context=cut)
+                                        max_context=cut, read_only=many)
     return scored
 
 

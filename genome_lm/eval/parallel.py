@@ -139,7 +139,7 @@ def score_into_cache(model, dataset, split: str, windows: list[int], *, cache, p
     reader = SplitReader(dataset, split)
     missing = [None]
     if rank == 0:
-        missing[0] = [w for w in windows if not cache.has(w)]
+        missing[0] = [w for w in windows if not cache.has(w, reader.windows[w].length - 1)]  # damaged: missing
         if on_done is not None:
             on_done(sum(reader.windows[w].length - 1 for w in set(windows) - set(missing[0])))
     dist.broadcast_object_list(missing, src=0)

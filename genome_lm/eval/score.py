@@ -20,6 +20,7 @@ import torch
 
 from genome_lm.data.tokenizer import N
 from genome_lm.data.windows import MAX_N_FRACTION, too_many_n
+from genome_lm.errors import GenomeLMError
 
 if TYPE_CHECKING:
     from genome_lm.model.model import GLM5Model
@@ -159,13 +160,15 @@ def score_split(model: GLM5Model, dataset, split: str, *, windows: list[int] | N
                 max_windows: int | None = None,
                 chunk: int | None = None, token_map: torch.Tensor | None = None,
                 device: torch.device | str | None = None, on_chunk=None, cache=None,
-                max_context: int | None = None) -> TokenScores:
+                max_context: int | None = None, read_only: bool = False) -> TokenScores:
     """Scores of every non-N target of the chosen windows (``windows``, else ``select_windows``
     with ``max_windows``); a window is always scored whole, from its first base. ``cache``
     (``eval.cache.WindowCache``): windows scored earlier are read from it, each newly scored
     one is written to it at once. ``max_context``: each target sees at most that many tokens
     (``token_nll_cut``); its ``context`` stays its offset in the window, so a cut score sits in
-    the same bucket as the whole-window score of the same base."""
+    the same bucket as the whole-window score of the same base. ``read_only``: every window must
+    be read from ``cache`` (rank 0 of an evaluation over many ranks, after they scored it: a
+    window scored here alone would wait for ranks that are not there)."""
     from genome_lm.data.loader import SplitReader
 
     reader = SplitReader(dataset, split)
@@ -179,6 +182,9 @@ def score_split(model: GLM5Model, dataset, split: str, *, windows: list[int] | N
             tokens = reader.tokens(w)
             soft = reader.softmask(w)
             nll = None if cache is None else cache.load(w, len(tokens) - 1)
+            if nll is None and read_only:
+                raise GenomeLMError(f"{cache.folder}: window {w}'s scores missing or unreadable right after the ranks "
+                                    "scored it (a damaged disk?); run the evaluation again to score it again")
             if nll is None:
                 kwargs = dict(chunk=chunk, token_map=token_map, device=device, on_chunk=on_chunk)
                 nll = (token_nll(model, tokens, **kwargs) if max_context is None

@@ -100,3 +100,15 @@ def test_window_file_round_trip(tmp_path):
     np.testing.assert_array_equal(cache.load(4, 100), wide)
     assert cache.load(4, 99) is None  # another window length: not this window's scores
     assert cache.load(5, 10) is None and not cache.has(5)
+
+
+def test_a_damaged_file_is_missing_for_whoever_asks_with_its_length(tmp_path):
+    """``has(window, length)`` loads the file: a damaged one (truncated, or another length) is not
+    there, and is removed, so a later plain ``has`` agrees (issue 54, defect 2)."""
+    cache = WindowCache(tmp_path)
+    cache.store(3, np.arange(10, dtype=np.float64))
+    cache.store(4, np.arange(10, dtype=np.float64))
+    assert cache.has(3) and cache.has(3, 10) and not cache.has(4, 11) and not cache.has(4)
+    path = tmp_path / "window-0000003.npy"
+    path.write_bytes(path.read_bytes()[:60])
+    assert cache.has(3) and not cache.has(3, 10) and not cache.has(3) and not path.exists()

@@ -88,15 +88,18 @@ def test_four_ranks_give_the_one_process_report(demo_run, one_process, tmp_path,
 
 
 def test_a_killed_distributed_eval_rerun_scores_only_what_is_missing(demo_run, one_process, tmp_path):
-    """On Ray workers. Two windows' scores lost, as if the run had been killed before them: the
-    re-run scores those two (the others are read back untouched) and gives the same report."""
+    """On Ray workers. Two windows' scores lost, as if the run had been killed before them, and a
+    third damaged on disk: the re-run scores those three on every rank (a damaged file taken as
+    there by rank 0 and re-scored by it alone hung the split model's collectives; issue 54,
+    defect 2), reads the last back untouched, and gives the same report."""
     out = tmp_path / "eval"
     layout = {"tp": 2, "cp": 1, "ep": 1, "etp": 1, "pp": 1, "sequence_parallel": False}
     eval_on_ray(_request(demo_run, out, layout=layout), address="local", workers=2, progress=False)
     (folder,) = (out / ".scores").iterdir()
     files = sorted(folder.glob("window-*.npy"))
     assert len(files) == 4
-    kept = {f.name: f.stat().st_mtime_ns for f in files[:2]}
+    kept = {f.name: f.stat().st_mtime_ns for f in files[:1]}
+    files[1].write_bytes(files[1].read_bytes()[:100])  # damaged: a truncated array
     for f in files[2:]:
         f.unlink()
     (out / "eval.json").unlink()
