@@ -87,7 +87,7 @@ def training_checkpoint(path: str | Path) -> Path | None:
 def existing_checkpoints(out: str | Path) -> list[Path]:
     """The step folders of a run folder's checkpoints, oldest first."""
     root = Path(out) / "checkpoints"
-    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".partial"))
+    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith((".partial", ".old")))
 
 
 def check_run_folder(out: Path, *, resume: bool, resume_from, overwrite: bool) -> None:

@@ -127,10 +127,13 @@ def save_checkpoint(out: str | Path, step: int, model: GLM5Model, optimizer, sta
     if torch_opt is not None:
         entries += optimizer_boxes(model, torch_opt)
         own_state["optimizer_groups"] = optimizer_groups(torch_opt)
+    before = set(partial.iterdir())
     index = write_pieces(partial, rank, entries)
     if optimizer is not None and torch_opt is None:
         torch.save(optimizer.state_dict(), partial / f"optim-r{rank:05d}.pt")
     (partial / f"state-r{rank:05d}.json").write_text(json.dumps({**own_state, "rng": rng_state()}))
+    for path in set(partial.iterdir()) - before:  # this rank's files on disk before anyone renames the folder
+        fsync_path(path)
     _barrier()
     if rank == 0:
         files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(partial.iterdir())}
@@ -138,14 +141,34 @@ def save_checkpoint(out: str | Path, step: int, model: GLM5Model, optimizer, sta
         (partial / "meta.json").write_text(json.dumps({"step": step, "world_size": world, "format": FORMAT,
                                                        "optimizer": optim, "files": files, **(meta or {}),
                                                        "tensors": index}, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
+        fsync_path(partial / "meta.json")
+        fsync_path(partial)
+        old = final.with_name(final.name + OLD)
+        if final.exists():  # re-saving a step: the old copy stays whole until the new one is in place
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(partial, final)
         tmp = root / f".{LATEST}.tmp"
         tmp.write_text(final.name + "\n")
+        fsync_path(tmp)
         os.replace(tmp, root / LATEST)
+        fsync_path(root)
+        shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+OLD = ".old"  # a step folder being replaced by a new save of the same step
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a folder's entries to the disk, so that a rename after it survives a
+    machine's crash, not only the process's."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def latest_checkpoint(out: str | Path) -> Path | None:
@@ -153,6 +176,9 @@ def latest_checkpoint(out: str | Path) -> Path | None:
     if not pointer.exists():
         return None
     folder = pointer.parent / pointer.read_text().strip()
+    old = folder.with_name(folder.name + OLD)
+    if not folder.is_dir() and old.is_dir():  # a re-save of this step stopped between its two renames
+        os.replace(old, folder)
     if not folder.is_dir():
         raise CheckpointCorrupt(f"{pointer}: points at {folder.name}, which does not exist")
     return folder

@@ -239,3 +239,37 @@ def test_distributed_optimizer_shards_survive_a_checkpoint(tmp_path):
     other_layout = MegatronOptimizer(_Chained([_ShardedAdam(dense + expert, 9)]))
     with pytest.raises(GenomeLMError, match="optimizer has 2 parts, this run's 1"):
         load_checkpoint(folder, model, other_layout)
+
+
+def test_a_resave_of_the_same_step_stopped_between_renames_keeps_the_old_copy(tmp_path, monkeypatch):
+    """Re-saving an existing step (issue 54, defect 6): the old copy was removed before the new
+    one was renamed in, so a crash between the two left ``latest`` pointing at nothing. Now the
+    old copy is moved aside and comes back when ``latest`` is read; a finished re-save replaces it,
+    and every file and folder is flushed (fsync) before its rename."""
+    import genome_lm.checkpoint.training as ckpt
+
+    model, opt = _model_and_opt(0)
+    save_checkpoint(tmp_path, 5, model, opt, {"n": 1})
+    real_replace, synced = ckpt.os.replace, []
+
+    def crash_on_the_second_rename(src, dst):
+        if str(src).endswith(".partial"):
+            raise KeyboardInterrupt  # the machine stops: the old copy is aside, the new one not in place
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "replace", crash_on_the_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 5, model, opt, {"n": 2})
+    monkeypatch.setattr(ckpt.os, "replace", real_replace)
+    folder = latest_checkpoint(tmp_path)
+    assert folder.name == "step-000005" and json.loads((folder / "state-r00000.json").read_text())["n"] == 1
+    assert verify(folder)["step"] == 5
+
+    real_fsync = ckpt.fsync_path
+    monkeypatch.setattr(ckpt, "fsync_path", lambda p: synced.append(p.name) or real_fsync(p))
+    save_checkpoint(tmp_path, 5, model, opt, {"n": 3})
+    folder = latest_checkpoint(tmp_path)
+    assert json.loads((folder / "state-r00000.json").read_text())["n"] == 3
+    assert not (tmp_path / "checkpoints" / "step-000005.old").exists()
+    assert {"meta.json", "model-r00000.safetensors", "state-r00000.json", "step-000005.partial",
+            "checkpoints", f".{ckpt.LATEST}.tmp"} <= set(synced)
