@@ -368,13 +368,19 @@ def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
             for group in optimizer.param_groups]
 
 
+CONFIG_GROUP_KEYS = ("lr_scale",)  # set by this run's config (train.lr_scale), never by the checkpoint
+
+
 def set_optimizer_groups(optimizer: torch.optim.Optimizer, groups: list[dict], where: Path) -> None:
+    """The saved groups' numbers (betas, the step's learning rate, ...) onto ``optimizer``'s, but
+    ``CONFIG_GROUP_KEYS``: a resumed run's ``train.lr_scale`` is the config's, not the one saved."""
     if len(groups) != len(optimizer.param_groups):
         raise GenomeLMError(f"{where}: the optimizer had {len(groups)} parameter groups, this one has "
                             f"{len(optimizer.param_groups)}")
     for group, saved in zip(optimizer.param_groups, groups):
         for k, v in saved.items():
-            group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+            if k not in CONFIG_GROUP_KEYS:
+                group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
 
 
 def legacy_index(folder: Path, files: dict) -> dict:

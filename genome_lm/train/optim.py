@@ -80,7 +80,7 @@ class CPUAdamW:
     def __init__(self, ddp_model, train, pg: ProcessGroupCollection):
         self.named = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
         self.pg, self.clip = pg, train.grad_clip
-        scales = lr_scales(self.named, train.lr_scale)
+        scales = lr_scales(self.named, train.lr_scale, ddp_model.module)
         groups = []
         for scale in sorted(set(scales.values()) | {1.0}, key=lambda x: (x != 1.0, -x)):  # 1.0 first, as before
             decay = [p for n, p in self.named if scales[n] == scale and p.dim() > 1]
@@ -126,18 +126,27 @@ class CPUAdamW:
         self.optimizer.load_state_dict(state)
 
 
-def lr_scales(named, patterns: dict[str, float]) -> dict[str, float]:
+def lr_scales(named, patterns: dict[str, float], model: GLM5Model | None = None) -> dict[str, float]:
     """Each parameter's learning-rate multiplier: the first of ``patterns`` (``train.lr_scale``:
-    shell-style globs over parameter names, in order) that matches its name, else 1. A pattern
-    that matches no parameter is an error (a typo would otherwise silently train everything)."""
-    names = [n for n, _ in named]
+    shell-style globs over parameter names, in order) that matches its name, else 1. Names are
+    the whole model's (``model``'s layers and routed experts numbered as in one process, whatever
+    its pipeline stage and expert-parallel share), so a pattern means the same tensors on every
+    layout. A pattern that matches no parameter on any rank is an error (a typo would otherwise
+    silently train everything)."""
+    from genome_lm.model.peft import _require_every_pattern, _whole_name
+
+    counts = dict.fromkeys(patterns, 0)
     out = {}
-    for name in names:
-        out[name] = next((scale for pattern, scale in patterns.items() if fnmatch.fnmatchcase(name, pattern)), 1.0)
-    unused = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
-    if unused:
-        raise GenomeLMError(f"train.lr_scale: {unused[0]!r} matches no parameter (names look like "
-                            f"{names[len(names) // 2]!r})")
+    for name, _ in named:
+        whole = _whole_name(model, name) if model is not None else name
+        pattern = next((pattern for pattern in patterns if fnmatch.fnmatchcase(whole, pattern)), None)
+        out[name] = 1.0 if pattern is None else patterns[pattern]
+        for p in patterns:
+            counts[p] += fnmatch.fnmatchcase(whole, p)
+    if model is not None:
+        _require_every_pattern(model, counts, "train.lr_scale")
+    elif unused := [p for p, n in counts.items() if n == 0]:
+        raise GenomeLMError(f"train.lr_scale: {unused[0]!r} matches no parameter")
     return out
 
 

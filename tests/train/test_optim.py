@@ -181,3 +181,18 @@ def test_lr_scale_patterns_must_match_and_need_the_cpu_optimizer():
         make_optimizer(cfg, None, None, SimpleNamespace(distributed_optimizer=True))
     with pytest.raises(ValueError, match="0 \\(frozen\\) or more"):
         TrainConfig(lr_scale={"*": -1.0})
+
+
+def test_a_resumed_run_keeps_its_configs_lr_scale():
+    """The saved groups' numbers come back on resume, but not ``lr_scale`` (issue 54, defect 3:
+    a resumed run silently kept the multipliers it was saved with, whatever its config said)."""
+    from genome_lm.checkpoint.sharded import optimizer_groups, set_optimizer_groups
+
+    p = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))]
+    saved = torch.optim.AdamW([{"params": [p[0]], "lr_scale": 1.0}, {"params": [p[1]], "lr_scale": 0.5}], lr=1e-3,
+                              betas=(0.8, 0.9))
+    groups = optimizer_groups(saved)
+    now = torch.optim.AdamW([{"params": [p[0]], "lr_scale": 1.0}, {"params": [p[1]], "lr_scale": 0.1}], lr=5e-4)
+    set_optimizer_groups(now, groups, "ckpt")
+    assert [g["lr_scale"] for g in now.param_groups] == [1.0, 0.1]  # the config's
+    assert [g["betas"] for g in now.param_groups] == [(0.8, 0.9)] * 2 and now.param_groups[0]["lr"] == 1e-3

@@ -53,3 +53,19 @@ def test_lora_with_a_stage_that_trains_nothing(small_dataset, tmp_path):
     assert two.steps_done == 3
     assert_same_history(one, two, tokens=600)
     assert one.history[0].lm_loss != one.history[-1].lm_loss
+
+
+@pytest.mark.slow
+def test_lr_scale_names_the_whole_models_layers_under_pipeline_parallel(small_dataset, tmp_path):
+    """``train.lr_scale`` freezing layer 0 and slowing layer 3 (issue 54, defect 3): the patterns
+    match each parameter's name in the whole model, so PP 2 (layers 0-1 and 2-3) freezes and slows
+    the same tensors as one process and gives its losses; matched stage-locally, it froze layer 2
+    too and refused layer 3 on the first stage."""
+    ckpt = tiny_checkpoint(tmp_path / "hf")
+    scales = 'train.lr_scale={"layers.0.*": 0.0, "layers.3.*": 0.25}'
+    common = overrides(small_dataset, ckpt, seq_len=300, batch=2, extra=[scales])
+    one = train(load_config("demo-cpu", common + [f"train.out_dir={tmp_path / 'one'}"]), progress=False)
+    two = train_on_ray(load_config("demo-cpu", common + ["parallel.pp=2", f"train.out_dir={tmp_path / 'pp2'}"]),
+                       address="local", workers=2, progress=False)
+    assert two.steps_done == 3
+    assert_same_history(one, two, tokens=600)
