@@ -47,8 +47,8 @@ def _torchrun(genome, out, sets: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"cp": 2}, {"ep": 2}, {}],
-                         ids=["tp2", "tp2-sp", "cp2", "ep2", "dp2"])
+@pytest.mark.parametrize("layout", [{"tp": 2, "sequence_parallel": True}, {"cp": 2}, {"ep": 2}, {}],
+                         ids=["tp2-sp", "cp2", "ep2", "dp2"])  # (TP 2 without SP: the same head, measured to pass)
 def test_two_ranks_give_the_one_process_tracks_and_embeddings(genome, one_process, tmp_path, layout):
     import pyarrow.parquet as pq
 
@@ -75,6 +75,11 @@ def test_two_ranks_give_the_one_process_tracks_and_embeddings(genome, one_proces
 
 
 def test_pipeline_parallel_is_one_line(genome, tmp_path):
-    run = _torchrun(genome, tmp_path / "pp", ["parallel.pp=2"])
-    assert run.returncode == 1 and "not by pipeline parallel" in run.stdout + run.stderr
+    from genome_lm.errors import GenomeLMError
+    from genome_lm.eval.tracks import ScoreRequest, score_fasta
+
+    req = ScoreRequest(model="builtin:tiny-long", fasta=genome, regions=("chrA",), out=tmp_path / "pp",
+                       layout={"tp": 1, "cp": 1, "ep": 1, "etp": 1, "pp": 2, "sequence_parallel": False})
+    with pytest.raises(GenomeLMError, match="not by pipeline parallel"):
+        score_fasta(req, progress=False)
     assert not (tmp_path / "pp").exists() and not (tmp_path / "pp.partial").exists()
