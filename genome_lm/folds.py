@@ -223,7 +223,9 @@ def run_folds(out: Path, fasta: Path, region_text: str, k: int, window: int, *, 
     out = Path(out)
     region = bounded_region(fasta, region_text, out / ".fasta")
     plans = plan_folds(region, k, window, guard)
-    _check_plan(out, fasta, plans, window, drill)
+    _check_plan(out, fasta, plans, window, drill, recipe={"config": config, "overrides": list(overrides or []),
+                                                          "max_contexts": list(max_contexts or DNA_MAX_CONTEXTS),
+                                                          "eval_windows": eval_windows})
     done = []
     for plan in plans:
         if on_fold:
@@ -253,21 +255,33 @@ def run_folds(out: Path, fasta: Path, region_text: str, k: int, window: int, *, 
     return report
 
 
-def _check_plan(out: Path, fasta: Path, plans: list[FoldPlan], window: int, drill: float) -> None:
-    """``out``/folds-plan.json records the folds; a re-run must ask for the same ones (its fold
-    folders hold their datasets and runs)."""
-    path = out / "folds-plan.json"
-    plan = {"fasta": str(Path(fasta).resolve()), "window": window, "drill": drill,
-            "folds": [{"held_out": str(p.held_out), "train": [str(r) for r in p.train]} for p in plans]}
-    if path.exists():
-        earlier = json.loads(path.read_text())
-        if earlier != plan:
-            raise GenomeLMError(f"{out} holds another k-fold study ({len(earlier['folds'])} folds of "
-                                f"{earlier['folds'][0]['held_out']}...; window {earlier['window']:,}; drill "
-                                f"{earlier.get('drill', 0.0)}); use another --out or remove it")
-        return
+def _check_plan(out: Path, fasta: Path, plans: list[FoldPlan], window: int, drill: float,
+                recipe: dict | None = None) -> None:
+    """``out``/folds-plan.json records the folds and the recipe (config, --set overrides, context
+    cuts, eval windows); a re-run must ask for the same (its fold folders hold their datasets,
+    runs and scores: another recipe would mix two studies under the new one's name). A plan written
+    before the recipe was recorded is taken for the folds alone and gains the recipe."""
     from genome_lm.eval.report import atomic_write
 
+    path = out / "folds-plan.json"
+    plan = {"fasta": str(Path(fasta).resolve()), "window": window, "drill": drill,
+            "folds": [{"held_out": str(p.held_out), "train": [str(r) for r in p.train]} for p in plans],
+            **({"recipe": recipe} if recipe is not None else {})}
+    if path.exists():
+        earlier = json.loads(path.read_text())
+        if "recipe" not in earlier and recipe is not None:  # an older plan: the folds only
+            earlier["recipe"] = recipe
+            if earlier == plan:
+                atomic_write(path, (json.dumps(plan, indent=1) + "\n").encode())
+                return
+        if earlier != plan:
+            differ = [k for k in ("fasta", "window", "drill", "folds") if earlier.get(k) != plan.get(k)]
+            differ += [k for k in (recipe or {}) if earlier.get("recipe", {}).get(k) != plan["recipe"][k]]
+            raise GenomeLMError(f"{out} holds another k-fold study ({', '.join(differ)} differ: "
+                                f"{len(earlier['folds'])} folds of {earlier['folds'][0]['held_out']}...; window "
+                                f"{earlier['window']:,}; recipe {earlier.get('recipe')}); use another --out or "
+                                "remove it")
+        return
     atomic_write(path, (json.dumps(plan, indent=1) + "\n").encode())
 
 

@@ -153,6 +153,17 @@ def test_an_interrupted_study_finishes_on_a_rerun(genome, study, tmp_path, monke
     other = CliRunner().invoke(app, ["demo", "--fasta", str(genome), "--folds", "3", "--region", "chr22:20,001-36,000",
                                      "--out", str(tmp_path), *TINY])
     assert other.exit_code == 1 and "holds another k-fold study" in other.output
+    # the same folds with another recipe are refused too (issue 54, defect 7: they were mixed in)
+    changed = _study(genome, tmp_path, ["--set", "train.lr=1e-3"])
+    assert changed.exit_code == 1 and "holds another k-fold study (overrides differ" in changed.output
+    # a plan from before the recipe was recorded: its folds are checked, and it gains the recipe
+    path = tmp_path / "folds-plan.json"
+    plan = json.loads(path.read_text())
+    recipe = plan.pop("recipe")
+    assert recipe["overrides"] == TINY[4::2] and recipe["config"] == "dna-finetune-cpu"
+    path.write_text(json.dumps(plan))
+    assert _study(genome, tmp_path).exit_code == 0
+    assert json.loads(path.read_text())["recipe"] == recipe
 
 
 def test_bad_folds_arguments_are_one_line_errors(genome, tmp_path):
