@@ -33,12 +33,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import GroupKFold
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from genome_lm.data.tokenizer import tokenize
 from genome_lm.errors import GenomeLMError
+
+from .run import allele_windows, sites
 
 if TYPE_CHECKING:
     from genome_lm.eval.models import LoadedModel
@@ -61,8 +64,6 @@ def variant_features(lm: LoadedModel, variants, fasta, spec: ProbeSpec, *, chunk
     from genome_lm.eval.embeddings import LayerTaps
     from genome_lm.eval.score import _model_ids
     from genome_lm.model.prefill import Prefill
-
-    from .run import allele_windows, sites
 
     model, width = lm.model.eval(), lm.model.cfg.hidden_size
     blocks = []
@@ -124,8 +125,6 @@ def position_groups(contigs: list[str], starts: np.ndarray, block: int) -> np.nd
 
 def _fit(X: np.ndarray, y: np.ndarray, groups: np.ndarray, k_inner: int, seed: int):
     """A scaled, L2-regularized logistic regression, its C chosen by grouped inner CV (AUROC)."""
-    from sklearn.metrics import roc_auc_score
-
     best, best_auc = C_GRID[0], -1.0
     inner = min(k_inner, len(np.unique(groups)))
     if inner >= 2 and 0 < y.sum() < len(y):

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from genome_lm.data.tokenizer import tokenize
+
 from ..generate import Sampling, generate
 from .recall import LEAD, SequencePool, probe_sequences
 
@@ -59,8 +61,6 @@ def continuation_probe(model: GLM5Model, pool: SequencePool, distances: list[int
                        cue: int = 32, trials: int = 4, seed: int = 0, chunk: int = 32_768, token_map=None,
                        on_row=None) -> list[ContinuationRow]:
     """Identity of the greedy continuation with the repeat, per distance, and its control."""
-    from genome_lm.data.tokenizer import tokenize
-
     rows = []
     for d in distances:
         rng = np.random.default_rng([seed, d])
