@@ -56,7 +56,8 @@ class _Commands(TyperGroup):
 
 
 STUDY_ORDER = ["demo", "prepare", "finetune", "eval", "score", "plot-tracks", "compare-tracks", "generate", "export",
-               "variants", "folds", "plan", "demo-genome", "recall", "check-logprobs", "parity", "preflight", "bench"]
+               "variants", "probe", "folds", "plan", "demo-genome", "recall", "check-logprobs", "parity", "preflight",
+               "bench"]
 
 
 def _flags_without_type() -> None:

@@ -107,3 +107,58 @@ def print_report(report) -> None:
         console.print(line, highlight=False)
     for what, path in report.files.items():
         console.print(f"{what}: {path}", highlight=False)
+
+
+@app.command("probe")
+def probe_command(
+    vcf: Annotated[Path, typer.Option(help="The variants: VCF or bgzip VCF, labelled by an INFO field (--label).")],
+    fasta: Annotated[Path, typer.Option(help="The reference the VCF's coordinates are on.")],
+    model: Annotated[str, typer.Option(help="A training run folder, a checkpoint, a Hugging Face folder, or "
+                                            "builtin:tiny-long: its embeddings are the probe's features.")],
+    out: Annotated[Path, typer.Option(help="Folder for probe.json (the fitted probe), probe.tsv (each variant's "
+                                           "out-of-fold scores) and probe-report.json.")],
+    label: Annotated[Optional[str], typer.Option(help="INFO field with the class (e.g. FUNC_CLASS).")] = None,
+    positive: Annotated[Optional[str], typer.Option(help="Values of --label that are positive, e.g. LOF.")] = None,
+    negative: Annotated[Optional[str], typer.Option(help="Values of --label that are negative; default: every "
+                                                         "other value.")] = None,
+    layers: Annotated[str, typer.Option(help="Layers whose embeddings are features: indices from 0 (negative from "
+                                             "the end) or 'final'.")] = "final",
+    contexts: Annotated[str, typer.Option(help="Preceding contexts to embed each variant at, e.g. 1k,8k.")] = "1k",
+    right: Annotated[int, typer.Option(help="Bases after the allele whose hidden states are averaged.",
+                                       min=0)] = 64,
+    folds: Annotated[int, typer.Option(help="Cross-validation folds, grouped by genomic blocks.", min=2)] = 5,
+    block: Annotated[str, typer.Option(help="Variants within one block of this many bases go to the same "
+                                            "fold.")] = "1k",
+    compare: Annotated[Optional[str], typer.Option(help="INFO fields with other methods' scores to put beside the "
+                                                        "probe (higher = more damaging), e.g. CADD.")] = None,
+    apply: Annotated[Optional[Path], typer.Option(help="A probe.json from an earlier run with the same model: score "
+                                                       "this VCF with it instead of fitting one.",
+                                                  show_default=False)] = None,
+    chunk: Annotated[str, typer.Option(help="Chunked prefill of the preceding context ('0': one forward).")] = "32k",
+    max_variants: Annotated[Optional[int], typer.Option(help="Only the first N variants (a quick look).",
+                                                        min=1)] = None,
+    resamples: Annotated[int, typer.Option(help="Bootstrap resamples for the 95% intervals.", min=10)] = 1000,
+    seed: Annotated[int, typer.Option(help="Seed of the regression and the bootstrap.")] = 0,
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+) -> None:
+    """A supervised variant-effect probe: a regularized logistic regression on the model's
+    embeddings around each variant (reference, alternative and their difference, per layer and
+    preceding context) plus its position and consequence class, cross-validated with folds grouped
+    by genomic blocks so that neighbouring variants never straddle training and test. Reports the
+    out-of-fold AUROC and AUPRC with 95% intervals beside position + consequence alone and the
+    --compare fields, and saves the probe fitted on every variant (--apply scores another VCF)."""
+    from genome_lm.variants.probe import ProbeRequest, run_probe
+
+    chunk_size = 0 if chunk.strip() in ("0", "none") else size(chunk, "--chunk")
+    req = ProbeRequest(vcf=vcf, fasta=fasta, model=model, out=out, layers=layers,
+                       contexts=tuple(sizes(contexts, "--contexts")), right=right, label=label,
+                       positive=_names(positive), negative=_names(negative) if negative else None,
+                       compare=_names(compare), apply=apply, folds=folds, block=size(block, "--block"),
+                       chunk=chunk_size or None, max_variants=max_variants, resamples=resamples, seed=seed)
+    report = run_probe(req, progress=not quiet)
+    console.print(f"{report['variants']:,} variants; wrote {out}/probe.tsv, probe-report.json"
+                  + ("" if apply else ", probe.json"), highlight=False, soft_wrap=True)
+    for name, m in report.get("metrics", {}).items():
+        a, p = m["auroc"], m["auprc"]
+        console.print(f"  {name}: AUROC {a['value']:.3f} [{a['lo']:.3f}, {a['hi']:.3f}], AUPRC {p['value']:.3f} "
+                      f"[{p['lo']:.3f}, {p['hi']:.3f}] (n={m['n']:,})", highlight=False, soft_wrap=True)

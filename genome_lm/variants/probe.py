@@ -40,6 +40,7 @@ from sklearn.preprocessing import StandardScaler
 
 from genome_lm.data.tokenizer import tokenize
 from genome_lm.errors import GenomeLMError
+from genome_lm.eval.embeddings import parse_layers
 
 from .run import allele_windows, sites
 
@@ -95,12 +96,14 @@ def variant_features(lm: LoadedModel, variants, fasta, spec: ProbeSpec, *, chunk
     return np.concatenate(blocks, axis=1)
 
 
-def baseline_features(variants, consequences: list[str | None]) -> np.ndarray:
-    """Position (in Mbp from the first variant) and a one-hot of the consequence class."""
-    classes = sorted({c for c in consequences if c is not None})
-    pos = np.array([v.start for v in variants], dtype=np.float64)
-    out = [(pos - pos.min()) / 1e6] if len(pos) else [pos]
-    out += [np.array([c == k for c in consequences], dtype=np.float64) for k in classes]
+def consequence_classes(consequences: list[str | None]) -> list[str]:
+    return sorted({str(c) for c in consequences if c is not None})
+
+
+def baseline_features(variants, consequences: list[str | None], classes: list[str]) -> np.ndarray:
+    """Position (Mbp) and a one-hot of the consequence over ``classes`` (the fitted probe's)."""
+    pos = np.array([v.start for v in variants], dtype=np.float64) / 1e6
+    out = [pos] + [np.array([str(c) == k for c in consequences], dtype=np.float64) for k in classes]
     return np.stack(out, axis=1)
 
 
@@ -180,6 +183,7 @@ class Probe:
     contexts: list[int]
     right: int
     C: float
+    classes: list[str]  # the consequence classes of the baseline features
     mean: list[float]
     scale: list[float]
     coef: list[float]
@@ -211,11 +215,111 @@ class Probe:
 
 
 def fit_probe(X: np.ndarray, y: np.ndarray, contigs: list[str], starts: np.ndarray, spec: ProbeSpec,
-              fingerprint: str, *, block: int = 1000, k_inner: int = 4, seed: int = 0) -> Probe:
+              fingerprint: str, *, block: int = 1000, k_inner: int = 4, seed: int = 0,
+              classes: list[str] | None = None) -> Probe:
     """The probe fitted on every labelled variant (C by grouped CV), to apply to another VCF."""
     model, C = _fit(X, np.asarray(y).astype(np.int64), position_groups(contigs, starts, block), k_inner, seed)
     scaler, reg = model[0], model[-1]
     return Probe(schema=PROBE_SCHEMA, model_fingerprint=fingerprint, layers=list(spec.layers),
-                 contexts=list(spec.contexts), right=spec.right, C=C, mean=scaler.mean_.tolist(),
+                 contexts=list(spec.contexts), right=spec.right, C=C, classes=list(classes or []),
+                 mean=scaler.mean_.tolist(),
                  scale=scaler.scale_.tolist(), coef=reg.coef_[0].tolist(), intercept=float(reg.intercept_[0]),
                  n_train=len(y))
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    vcf: Path
+    fasta: Path
+    model: str
+    out: Path
+    layers: str = "final"  # eval.embeddings.parse_layers text
+    contexts: tuple[int, ...] = (1024,)
+    right: int = 64
+    label: str | None = None
+    positive: tuple[str, ...] = ()
+    negative: tuple[str, ...] | None = None
+    compare: tuple[str, ...] = ()
+    apply: Path | None = None  # a saved probe: score the VCF with it instead of fitting one
+    folds: int = 5
+    block: int = 1000
+    chunk: int | None = None
+    max_variants: int | None = None
+    resamples: int = 1000
+    seed: int = 0
+
+
+def run_probe(req: ProbeRequest, *, progress: bool = True) -> dict:
+    """Fit and cross-validate a probe on ``req.vcf``'s labelled variants (or, with ``req.apply``,
+    score them with a saved one) into ``req.out``: ``probe.json`` (the probe fitted on every
+    variant), ``probe.tsv`` (each variant's out-of-fold scores) and ``probe-report.json`` (AUROC
+    and AUPRC with intervals: the probe on the model's features and position + consequence, the
+    baseline on position + consequence alone, the --compare fields). Returns the report."""
+    from genome_lm.engine import quiet_megatron_import
+    from genome_lm.engine.parallel import ParallelSizes, parallel_context
+    from genome_lm.eval.cache import weights_fingerprint
+    from genome_lm.eval.models import load_model
+    from genome_lm.eval.report import atomic_write
+    from genome_lm.progress import progress_bar
+
+    from .metrics import auprc, auroc, bootstrap
+    from .report import compare_columns
+    from .vcf import Reference, read_variants
+
+    if req.apply is None and not req.label:
+        raise GenomeLMError("a probe is fitted on labelled variants: give --label (and --positive), or --apply PROBE")
+    saved = Probe.load(req.apply) if req.apply is not None else None
+    contexts, right = (tuple(saved.contexts), saved.right) if saved else (tuple(req.contexts), req.right)
+    found = read_variants(req.vcf, req.fasta, left=max(contexts), right=right, label=req.label,
+                          positive=req.positive, negative=req.negative)
+    variants = list(found.variants)[:req.max_variants]
+    if not variants:
+        raise GenomeLMError(f"{req.vcf}: no variant could be scored")
+    labels = None if found.labels is None else np.asarray(found.labels[:len(variants)], dtype=np.int64)
+    compare = compare_columns(variants, req.compare, req.vcf)
+    with quiet_megatron_import(), parallel_context(ParallelSizes()) as pg, Reference(req.fasta) as fasta:
+        lm = load_model(req.model, pg)
+        fingerprint = weights_fingerprint(lm.model)
+        if saved is not None and saved.model_fingerprint != fingerprint:
+            raise GenomeLMError(f"{req.apply}: fitted on another model's embeddings (weights fingerprint "
+                                f"{saved.model_fingerprint[:12]}, {req.model}'s {fingerprint[:12]})")
+        layers = tuple(saved.layers) if saved else parse_layers(req.layers, lm.model.cfg.num_hidden_layers)
+        spec = ProbeSpec(layers, contexts, right)
+        with progress_bar(quiet=not progress) as bar:
+            task = bar.add_task("probe features", total=len(variants) * len(spec.contexts), unit="variants")
+            X = variant_features(lm, variants, fasta, spec, chunk=req.chunk, on_variant=lambda n: bar.advance(task, n))
+    consequences = [v.info.get("CONSEQUENCE") for v in variants]
+    classes = saved.classes if saved else consequence_classes(consequences)
+    base = baseline_features(variants, consequences, classes)
+    contigs, starts = [v.contig for v in variants], np.array([v.start for v in variants])
+    out = Path(req.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = {"variant": [v.key for v in variants]}
+    report: dict = {"schema": "genome-lm.probe-report/1", "vcf": str(req.vcf), "model": req.model,
+                    "spec": asdict(spec), "variants": len(variants)}
+    if saved is not None:
+        rows["probe"] = saved.decision(np.concatenate([X, base], axis=1))
+    else:
+        full = np.concatenate([X, base], axis=1)
+        cv = {name: cross_validate(data, labels, contigs, starts, block=req.block, k=req.folds, seed=req.seed)
+              for name, data in (("probe", full), ("position + consequence", base))}
+        rows.update({name: r.scores for name, r in cv.items()}, label=labels, fold=cv["probe"].folds)
+        columns = {**{name: r.scores for name, r in cv.items()}, **compare}
+        metrics = {}
+        for name, values in columns.items():
+            keep = ~np.isnan(values)
+            y = labels[keep]
+            if 0 < y.sum() < len(y):
+                metrics[name] = {"n": int(keep.sum()),
+                                 **{m.__name__: dict(zip(("value", "lo", "hi"),
+                                                         bootstrap(values[keep], y, m, req.resamples, req.seed)))
+                                    for m in (auroc, auprc)}}
+        report.update(positives=int(labels.sum()), folds=req.folds, block=req.block, metrics=metrics,
+                      C=cv["probe"].C)
+        fit_probe(full, labels, contigs, starts, spec, fingerprint, block=req.block, seed=req.seed,
+                  classes=classes).save(out / "probe.json")
+    lines = ["\t".join(rows)] + ["\t".join(str(rows[k][i]) if not isinstance(rows[k][i], float) else f"{rows[k][i]:.6g}"
+                                           for k in rows) for i in range(len(variants))]
+    atomic_write(out / "probe.tsv", ("\n".join(lines) + "\n").encode())
+    atomic_write(out / "probe-report.json", json.dumps(report, indent=1).encode())
+    return report

@@ -135,3 +135,45 @@ def test_features_are_the_models_own_forward_over_each_allele(tmp_path):
                             want = reference(model, window, layer)[len(prefix):].mean(0)
                             np.testing.assert_allclose(got[k], want, rtol=0, atol=1e-5 * np.abs(want).max())
                         np.testing.assert_allclose(got[2], got[1] - got[0], rtol=1e-6, atol=1e-7)
+
+
+def test_probe_command_fits_applies_and_refuses(tmp_path):
+    """``genome-lm probe`` on a small labelled VCF: every output written, a row per variant with
+    its fold, AUROC and AUPRC for the probe, the baseline and a --compare field; --apply with the
+    same model scores the VCF with the saved probe; with another model, or without labels and a
+    probe, one line and exit 1."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from genome_lm.cli import app
+    from tests.variants.test_variants_cli import _write_inputs
+
+    vcf, fa = _write_inputs(tmp_path, np.random.default_rng(1))
+    base = ["probe", "--vcf", str(vcf), "--fasta", str(fa), "--model", "builtin:tiny-long", "--contexts", "128",
+            "--right", "16", "--layers", "0,final", "--quiet"]
+    fitted = tmp_path / "fit"
+    result = CliRunner().invoke(app, [*base, "--label", "CLASS", "--positive", "bad", "--compare", "SCORE",
+                                      "--folds", "2", "--block", "200", "--resamples", "50", "--out", str(fitted)],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    report = json.loads((fitted / "probe-report.json").read_text())
+    assert set(report["metrics"]) == {"probe", "position + consequence", "SCORE"}
+    rows = (fitted / "probe.tsv").read_text().splitlines()
+    assert rows[0].split("\t") == ["variant", "probe", "position + consequence", "label", "fold"]
+    assert len(rows) == 1 + report["variants"] and "probe: AUROC" in result.output
+    probe = Probe.load(fitted / "probe.json")
+    assert probe.layers == ["layer_0", "final"] and probe.contexts == [128] and probe.right == 16
+
+    applied = tmp_path / "apply"
+    result = CliRunner().invoke(app, [*base, "--apply", str(fitted / "probe.json"), "--out", str(applied)])
+    assert result.exit_code == 0, result.output
+    scores = [float(line.split("\t")[1]) for line in (applied / "probe.tsv").read_text().splitlines()[1:]]
+    assert len(scores) == report["variants"] and np.isfinite(scores).all()
+
+    other = CliRunner().invoke(app, ["probe", "--vcf", str(vcf), "--fasta", str(fa), "--model", "preset:tiny",
+                                     "--apply", str(fitted / "probe.json"), "--out", str(tmp_path / "x")])
+    assert other.exit_code == 1 and "fitted on another model's embeddings" in other.output
+    unlabelled = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "y")])
+    assert unlabelled.exit_code == 1 and "give --label" in unlabelled.output
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
