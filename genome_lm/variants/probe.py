@@ -39,9 +39,12 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from genome_lm.data.tokenizer import tokenize
+from genome_lm.engine import quiet_megatron_import
 from genome_lm.errors import GenomeLMError
 from genome_lm.eval.embeddings import parse_layers
+from genome_lm.progress import progress_bar
 
+from .metrics import auprc, auroc, bootstrap
 from .run import allele_windows, sites
 
 if TYPE_CHECKING:
@@ -255,14 +258,11 @@ def run_probe(req: ProbeRequest, *, progress: bool = True) -> dict:
     variant), ``probe.tsv`` (each variant's out-of-fold scores) and ``probe-report.json`` (AUROC
     and AUPRC with intervals: the probe on the model's features and position + consequence, the
     baseline on position + consequence alone, the --compare fields). Returns the report."""
-    from genome_lm.engine import quiet_megatron_import
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
     from genome_lm.eval.cache import weights_fingerprint
     from genome_lm.eval.models import load_model
     from genome_lm.eval.report import atomic_write
-    from genome_lm.progress import progress_bar
 
-    from .metrics import auprc, auroc, bootstrap
     from .report import compare_columns
     from .vcf import Reference, read_variants
 

@@ -45,3 +45,18 @@ def evaluated(demo_run, tmp_path_factory):
                                       "--out", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
     return out, json.loads((out / "eval.json").read_text()), result.output
+
+
+@pytest.fixture
+def model():
+    """The tiny preset, seeded, one process, the torch kernels: for the per-base tracks and
+    embeddings tests (a test module may define its own)."""
+    import torch
+
+    from genome_lm.engine.parallel import ParallelSizes, parallel_context
+    from genome_lm.model import get_preset
+    from genome_lm.model.model import build_model
+
+    with parallel_context() as pg:
+        torch.manual_seed(3)
+        yield build_model(get_preset("tiny"), pg, ParallelSizes(), kernel_backend="torch").eval()

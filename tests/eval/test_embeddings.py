@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from genome_lm.data.regions import Region
-from genome_lm.data.tokenizer import BASE_TOKENS, N
-from genome_lm.engine.parallel import ParallelSizes, parallel_context
+from genome_lm.engine.parallel import parallel_context
 from genome_lm.errors import GenomeLMError
 from genome_lm.eval.embeddings import (
     EmbeddingSpec,
@@ -21,22 +20,7 @@ from genome_lm.eval.embeddings import (
     read_embeddings,
 )
 from genome_lm.eval.tracks import score_segment, segments
-from genome_lm.model import get_preset
-from genome_lm.model.model import build_model
-
-
-@pytest.fixture
-def model():
-    with parallel_context() as pg:
-        torch.manual_seed(5)
-        yield build_model(get_preset("tiny"), pg, ParallelSizes(), kernel_backend="torch").eval()
-
-
-def _record(length=700, seed=0):
-    rng = np.random.default_rng(seed)
-    tokens = rng.choice(np.array(BASE_TOKENS), size=length).astype(np.uint8)
-    tokens[[7, 400]] = N
-    return tokens
+from tests.eval.test_tracks import _record
 
 
 @torch.no_grad()

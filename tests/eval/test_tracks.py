@@ -7,12 +7,10 @@ import pytest
 import torch
 
 from genome_lm.data.tokenizer import BASE_TOKENS, N
-from genome_lm.engine.parallel import ParallelSizes, parallel_context
+from genome_lm.engine.parallel import parallel_context
 from genome_lm.errors import GenomeLMError
 from genome_lm.eval.score import token_nll
 from genome_lm.eval.tracks import BigWigs, Segment, score_segment, segments
-from genome_lm.model import get_preset
-from genome_lm.model.model import build_model
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -37,13 +35,6 @@ def test_bad_tilings_are_one_line():
         segments(0, 10, window=8, context=0)
     with pytest.raises(GenomeLMError, match="empty or negative region"):
         segments(5, 5, window=8, context=2)
-
-
-@pytest.fixture
-def model():
-    with parallel_context() as pg:
-        torch.manual_seed(3)
-        yield build_model(get_preset("tiny"), pg, ParallelSizes(), kernel_backend="torch").eval()
 
 
 def _record(length=700, seed=0):
