@@ -196,9 +196,22 @@ def verify(folder: Path) -> dict:
             raise CheckpointCorrupt(f"{path}: missing")
         if path.stat().st_size != info["bytes"]:
             raise CheckpointCorrupt(f"{path}: {path.stat().st_size} bytes, expected {info['bytes']} (truncated?)")
-        if sha256_file(path) != info["sha256"]:
+        if _hashed(path) != info["sha256"]:
             raise CheckpointCorrupt(f"{path}: checksum mismatch (file altered or corrupt)")
     return meta
+
+
+_HASHES: dict[tuple, str] = {}  # (path, size, mtime_ns, inode) -> SHA-256: each file read once per process
+
+
+def _hashed(path: Path) -> str:
+    """``sha256_file(path)``, remembered for the file as it is (its size, modification time and
+    inode): a resume verifies the checkpoint it picks and then loads it, and reads each file once."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in _HASHES:
+        _HASHES[key] = sha256_file(path)
+    return _HASHES[key]
 
 
 def weight_layout(layout: dict) -> dict:

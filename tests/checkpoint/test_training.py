@@ -273,3 +273,26 @@ def test_a_resave_of_the_same_step_stopped_between_renames_keeps_the_old_copy(tm
     assert not (tmp_path / "checkpoints" / "step-000005.old").exists()
     assert {"meta.json", "model-r00000.safetensors", "state-r00000.json", "step-000005.partial",
             "checkpoints", f".{ckpt.LATEST}.tmp"} <= set(synced)
+
+
+def test_verify_reads_each_file_once_until_it_changes(tmp_path, monkeypatch):
+    """Resume verified a checkpoint and then verified it again at load, reading every file twice
+    (issue 54, defect 5, in part): a file is hashed once per process while its size, time and
+    inode stay; one changed after that is read again and caught."""
+    import genome_lm.checkpoint.training as ckpt
+
+    model, opt = _model_and_opt(0)
+    folder = save_checkpoint(tmp_path, 1, model, opt, {})
+    read = []
+    real = ckpt.sha256_file
+    monkeypatch.setattr(ckpt, "sha256_file", lambda p: read.append(p.name) or real(p))
+    verify(folder)
+    first = sorted(read)
+    verify(folder)
+    assert sorted(read) == first and len(first) == len(json.loads((folder / "meta.json").read_text())["files"])
+    weights = folder / "model-r00000.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match="checksum mismatch"):
+        verify(folder)
