@@ -97,14 +97,22 @@ class LayerTaps:
     per batch; used as a context manager, so the hooks go when it ends."""
 
     def __init__(self, model: GLM5Model, layers: tuple[str, ...]):
+        self.names = layers
         self.latest: dict[str, torch.Tensor] = {}
         self.handles = []
+        offset = getattr(model, "layer_offset", 0)
+        here = getattr(model, "global_layers", range(len(model.layers)))
         try:
-            for name in layers:
+            for name in layers:  # under pipeline parallel, those of this stage's layers only
                 if name == FINAL:
+                    if not getattr(model, "post_process", True):
+                        continue
                     module, reduce = model.final_norm, lambda out: out
                 else:
-                    module, reduce = model.layers[int(name.split("_")[1])], lambda out: out[0].mean(dim=2)
+                    index = int(name.split("_")[1])
+                    if index not in here:
+                        continue
+                    module, reduce = model.layers[index - offset], lambda out: out[0].mean(dim=2)
                 self.handles.append(module.register_forward_hook(self._keep(name, reduce)))
         except BaseException:
             self.close()

@@ -210,16 +210,14 @@ def _tp_stats(local: torch.Tensor, targets: torch.Tensor, columns: torch.Tensor,
 
 @torch.no_grad()
 def split_window_tracks(model, pg, ids: torch.Tensor, columns: torch.Tensor, taps=None):
-    """A window's per-position tracks for a model split inside its window group (tensor, context
-    and expert parallel; the window in one forward): ``ids`` [T] in the model's vocabulary ->
+    """A window's per-position tracks for a model split inside its window group (tensor, context,
+    expert and pipeline parallel; the window in one forward): ``ids`` [T] in the model's vocabulary ->
     (stats [T - 1, 6]: for each input but the last, the log-probability of the next token, the
     entropy and the A/C/G/T probabilities (``columns``), fp64; hidden {layer: [T, D]} from
     ``taps`` (``embeddings.LayerTaps``), all T inputs fed), the same on every rank of the group."""
     from genome_lm.model.layer import gather_positions
 
-    if pg.pp.size() > 1:
-        raise ValueError("split_window_tracks: pipeline parallel is not supported")
-    cp, tp = pg.cp.size(), pg.tp.size()
+    cp, tp, pp = pg.cp.size(), pg.tp.size(), pg.pp.size()
     T = ids.shape[0]
     inputs = ids[None] if taps is not None else ids[None, :-1]
     targets = torch.nn.functional.pad(ids[1:], (0, inputs.shape[1] - (T - 1)), value=0)[None]
@@ -231,18 +229,35 @@ def split_window_tracks(model, pg, ids: torch.Tensor, columns: torch.Tensor, tap
         pad_id = model.cfg.pad_token_id or 0
         inputs = zigzag_split(torch.nn.functional.pad(inputs, (0, pad), value=pad_id), cp, pg.cp.rank())
         targets = zigzag_split(torch.nn.functional.pad(targets, (0, pad), value=pad_id), cp, pg.cp.rank())
-    h = model.hidden(inputs)[0]  # [S, 1, D]
+    h = _last_stage_hidden(model, pg, inputs)  # [S, 1, D]; None on a pipeline stage before the last
     hidden = {}
     if taps is not None:
         for name, value in taps.take().items():  # [S or S / tp under sequence parallel, D]
             if model.sequence_parallel and tp > 1 and value.shape[0] != inputs.shape[1]:
                 value = gather_positions(value[:, None], inputs.shape[1], pg.tp)[:, 0]
             hidden[name] = value
-    parts = []
-    for s0 in range(0, h.shape[0], HEAD_CHUNK):
-        local = model.output_layer(h[s0:s0 + HEAD_CHUNK])[0][:, 0].double()  # [c, V / tp]
-        parts.append(_tp_stats(local, targets[0, s0:s0 + HEAD_CHUNK], columns, pg.tp))
-    stats = torch.cat(parts)
+    S = inputs.shape[1]
+    if h is not None:
+        parts = []
+        for s0 in range(0, h.shape[0], HEAD_CHUNK):
+            local = model.output_layer(h[s0:s0 + HEAD_CHUNK])[0][:, 0].double()  # [c, V / tp]
+            parts.append(_tp_stats(local, targets[0, s0:s0 + HEAD_CHUNK], columns, pg.tp))
+        stats = torch.cat(parts)
+    else:
+        stats = torch.empty(S, 2 + columns.numel(), dtype=torch.float64)
+    if pp > 1:  # the last stage's tracks, and each layer's embeddings from the stage that holds it
+        dist.broadcast(stats, src=dist.get_global_rank(pg.pp, pp - 1), group=pg.pp)
+        if taps is not None:
+            ranges = [None] * pp
+            dist.all_gather_object(ranges, (model.layer_offset, len(model.layers)), group=pg.pp)
+            for name in taps.names:
+                owner = pp - 1 if name == "final" else next(
+                    s for s, (first, n) in enumerate(ranges) if first <= int(name.split("_")[1]) < first + n)
+                value = hidden.get(name)
+                if value is None:
+                    value = torch.empty(S, model.cfg.hidden_size, dtype=torch.float32)
+                dist.broadcast(value.contiguous(), src=dist.get_global_rank(pg.pp, owner), group=pg.pp)
+                hidden[name] = value
     if cp > 1:
         from genome_lm.engine.context_parallel import zigzag_merge
 

@@ -271,7 +271,8 @@ def score_fasta(req: ScoreRequest, *, progress: bool = True) -> dict | None:
     Over many ranks (torchrun; every rank calls this, ``req.layout`` splitting the model as eval's
     ``--set parallel.*`` does) the segments are shared out like eval's windows
     (``parallel.window_groups``): a group of one rank scores its segment through chunked prefill,
-    a split group (tensor, context, expert parallel) in one forward (``parallel.split_window_tracks``).
+    a split group (tensor, context, expert, pipeline parallel) in one forward
+    (``parallel.split_window_tracks``).
     Each group's lead writes its segment's part and embedding chunks itself (disjoint files: OUT must
     be on a filesystem every rank sees); rank 0 prepares the folder, assembles the outputs and
     returns the summary, the other ranks return None."""
@@ -293,9 +294,6 @@ def score_fasta(req: ScoreRequest, *, progress: bool = True) -> dict | None:
         raise GenomeLMError(f"--embedding-dtype {req.embedding_dtype}: expected float16 or float32")
     check_pool(pool, req.window - req.context)
     sizes = ParallelSizes(**req.layout) if req.layout else ParallelSizes()
-    if sizes.pp > 1:
-        raise GenomeLMError("score splits the model by tensor, context and expert parallel (and shares segments "
-                            "over data parallel); not by pipeline parallel: leave parallel.pp at 1")
     with parallel_context(sizes, host_heap=eval_heap(sizes)) as pg:
         rank = dist.get_rank()
         loaded = load_model(req.model, pg, sizes=sizes)

@@ -1,6 +1,7 @@
-"""`genome-lm score` over two ranks (torchrun, gloo): tensor (with and without sequence parallel),
-context, expert and data parallel give the one-process tracks and embeddings (1e-5 relative), every
-base once and in order; rank 0 alone writes the outputs."""
+"""`genome-lm score` over two ranks (torchrun, gloo): tensor (with sequence parallel), context,
+expert, pipeline (layer 1 on the first stage, the final norm on the second) and data parallel give
+the one-process tracks and embeddings (1e-5 relative), every base once and in order; rank 0 alone
+writes the outputs."""
 
 import os
 import subprocess
@@ -47,8 +48,8 @@ def _torchrun(genome, out, sets: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2, "sequence_parallel": True}, {"cp": 2}, {"ep": 2}, {}],
-                         ids=["tp2-sp", "cp2", "ep2", "dp2"])  # (TP 2 without SP: the same head, measured to pass)
+@pytest.mark.parametrize("layout", [{"tp": 2, "sequence_parallel": True}, {"cp": 2}, {"ep": 2}, {"pp": 2}, {}],
+                         ids=["tp2-sp", "cp2", "ep2", "pp2", "dp2"])  # (TP 2 without SP: the same head, measured)
 def test_two_ranks_give_the_one_process_tracks_and_embeddings(genome, one_process, tmp_path, layout):
     import pyarrow.parquet as pq
 
@@ -72,14 +73,3 @@ def test_two_ranks_give_the_one_process_tracks_and_embeddings(genome, one_proces
             assert attrs_1 == attrs_2 and np.array_equal(start_1, start_2)
             np.testing.assert_allclose(rows_2, rows_1, rtol=0, atol=1e-5 * np.abs(rows_1).max(), err_msg=layer)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in one_process.iterdir())
-
-
-def test_pipeline_parallel_is_one_line(genome, tmp_path):
-    from genome_lm.errors import GenomeLMError
-    from genome_lm.eval.tracks import ScoreRequest, score_fasta
-
-    req = ScoreRequest(model="builtin:tiny-long", fasta=genome, regions=("chrA",), out=tmp_path / "pp",
-                       layout={"tp": 1, "cp": 1, "ep": 1, "etp": 1, "pp": 2, "sequence_parallel": False})
-    with pytest.raises(GenomeLMError, match="not by pipeline parallel"):
-        score_fasta(req, progress=False)
-    assert not (tmp_path / "pp").exists() and not (tmp_path / "pp.partial").exists()
