@@ -46,7 +46,7 @@ def score_command(
     embedding_dtype: Annotated[str, typer.Option(help="With --embeddings: float16 or float32.")] = "float16",
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Over many ranks (torchrun --nproc-per-node N "
                                                                     "-m genome_lm score ...): the model's split, "
-                                                                    "parallel.tp / cp / ep / etp / "
+                                                                    "parallel.tp / cp / ep / etp / pp / "
                                                                     "sequence_parallel = value, as for eval; the "
                                                                     "ranks left over share the segments.",
                                                      show_default=False)] = None,
@@ -62,7 +62,7 @@ def score_command(
     context it was scored with, and with --probs the A/C/G/T probabilities; as bigWig (one file per
     track, for genome browsers and pyBigWig) and one Parquet table; with --embeddings also the
     chosen layers' hidden states, per base or pooled, as Zarr. Over many ranks under torchrun
-    (tensor, context, expert and data parallel; rank 0 assembles the outputs); OUT must then be on
+    (tensor, context, expert, pipeline and data parallel; rank 0 assembles the outputs); OUT must then be on
     a filesystem every rank sees."""
     from genome_lm.eval.tracks import ScoreRequest, score_fasta
 
