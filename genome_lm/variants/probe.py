@@ -41,11 +41,13 @@ from sklearn.preprocessing import StandardScaler
 from genome_lm.data.tokenizer import tokenize
 from genome_lm.engine import quiet_megatron_import
 from genome_lm.errors import GenomeLMError
+from genome_lm.eval.baselines import fit_markov_on
 from genome_lm.eval.embeddings import parse_layers
 from genome_lm.progress import progress_bar
+from genome_lm.units import size_label
 
 from .metrics import auprc, auroc, bootstrap
-from .run import allele_windows, sites
+from .run import allele_windows, reference_sequences, score_markov, sites
 
 if TYPE_CHECKING:
     from genome_lm.eval.models import LoadedModel
@@ -63,8 +65,10 @@ class ProbeSpec:
 
 @torch.no_grad()
 def variant_features(lm: LoadedModel, variants, fasta, spec: ProbeSpec, *, chunk: int | None = None,
-                     on_variant=None) -> np.ndarray:
-    """[n variants, len(contexts) x len(layers) x 3 x hidden_size] float32 (module docstring)."""
+                     on_variant=None, zero_shot: dict | None = None) -> np.ndarray:
+    """[n variants, len(contexts) x len(layers) x 3 x hidden_size] float32 (module docstring).
+    ``zero_shot`` (a dict) receives, per context, each variant's zero-shot log-likelihood ratio
+    from the same forwards: sum log p(alt + right) - sum log p(ref + right), nats."""
     from genome_lm.eval.embeddings import LayerTaps
     from genome_lm.eval.score import _model_ids
     from genome_lm.model.prefill import Prefill
@@ -74,6 +78,7 @@ def variant_features(lm: LoadedModel, variants, fasta, spec: ProbeSpec, *, chunk
     with LayerTaps(model, spec.layers) as taps:
         for L in spec.contexts:
             feats = np.full((len(variants), len(spec.layers), 3, width), np.nan, dtype=np.float32)
+            ratio = np.full(len(variants), np.nan)
             for site in sites(variants, "+"):
                 windows = {i: allele_windows(variants[i], fasta, L, spec.right, "+") for i in site.members}
                 prefix = tokenize(windows[site.members[0]][0])
@@ -82,20 +87,27 @@ def variant_features(lm: LoadedModel, variants, fasta, spec: ProbeSpec, *, chunk
                 ids = _model_ids(model, prefix, lm.token_map, None)[None]
                 step = chunk or ids.shape[1]
                 for start in range(0, ids.shape[1], step):
-                    prefill(ids[:, start:start + step])
+                    last = prefill(ids[:, start:start + step])[0, -1]  # predicts each allele's first token
                 taps.take()
                 means: dict[bytes, np.ndarray] = {}
+                logp: dict[bytes, float] = {}
                 for i, (_, ref, alt) in windows.items():
                     for k, allele in enumerate((ref, alt)):
                         if allele not in means:
-                            prefill.fork(1)(_model_ids(model, tokenize(allele), lm.token_map, None)[None])
+                            cont = _model_ids(model, tokenize(allele), lm.token_map, None)
+                            logits = prefill.fork(1)(cont[None])[0]  # [n, V]
                             hidden = taps.take()
                             means[allele] = np.stack([hidden[name].mean(0).cpu().numpy() for name in spec.layers])
+                            preds = torch.cat([last[None], logits[:-1]]).float().log_softmax(-1)
+                            logp[allele] = float(preds.gather(1, cont[:, None]).double().sum())
                         feats[i, :, k] = means[allele]
                     feats[i, :, 2] = feats[i, :, 1] - feats[i, :, 0]
+                    ratio[i] = logp[alt] - logp[ref]
                     if on_variant is not None:
                         on_variant(1)
             blocks.append(feats.reshape(len(variants), -1))
+            if zero_shot is not None:
+                zero_shot[L] = ratio
     return np.concatenate(blocks, axis=1)
 
 
@@ -257,7 +269,9 @@ def run_probe(req: ProbeRequest, *, progress: bool = True) -> dict:
     score them with a saved one) into ``req.out``: ``probe.json`` (the probe fitted on every
     variant), ``probe.tsv`` (each variant's out-of-fold scores) and ``probe-report.json`` (AUROC
     and AUPRC with intervals: the probe on the model's features and position + consequence, the
-    baseline on position + consequence alone, the --compare fields). Returns the report."""
+    baseline on position + consequence alone, the model's zero-shot log-likelihood ratio over the
+    allele and ``right`` bases at each context, the Markov chain's, the --compare fields).
+    Returns the report."""
     from genome_lm.engine.parallel import ParallelSizes, parallel_context
     from genome_lm.eval.cache import weights_fingerprint
     from genome_lm.eval.models import load_model
@@ -285,9 +299,13 @@ def run_probe(req: ProbeRequest, *, progress: bool = True) -> dict:
                                 f"{saved.model_fingerprint[:12]}, {req.model}'s {fingerprint[:12]})")
         layers = tuple(saved.layers) if saved else parse_layers(req.layers, lm.model.cfg.num_hidden_layers)
         spec = ProbeSpec(layers, contexts, right)
+        zero_shot: dict[int, np.ndarray] = {}
         with progress_bar(quiet=not progress) as bar:
             task = bar.add_task("probe features", total=len(variants) * len(spec.contexts), unit="variants")
-            X = variant_features(lm, variants, fasta, spec, chunk=req.chunk, on_variant=lambda n: bar.advance(task, n))
+            X = variant_features(lm, variants, fasta, spec, chunk=req.chunk, on_variant=lambda n: bar.advance(task, n),
+                                 zero_shot=zero_shot)
+        markov = fit_markov_on(reference_sequences(fasta, sorted({v.contig for v in variants})))
+        markov_ratio = score_markov(markov, variants, fasta, right=spec.right)[0]
     consequences = [v.info.get("CONSEQUENCE") for v in variants]
     classes = saved.classes if saved else consequence_classes(consequences)
     base = baseline_features(variants, consequences, classes)
@@ -304,7 +322,10 @@ def run_probe(req: ProbeRequest, *, progress: bool = True) -> dict:
         cv = {name: cross_validate(data, labels, contigs, starts, block=req.block, k=req.folds, seed=req.seed)
               for name, data in (("probe", full), ("position + consequence", base))}
         rows.update({name: r.scores for name, r in cv.items()}, label=labels, fold=cv["probe"].folds)
-        columns = {**{name: r.scores for name, r in cv.items()}, **compare}
+        unsupervised = {f"zero-shot at {size_label(L)}": -r for L, r in zero_shot.items()}  # higher = damaging
+        unsupervised["markov"] = -markov_ratio
+        rows.update(unsupervised)
+        columns = {**{name: r.scores for name, r in cv.items()}, **unsupervised, **compare}
         metrics = {}
         for name, values in columns.items():
             keep = ~np.isnan(values)

@@ -96,6 +96,7 @@ def test_features_are_the_models_own_forward_over_each_allele(tmp_path):
     from genome_lm.model import get_preset
     from genome_lm.model.model import build_model
     from genome_lm.variants.run import allele_windows
+    from genome_lm.variants.score import continuation_logprobs
     from genome_lm.variants.vcf import Reference, read_variants
     from tests.eval.test_embeddings import reference
 
@@ -121,7 +122,8 @@ def test_features_are_the_models_own_forward_over_each_allele(tmp_path):
         torch.manual_seed(3)
         model = build_model(get_preset("tiny"), pg, ParallelSizes(), kernel_backend="torch").eval()
         lm = LoadedModel(model, ModelInfo(kind="preset", path="preset:tiny"))
-        X = variant_features(lm, variants, Reference(fa), spec, chunk=64)
+        zero_shot = {}
+        X = variant_features(lm, variants, Reference(fa), spec, chunk=64, zero_shot=zero_shot)
         D = model.cfg.hidden_size
         assert X.shape == (len(variants), 2 * 2 * 3 * D) and np.isfinite(X).all()
         with Reference(fa) as fasta:
@@ -135,11 +137,15 @@ def test_features_are_the_models_own_forward_over_each_allele(tmp_path):
                             want = reference(model, window, layer)[len(prefix):].mean(0)
                             np.testing.assert_allclose(got[k], want, rtol=0, atol=1e-5 * np.abs(want).max())
                         np.testing.assert_allclose(got[2], got[1] - got[0], rtol=1e-6, atol=1e-7)
+                    # the zero-shot ratio from the same forwards: variants.score's shared-prefix scoring
+                    lp_ref, lp_alt = continuation_logprobs(model, tokenize(prefix), [tokenize(ref), tokenize(alt)])
+                    assert zero_shot[L][i] == pytest.approx(lp_alt.sum() - lp_ref.sum(), rel=1e-5, abs=1e-5)
 
 
 def test_probe_command_fits_applies_and_refuses(tmp_path):
     """``genome-lm probe`` on a small labelled VCF: every output written, a row per variant with
-    its fold, AUROC and AUPRC for the probe, the baseline and a --compare field; --apply with the
+    its fold, AUROC and AUPRC for the probe, the baseline, the zero-shot ratio, the Markov chain
+    and a --compare field; --apply with the
     same model scores the VCF with the saved probe; with another model, or without labels and a
     probe, one line and exit 1."""
     import json
@@ -158,9 +164,10 @@ def test_probe_command_fits_applies_and_refuses(tmp_path):
                                 env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     report = json.loads((fitted / "probe-report.json").read_text())
-    assert set(report["metrics"]) == {"probe", "position + consequence", "SCORE"}
+    assert set(report["metrics"]) == {"probe", "position + consequence", "zero-shot at 128", "markov", "SCORE"}
     rows = (fitted / "probe.tsv").read_text().splitlines()
-    assert rows[0].split("\t") == ["variant", "probe", "position + consequence", "label", "fold"]
+    assert rows[0].split("\t") == ["variant", "probe", "position + consequence", "label", "fold", "zero-shot at 128",
+                                   "markov"]
     assert len(rows) == 1 + report["variants"] and "probe: AUROC" in result.output
     probe = Probe.load(fitted / "probe.json")
     assert probe.layers == ["layer_0", "final"] and probe.contexts == [128] and probe.right == 16
