@@ -314,7 +314,7 @@ def score_fasta(req: ScoreRequest, *, progress: bool = True) -> dict | None:
             dist.broadcast_object_list(shared, src=0)
         if isinstance(shared[0], GenomeLMError):
             raise shared[0]
-        job.regions, job.plan, missing = shared[0]
+        job.regions, job.plan, missing, job.handle = shared[0]
         try:
             job.score(pg, missing, progress and rank == 0)
         except BaseException:
@@ -344,24 +344,23 @@ class _Job:
         self.tracks = tuple(t for t in TRACKS if req.probs or not t.startswith("p_"))
         self.regions: list[Region] = []
         self.plan: list = []
+        self.handle = None  # data.fasta.FastaHandle: how every rank reads the FASTA that rank 0 validated
+        self.chrom_sizes: dict[str, int] = {}  # rank 0, for the bigWig headers
 
-    def _source(self):
-        from genome_lm.data.fasta import open_fasta
+    def prepare(self) -> tuple:
+        """Rank 0: the folder, the regions, the plan of segments, the indices of those to score and
+        the FASTA's handle (the file validated and indexed once, here; the other ranks only read it)."""
+        from genome_lm.data.fasta import open_fasta, quick_identity
         from genome_lm.data.prepare import default_cache_dir
-
-        return open_fasta(Path(self.req.fasta), self.partial / ".work", default_cache_dir())
-
-    def prepare(self) -> tuple[list[Region], list, list[int]]:
-        """Rank 0: the folder, the regions, the plan of segments and the indices of those to score."""
-        from genome_lm.data.fasta import quick_identity
 
         from .cache import weights_fingerprint
 
         req, model = self.req, self.loaded.model
         self.parts.mkdir(parents=True, exist_ok=True)
         try:
-            source = self._source()
+            source = open_fasta(Path(req.fasta), self.partial / ".work", default_cache_dir())
             regions = _regions_in_order(req, source)
+            self.chrom_sizes = {r.name: source.length(r.name) for r in regions}
             spec = self.spec
             identity = {"model": str(req.model), "weights": weights_fingerprint(model),
                         "fasta": quick_identity(Path(req.fasta)), "regions": [str(r) for r in regions],
@@ -377,7 +376,7 @@ class _Job:
         plan = [(i, j, region, seg) for i, region in enumerate(regions)
                 for j, seg in enumerate(segments(region.start, region.end, window=req.window, context=req.context))]
         missing = [k for k, (i, j, _, _) in enumerate(plan) if not self._part(i, j).exists()]
-        return regions, plan, missing
+        return regions, plan, missing, source.handle
 
     def _part(self, i: int, j: int) -> Path:
         return self.parts / f"{i:05d}-{j:07d}.npz"
@@ -396,23 +395,23 @@ class _Job:
         from .parallel import split_model, window_groups
 
         req, model, spec = self.req, self.loaded.model, self.spec
-        source = self._source()
-        fasta = source.handle.open()
+        fasta = self.handle.open()
         store = None
         if spec is not None:
             store = EmbeddingStore(self.partial / "embeddings.zarr", self.regions, spec, model.cfg.hidden_size,
                                    req.window - req.context)
         group, groups, lead = window_groups(pg, self.sizes) if self.many else (0, 1, True)
         split = split_model(self.sizes)
-        done = sum(self.plan[k][3].end - self.plan[k][3].start for k in range(len(self.plan))) - \
-            sum(self.plan[k][3].end - self.plan[k][3].start for k in missing)
+        def bases(ks) -> int:  # the bases the plan's segments ``ks`` score
+            return sum(self.plan[k][3].end - self.plan[k][3].start for k in ks)
+
         with progress_bar(quiet=not progress) as bar, LayerTaps(model, spec.layers if spec else ()) as taps:
-            task = bar.add_task("score", total=sum(r.end - r.start for r in self.regions), unit="bp")
-            bar.advance(task, done)
+            task = bar.add_task("score", total=bases(range(len(self.plan))), unit="bp")
+            bar.advance(task, bases(range(len(self.plan))) - bases(missing))  # scored by an earlier run
             for first in range(0, len(missing), groups):
                 if first + group < len(missing):
                     i, j, region, seg = self.plan[missing[first + group]]
-                    text = fetch_bytes(fasta, source.handle, region.name, seg.window_start, seg.end)
+                    text = fetch_bytes(fasta, self.handle, region.name, seg.window_start, seg.end)
                     local = Segment(0, seg.start - seg.window_start, seg.end - seg.window_start)
                     rows = store.segment(i, seg.start) if store is not None and lead else None
                     if split:
@@ -426,8 +425,7 @@ class _Job:
                         _save_part(self._part(i, j), part, seg.window_start, ref)
                 if self.many:
                     dist.barrier()  # this round's parts are on disk before rank 0 counts them
-                bar.advance(task, sum(self.plan[k][3].end - self.plan[k][3].start
-                                      for k in missing[first:first + groups]))
+                bar.advance(task, bases(missing[first:first + groups]))
 
     def finish(self) -> dict:
         """Rank 0: the outputs from the parts, and score.json."""
@@ -436,11 +434,7 @@ class _Job:
         if lacking:
             raise GenomeLMError(f"{self.parts}: {len(lacking)} segments' parts missing after scoring (first "
                                 f"{lacking[0]}): OUT must be on a filesystem every rank writes to")
-        chrom_sizes = {}
-        source = self._source()
-        for r in self.regions:
-            chrom_sizes.setdefault(r.name, source.length(r.name))
-        scored = _assemble(self.partial, self.parts, self.plan, self.tracks, chrom_sizes)
+        scored = _assemble(self.partial, self.parts, self.plan, self.tracks, self.chrom_sizes)
         shutil.rmtree(self.partial / ".work", ignore_errors=True)
         summary = {"schema": "genome-lm.score/1", "model": str(req.model), "model_info": vars(self.loaded.info),
                    "fasta": str(req.fasta), "regions": [str(r) for r in self.regions], "window": req.window,
