@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
@@ -119,10 +118,12 @@ def generate_command(
         made = _run(model, found, sampling, chunk_tokens, batch, quiet)
     _write_fasta(out, made, sampling, model)
     if logprobs is not None:
+        from genome_lm.eval.report import atomic_write  # (imports torch: not at --help)
+
         rows = ["name\tposition\tbase\tlogprob"] + [f"{g.name}\t{g.prompt_length + k + 1}\t{base}\t{lp:.6f}"
                                                    for g in made for k, (base, lp) in enumerate(zip(g.sequence,
                                                                                                     g.logprob))]
-        _atomic_text(logprobs, "\n".join(rows) + "\n")
+        atomic_write(Path(logprobs), ("\n".join(rows) + "\n").encode())
     console.print(f"wrote {sum(len(g.sequence) for g in made):,} bases after {len(made)} prompt"
                   f"{'s' if len(made) > 1 else ''} to {out} ({sampling.words()})", highlight=False, soft_wrap=True)
 
@@ -140,15 +141,10 @@ def _run(model: str, found: list, sampling, chunk: int, batch: int, quiet: bool)
 
 
 def _write_fasta(out: Path, made: list, sampling, model: str) -> None:
+    from genome_lm.eval.report import atomic_write  # (imports torch: not at --help)
+
     lines = []
     for g in made:
         lines.append(f">{g.name}+generated prompt_length={g.prompt_length} {sampling.words()} model={model}")
         lines += [g.sequence[i:i + 60] for i in range(0, len(g.sequence), 60)]
-    _atomic_text(out, "\n".join(lines) + "\n")
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write(Path(out), ("\n".join(lines) + "\n").encode())
