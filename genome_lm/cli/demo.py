@@ -271,14 +271,16 @@ def print_pair(pair, out=None) -> None:
               f"repeats {fmt_delta_ci(g.softmasked)})", highlight=False)
     for key, bases in (("all", "all bases"), ("far", f"bases with {pair.far:,}+ of context")):
         if key in pair.kept:
-            out.print(f"  {bases}: {share_text(pair.kept[key], pair.against, pair.name)}", highlight=False)
+            out.print(f"  {bases}:", highlight=False)
+            for line in share_lines(pair.kept[key], pair.against, pair.name):  # short: 80 columns piped
+                out.print(f"    {line}", highlight=False, soft_wrap=True)
 
 
-def share_text(share, first: str, other: str) -> str:
+def share_lines(share, first: str, other: str) -> list[str]:
     """A ``folds.Share`` in words: what share of ``first``'s loss drop from the start ``other`` keeps."""
-    drop = f"{first} lowers the loss from the start by {share.first_drop:+.4f} nats/base " \
-           f"[{share.first_drop_ci[0]:+.4f}, {share.first_drop_ci[1]:+.4f}], {other} by {share.other_drop:+.4f}"
+    lines = [f"{first} lowers the loss from the start by {share.first_drop:+.4f} nats/base "
+             f"[{share.first_drop_ci[0]:+.4f}, {share.first_drop_ci[1]:+.4f}],", f"{other} by {share.other_drop:+.4f}"]
     if share.share is None:
-        return f"{drop}; {first}'s drop is not above zero, so no share of it is taken"
+        return [*lines[:1], f"{lines[1]}; {first}'s drop is not above zero, so no share of it is taken"]
     lo, hi = share.ci
-    return f"{drop}: {other} keeps {share.share:.0%} of {first}'s drop [{lo:.0%}, {hi:.0%}]"
+    return [*lines[:1], f"{lines[1]}: {other} keeps {share.share:.0%} of {first}'s drop [{lo:.0%}, {hi:.0%}]"]

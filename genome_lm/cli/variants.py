@@ -160,5 +160,6 @@ def probe_command(
                   + ("" if apply else ", probe.json"), highlight=False, soft_wrap=True)
     for name, m in report.get("metrics", {}).items():
         a, p = m["auroc"], m["auprc"]
-        console.print(f"  {name}: AUROC {a['value']:.3f} [{a['lo']:.3f}, {a['hi']:.3f}], AUPRC {p['value']:.3f} "
-                      f"[{p['lo']:.3f}, {p['hi']:.3f}] (n={m['n']:,})", highlight=False, soft_wrap=True)
+        for line in (f"  {name} (n={m['n']:,}):", f"    AUROC {a['value']:.3f} [{a['lo']:.3f}, {a['hi']:.3f}], "
+                     f"AUPRC {p['value']:.3f} [{p['lo']:.3f}, {p['hi']:.3f}]"):  # 80 columns piped
+            console.print(line, highlight=False, soft_wrap=True)

@@ -168,7 +168,8 @@ def test_probe_command_fits_applies_and_refuses(tmp_path):
     rows = (fitted / "probe.tsv").read_text().splitlines()
     assert rows[0].split("\t") == ["variant", "probe", "position + consequence", "label", "fold", "zero-shot at 128",
                                    "markov"]
-    assert len(rows) == 1 + report["variants"] and "probe: AUROC" in result.output
+    assert len(rows) == 1 + report["variants"] and "  probe (n=" in result.output and "    AUROC " in result.output
+    assert all(len(line) <= 80 for line in result.output.splitlines() if str(tmp_path) not in line), result.output
     probe = Probe.load(fitted / "probe.json")
     assert probe.layers == ["layer_0", "final"] and probe.contexts == [128] and probe.right == 16
 
